@@ -1,0 +1,32 @@
+"""unsloth: hardware-aware installer, environment manager and fast LoRA/QLoRA trainer.
+
+Importing the package is cheap (no torch): the CLI for detect/doctor/install must answer in about a
+second. The trainer API that users' notebooks import (``from unsloth import FastLanguageModel``)
+is loaded lazily on first attribute access.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+# name -> module that defines it; resolved on first access (PEP 562).
+_LAZY = {
+    "FastLanguageModel": "unsloth.models.fast",
+    "FastModel": "unsloth.models.fast",
+    "is_bfloat16_supported": "unsloth.models.fast",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'unsloth' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

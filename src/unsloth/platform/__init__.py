@@ -1,0 +1,1 @@
+"""Platform detection: probes (effects) -> parsers (pure) -> detect (merge into Platform)."""

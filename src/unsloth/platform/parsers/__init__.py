@@ -1,0 +1,1 @@
+"""One parser per tool: raw text -> facts. Pure; garbage yields unknown, never raises."""
