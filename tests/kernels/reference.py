@@ -1,0 +1,122 @@
+"""Float64 PyTorch references for the Triton kernels, and the tolerance rule the tests share.
+
+Every reference takes the *same* low-precision inputs the kernel got, upcasts them to float64 and
+computes the exact math, so the only error left in a comparison is the kernel's own rounding.
+
+Tolerance rule (`tolerance`): a kernel that computes in fp32 and stores in `dtype` makes
+- a few roundings to `dtype` (inputs it re-rounds, like Llama's cast of the normalised row, and the
+  final store): each at most the unit roundoff u(dtype) relative;
+- fp32 accumulation error in its reductions: about sqrt(n) * u(fp32) for n terms summed in blocks
+  (random-sign rounding errors add like a random walk; the worst-case bound n * u is never
+  approached by blocked/tree sums).
+So |actual - expected| <= tol * (|expected| + rms(expected)) with
+    tol = ROUNDINGS * u(dtype) + sqrt(n_reduce) * u(fp32) * REDUCTION_SLACK.
+The rms(expected) term is the absolute floor: gradients like RMSNorm's dx are differences of
+terms of the row's scale, so an element that cancels to ~0 still carries an error of u times the
+row's scale, not of its own size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Unit roundoff (half an ulp at 1.0) of each storage dtype: 2^-(significand bits).
+UNIT_ROUNDOFF = {
+    torch.bfloat16: 2.0**-8,   # 8 significand bits (7 stored + implicit)
+    torch.float16: 2.0**-11,   # 11 significand bits
+    torch.float32: 2.0**-24,   # 24 significand bits
+    torch.float64: 2.0**-53,
+}
+
+# A kernel's result goes through at most ~4 roundings to the storage dtype (e.g. RMSNorm Llama
+# mode: normalised row -> dtype, times weight -> dtype; the incoming gradient and saved inputs
+# were already rounded once each).
+ROUNDINGS = 4
+# Blocked fp32 sums stay within a few sqrt(n) u; 4 covers the tails over many elements.
+REDUCTION_SLACK = 4
+
+
+def tolerance(dtype: torch.dtype, n_reduce: int = 1) -> float:
+    """Relative tolerance for a result stored in `dtype` that summed `n_reduce` terms in fp32."""
+    return ROUNDINGS * UNIT_ROUNDOFF[dtype] + REDUCTION_SLACK * math.sqrt(max(n_reduce, 1)) * UNIT_ROUNDOFF[torch.float32]
+
+
+def assert_close_dtype(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, *,
+                       n_reduce: int = 1, name: str = "tensor", factor: float = 1.0) -> None:
+    """Assert `actual` (a kernel's output in `dtype`) matches the float64 `expected`.
+
+    The bound is tol * (|expected| + rms(expected)), with tol from `tolerance` (see module doc);
+    `factor` widens it for a result that chains several rounded steps (say why at the call site).
+    """
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a = actual.detach().to(torch.float64).cpu()
+    e = expected.detach().to(torch.float64).cpu()
+    assert torch.isfinite(a).all(), f"{name}: non-finite values in the kernel output"
+    tol = factor * tolerance(dtype, n_reduce)
+    scale = e.pow(2).mean().sqrt().item() if e.numel() else 0.0
+    bound = tol * (e.abs() + scale)
+    err = (a - e).abs()
+    bad = err > bound
+    if bad.any():
+        i = int(torch.argmax((err - bound).flatten()))
+        raise AssertionError(
+            f"{name} ({dtype}): {int(bad.sum())}/{e.numel()} elements off; worst at flat index {i}: "
+            f"actual {a.flatten()[i].item():.6g}, expected {e.flatten()[i].item():.6g}, "
+            f"error {err.flatten()[i].item():.3g} > bound {bound.flatten()[i].item():.3g} (tol {tol:.3g}, rms {scale:.3g})"
+        )
+
+
+def f64(*tensors: torch.Tensor):
+    """Detached float64 copies that require grad, for computing reference gradients."""
+    out = tuple(None if t is None else t.detach().to(torch.float64).requires_grad_(True) for t in tensors)
+    return out if len(out) > 1 else out[0]
+
+
+# --- references (float64 math; casting to the storage dtype is modelled only where the
+# kernel's contract is to reproduce it, e.g. Llama's cast of the normalised row) --------------
+
+def rms_norm_ref(x, weight, eps=1e-6, offset=0.0, residual=None):
+    """y = x / sqrt(mean(x^2) + eps) * (offset + weight); with residual, normalises x + residual."""
+    if residual is not None:
+        x = x + residual
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight)
+    return (y, x) if residual is not None else y
+
+
+def layer_norm_ref(x, weight, bias, eps=1e-5):
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+def rotate_half(t):
+    t1, t2 = t.chunk(2, dim=-1)
+    return torch.cat((-t2, t1), dim=-1)
+
+
+def rope_ref(q, k, cos, sin, position_ids=None):
+    """HF's apply_rotary_pos_emb on the first cos.shape[-1] dims; the rest pass through.
+
+    cos/sin: (batch, seq, rot) or (seq, rot); with position_ids (batch, seq) they are a table
+    (positions, rot) indexed by position.
+    """
+    if position_ids is not None:
+        cos, sin = cos[position_ids], sin[position_ids]
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos[:, None], sin[:, None]
+    rot = cos.shape[-1]
+
+    def apply(t):
+        tr, tp = t[..., :rot], t[..., rot:]
+        return torch.cat((tr * cos + rotate_half(tr) * sin, tp), dim=-1)
+
+    return apply(q), apply(k)
+
+
+def swiglu_ref(gate, up):
+    return torch.nn.functional.silu(gate) * up
+
+
+def geglu_ref(gate, up, approximate="none"):
+    return torch.nn.functional.gelu(gate, approximate=approximate) * up
