@@ -1,0 +1,83 @@
+"""Where managed environments live and which one is active. Reads only; never writes.
+
+Layout under the install home (``UNSLOTH_HOME``, default: the platformdirs user data dir)::
+
+    envs/<name>/            one virtual environment per build, never moved after creation
+    envs/<name>/receipt.json   written last: an env without it is unfinished
+    envs/<name>/logs/       the full output of every install step
+    current, previous       one line each: the name of an env under envs/
+    bootstrap/              the small env install.sh creates to run the first `unsloth install`
+    install.lock            held while anything changes the environments
+
+The pointer files are plain text so that the launcher (sh or cmd) can read them and so that a
+switch is one atomic rename on every OS.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import platformdirs
+
+RECEIPT_NAME = "receipt.json"
+CURRENT = "current"
+PREVIOUS = "previous"
+LOCK_NAME = "install.lock"
+
+
+def is_windows() -> bool:
+    return sys.platform == "win32"
+
+
+def home() -> Path:
+    """The install home: ``UNSLOTH_HOME`` or the user data dir (~/.local/share/unsloth, %LOCALAPPDATA%\\unsloth)."""
+    override = os.environ.get("UNSLOTH_HOME")
+    if override:
+        return Path(override).expanduser().absolute()
+    return Path(platformdirs.user_data_dir("unsloth", appauthor=False))
+
+
+def envs_dir(root: Path | None = None) -> Path:
+    return (root or home()) / "envs"
+
+
+def bin_dir() -> Path:
+    """Where the ``unsloth`` launcher goes: ``UNSLOTH_BIN_DIR``, else ~/.local/bin (Windows: <home>\\bin)."""
+    override = os.environ.get("UNSLOTH_BIN_DIR")
+    if override:
+        return Path(override).expanduser().absolute()
+    if is_windows():
+        return home() / "bin"
+    return Path.home() / ".local" / "bin"
+
+
+def env_scripts(env: Path) -> Path:
+    return env / ("Scripts" if is_windows() else "bin")
+
+
+def env_python(env: Path) -> Path:
+    """The interpreter of a managed environment (it need not exist)."""
+    return env_scripts(env) / ("python.exe" if is_windows() else "python")
+
+
+def _pointed(root: Path, pointer: str) -> Path | None:
+    try:
+        name = (root / pointer).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    env = envs_dir(root) / name
+    if not name or os.sep in name or "/" in name or not (env / RECEIPT_NAME).is_file():
+        return None
+    return env
+
+
+def active_env(root: Path | None = None) -> Path | None:
+    """The environment ``unsloth`` runs in, or None when nothing finished installing."""
+    return _pointed(root or home(), CURRENT)
+
+
+def previous_env(root: Path | None = None) -> Path | None:
+    """The environment ``unsloth rollback`` returns to, or None."""
+    return _pointed(root or home(), PREVIOUS)
