@@ -1,0 +1,203 @@
+"""RMSNorm forward/backward in Triton, with an optional fused residual add.
+
+    y = x / sqrt(mean(x^2) + eps) * (offset + w)
+
+Two casting conventions, matching the Hugging Face modules:
+- "llama" (LlamaRMSNorm, Mistral, Qwen...): the normalised row is computed in fp32, cast to the input
+  dtype, then multiplied by the weight: `weight * hidden.to(input_dtype)`.
+- "gemma" (GemmaRMSNorm, offset=1.0): everything in fp32, `(x_hat * (1 + w.float())).to(dtype)`.
+
+Forward saves only the per-row rstd (one fp32 per row). Backward reads x, dy (and rstd), writes dx,
+and reduces dW with per-program partial sums: a few programs per SM each walk a contiguous chunk
+of rows keeping an fp32 dW accumulator in registers, then one small torch sum over programs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import block_size_for, check_device, num_sms, num_warps_for
+
+_CASTS = ("llama", "gemma")
+
+
+@triton.jit
+def _rms_norm_fwd(
+    X, R, S, W, Y, RSTD,
+    n_rows, n_cols, eps, offset,
+    stride_x, stride_r, stride_s, stride_y,
+    HAS_RESIDUAL: tl.constexpr, LLAMA_CAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # HF adds in the activation dtype (torch computes in fp32 and rounds), then normalises that
+        # rounded sum: so do we.
+        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(S + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+    tl.store(RSTD + rows, rstd, mask=rows < n_rows)
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+    x_hat = xf * rstd[:, None]
+    if LLAMA_CAST:
+        x_hat = x_hat.to(x.dtype).to(tl.float32)
+    y = x_hat * w[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd(
+    DY, DS, X, W, RSTD, DX, DW_PARTIAL,
+    n_rows, n_cols, offset, rows_per_program,
+    stride_dy, stride_ds, stride_x, stride_dx,
+    HAS_DS: tl.constexpr, LLAMA_CAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    dw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = pid.to(tl.int64) * rows_per_program
+    last = tl.minimum(first + rows_per_program, n_rows)
+    for start in range(first, last, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_mask = rows < last
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        x_hat = x.to(tl.float32) * rstd[:, None]
+        # dW sees exactly the factor the forward multiplied by (Llama: the row rounded to dtype).
+        if LLAMA_CAST:
+            dw += dy * x_hat.to(x.dtype).to(tl.float32)
+        else:
+            dw += dy * x_hat
+        g = dy * w[None, :]
+        dx = rstd[:, None] * (g - x_hat * (tl.sum(g * x_hat, axis=1) / n_cols)[:, None])
+        if HAS_DS:  # gradient reaching the residual sum directly (fused add): both add up
+            dx += tl.load(DS + rows[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw, axis=0), mask=col_mask)
+
+
+def _launch_shape(n_cols: int, target_elements: int) -> tuple[int, int, int]:
+    """BLOCK_N covers the row; BLOCK_M stacks rows until a tile holds ~target_elements."""
+    block_n = block_size_for(n_cols)
+    block_m = max(1, min(64, target_elements // block_n))
+    return block_m, block_n, num_warps_for(block_m * block_n)
+
+
+def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """A 2-D (rows, n_cols) view with unit column stride (copies only if it must)."""
+    t = t.reshape(-1, n_cols)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def rms_norm_forward(x, weight, eps, offset, residual, cast):
+    n_cols = x.shape[-1]
+    x2 = _rows(x, n_cols)
+    r2 = _rows(residual, n_cols) if residual is not None else None
+    n_rows = x2.shape[0]
+    # Llama's `weight * hidden.to(dtype)` follows torch's type promotion (fp32 weight -> fp32 out).
+    out_dtype = torch.promote_types(x.dtype, weight.dtype) if cast == "llama" else x.dtype
+    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
+    s = torch.empty_like(x2, memory_format=torch.contiguous_format) if r2 is not None else None
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    block_m, block_n, warps = _launch_shape(n_cols, 4096)
+    _rms_norm_fwd[(triton.cdiv(n_rows, block_m),)](
+        x2, r2 if r2 is not None else x2, s if s is not None else y, weight, y, rstd,
+        n_rows, n_cols, eps, offset,
+        x2.stride(0), r2.stride(0) if r2 is not None else 0, s.stride(0) if s is not None else 0, y.stride(0),
+        HAS_RESIDUAL=r2 is not None, LLAMA_CAST=cast == "llama",
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+    )
+    x_used = s if s is not None else x2
+    return y.view(x.shape[:-1] + (n_cols,)), x_used, rstd
+
+
+def rms_norm_backward(dy, ds, x2, weight, rstd, offset, cast, input_dtype):
+    n_rows, n_cols = x2.shape
+    dy2 = _rows(dy, n_cols)
+    ds2 = _rows(ds, n_cols) if ds is not None else None
+    dx = torch.empty((n_rows, n_cols), dtype=input_dtype, device=x2.device)
+    block_m, block_n, warps = _launch_shape(n_cols, 8192)
+    # Several programs per SM keep enough loads in flight; each walks a contiguous chunk of rows.
+    n_programs = max(1, min(triton.cdiv(n_rows, block_m), 4 * num_sms(x2.device.index or 0)))
+    rows_per_program = triton.cdiv(n_rows, n_programs)
+    rows_per_program = triton.cdiv(rows_per_program, block_m) * block_m
+    n_programs = triton.cdiv(n_rows, rows_per_program)
+    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device)
+    _rms_norm_bwd[(n_programs,)](
+        dy2, ds2 if ds2 is not None else dy2, x2, weight, rstd, dx, dw_partial,
+        n_rows, n_cols, offset, rows_per_program,
+        dy2.stride(0), ds2.stride(0) if ds2 is not None else 0, x2.stride(0), dx.stride(0),
+        HAS_DS=ds2 is not None, LLAMA_CAST=cast == "llama",
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+    )
+    return dx, dw_partial.sum(0).to(weight.dtype)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, residual, cast):
+        y, x_used, rstd = rms_norm_forward(x, weight, eps, offset, residual, cast)
+        ctx.save_for_backward(x_used, weight, rstd)
+        ctx.offset, ctx.cast, ctx.has_residual = offset, cast, residual is not None
+        ctx.shape, ctx.dtype = x.shape, x.dtype
+        if residual is None:
+            return y
+        return y, x_used.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy, ds=None):
+        x2, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(dy, ds, x2, weight, rstd, ctx.offset, ctx.cast, ctx.dtype)
+        dx = dx.view(ctx.shape)
+        # With the fused add, x and residual receive the same gradient (d(x + r) / dx = d/dr = 1).
+        return dx, (dw if ctx.needs_input_grad[1] else None), None, None, (dx if ctx.has_residual else None), None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0,
+             residual: torch.Tensor | None = None, cast: str = "llama"):
+    """RMSNorm over the last dimension; with `residual`, normalises x + residual.
+
+    Returns y, or (y, x + residual) when `residual` is given (the sum the next layer's residual
+    connection needs). `offset=1.0` with `cast="gemma"` is Gemma's `(1 + w)` norm.
+    """
+    if cast not in _CASTS:
+        raise ValueError(f"rms_norm: cast must be one of {_CASTS}, got {cast!r}")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match the last dim of x {tuple(x.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    if residual is not None and residual.dtype != x.dtype:
+        raise ValueError(f"rms_norm: residual dtype {residual.dtype} != x dtype {x.dtype}")
+    check_device(x, weight, residual)
+    return RMSNormFunction.apply(x, weight.contiguous(), float(eps), float(offset), residual, cast)
+
+
+class RMSNorm(torch.nn.Module):
+    """Drop-in for HF's LlamaRMSNorm (cast="llama") or GemmaRMSNorm (offset=1.0, cast="gemma")."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, offset: float = 0.0, cast: str = "llama",
+                 device=None, dtype=None):
+        super().__init__()
+        init = torch.zeros if offset else torch.ones  # Gemma stores w with (1 + w) applied
+        self.weight = torch.nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+        self.offset, self.cast = offset, cast
+
+    def forward(self, hidden_states, residual=None):
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, offset=self.offset,
+                        residual=residual, cast=self.cast)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}, cast={self.cast}"
