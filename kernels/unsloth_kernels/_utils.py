@@ -53,3 +53,30 @@ def check_device(*tensors: torch.Tensor) -> None:
                 "unsloth_kernels: tensors are on the CPU; Triton kernels need a GPU "
                 "(or TRITON_INTERPRET=1 for the CPU interpreter, which is slow and meant for tests)"
             )
+
+
+# --- row-wise kernels (norms): tiling and work split, shared by rms_norm and layer_norm ---
+
+def row_tile(n_cols: int, target_elements: int) -> tuple[int, int, int]:
+    """BLOCK_N covers the row; BLOCK_M stacks rows until a tile holds ~target_elements."""
+    block_n = block_size_for(n_cols)
+    block_m = max(1, min(64, target_elements // block_n))
+    return block_m, block_n, num_warps_for(block_m * block_n)
+
+
+def split_rows(n_rows: int, block_m: int, device: torch.device) -> tuple[int, int]:
+    """(programs, rows each) for a backward that reduces over rows.
+
+    A few programs per SM keep enough loads in flight to saturate memory (one program per SM
+    walking rows one at a time is latency-bound); each walks a contiguous chunk of rows, a
+    multiple of block_m, and leaves one fp32 partial row of the weight gradient.
+    """
+    n_programs = max(1, min(triton.cdiv(n_rows, block_m), 4 * num_sms(device.index or 0)))
+    rows_per_program = triton.cdiv(triton.cdiv(n_rows, n_programs), block_m) * block_m
+    return triton.cdiv(n_rows, rows_per_program), rows_per_program
+
+
+def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """A 2-D (rows, n_cols) view with unit column stride (copies only if it must)."""
+    t = t.reshape(-1, n_cols)
+    return t if t.stride(-1) == 1 else t.contiguous()

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import block_size_for, check_device, num_sms, num_warps_for
+from ._utils import as_rows, check_device, row_tile, split_rows
 
 _CASTS = ("llama", "gemma")
 
@@ -88,30 +88,17 @@ def _rms_norm_bwd(
     tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw, axis=0), mask=col_mask)
 
 
-def _launch_shape(n_cols: int, target_elements: int) -> tuple[int, int, int]:
-    """BLOCK_N covers the row; BLOCK_M stacks rows until a tile holds ~target_elements."""
-    block_n = block_size_for(n_cols)
-    block_m = max(1, min(64, target_elements // block_n))
-    return block_m, block_n, num_warps_for(block_m * block_n)
-
-
-def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """A 2-D (rows, n_cols) view with unit column stride (copies only if it must)."""
-    t = t.reshape(-1, n_cols)
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def rms_norm_forward(x, weight, eps, offset, residual, cast):
     n_cols = x.shape[-1]
-    x2 = _rows(x, n_cols)
-    r2 = _rows(residual, n_cols) if residual is not None else None
+    x2 = as_rows(x, n_cols)
+    r2 = as_rows(residual, n_cols) if residual is not None else None
     n_rows = x2.shape[0]
     # Llama's `weight * hidden.to(dtype)` follows torch's type promotion (fp32 weight -> fp32 out).
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if cast == "llama" else x.dtype
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     s = torch.empty_like(x2, memory_format=torch.contiguous_format) if r2 is not None else None
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    block_m, block_n, warps = _launch_shape(n_cols, 4096)
+    block_m, block_n, warps = row_tile(n_cols, 4096)
     _rms_norm_fwd[(triton.cdiv(n_rows, block_m),)](
         x2, r2 if r2 is not None else x2, s if s is not None else y, weight, y, rstd,
         n_rows, n_cols, eps, offset,
@@ -125,15 +112,11 @@ def rms_norm_forward(x, weight, eps, offset, residual, cast):
 
 def rms_norm_backward(dy, ds, x2, weight, rstd, offset, cast, input_dtype):
     n_rows, n_cols = x2.shape
-    dy2 = _rows(dy, n_cols)
-    ds2 = _rows(ds, n_cols) if ds is not None else None
+    dy2 = as_rows(dy, n_cols)
+    ds2 = as_rows(ds, n_cols) if ds is not None else None
     dx = torch.empty((n_rows, n_cols), dtype=input_dtype, device=x2.device)
-    block_m, block_n, warps = _launch_shape(n_cols, 8192)
-    # Several programs per SM keep enough loads in flight; each walks a contiguous chunk of rows.
-    n_programs = max(1, min(triton.cdiv(n_rows, block_m), 4 * num_sms(x2.device.index or 0)))
-    rows_per_program = triton.cdiv(n_rows, n_programs)
-    rows_per_program = triton.cdiv(rows_per_program, block_m) * block_m
-    n_programs = triton.cdiv(n_rows, rows_per_program)
+    block_m, block_n, warps = row_tile(n_cols, 8192)
+    n_programs, rows_per_program = split_rows(n_rows, block_m, x2.device)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device)
     _rms_norm_bwd[(n_programs,)](
         dy2, ds2 if ds2 is not None else dy2, x2, weight, rstd, dx, dw_partial,

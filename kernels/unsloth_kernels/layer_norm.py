@@ -1,0 +1,141 @@
+"""LayerNorm forward/backward in Triton: y = (x - mean) * rstd * w + b, statistics in fp32.
+
+Matches torch.nn.functional.layer_norm (which also computes in fp32 for 16-bit inputs). Forward
+saves mean and rstd (two fp32 per row); backward reduces dW and dB with per-program partial
+sums, the same scheme as rms_norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import as_rows, check_device, row_tile, split_rows
+
+
+@triton.jit
+def _layer_norm_fwd(
+    X, W, B, Y, MEAN, RSTD,
+    n_rows, n_cols, eps, stride_x, stride_y,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    mask = (rows[:, None] < n_rows) & col_mask[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / n_cols
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+    tl.store(MEAN + rows, mean, mask=rows < n_rows)
+    tl.store(RSTD + rows, rstd, mask=rows < n_rows)
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_bwd(
+    DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL,
+    n_rows, n_cols, rows_per_program, stride_dy, stride_x, stride_dx,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    db = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = pid.to(tl.int64) * rows_per_program
+    last = tl.minimum(first + rows_per_program, n_rows)
+    for start in range(first, last, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_mask = rows < last
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        dw += dy * x_hat
+        db += dy
+        g = dy * w[None, :]
+        c1 = tl.sum(g * x_hat, axis=1) / n_cols
+        c2 = tl.sum(g, axis=1) / n_cols
+        dx = rstd[:, None] * (g - x_hat * c1[:, None] - c2[:, None])
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw, axis=0), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + pid * n_cols + cols, tl.sum(db, axis=0), mask=col_mask)
+
+
+class LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        n_cols = x.shape[-1]
+        x2 = as_rows(x, n_cols)
+        n_rows = x2.shape[0]
+        y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+        mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        rstd = torch.empty_like(mean)
+        block_m, block_n, warps = row_tile(n_cols, 4096)
+        _layer_norm_fwd[(triton.cdiv(n_rows, block_m),)](
+            x2, weight, bias if bias is not None else weight, y, mean, rstd,
+            n_rows, n_cols, eps, x2.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )
+        ctx.save_for_backward(x2, weight, bias, mean, rstd)
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, bias, mean, rstd = ctx.saved_tensors
+        n_rows, n_cols = x2.shape
+        dy2 = as_rows(dy, n_cols)
+        dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
+        block_m, block_n, warps = row_tile(n_cols, 8192)
+        n_programs, rows_per_program = split_rows(n_rows, block_m, x2.device)
+        dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device)
+        db_partial = torch.empty_like(dw_partial) if bias is not None else dw_partial
+        _layer_norm_bwd[(n_programs,)](
+            dy2, x2, weight, mean, rstd, dx, dw_partial, db_partial,
+            n_rows, n_cols, rows_per_program, dy2.stride(0), x2.stride(0), dx.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )
+        dw = dw_partial.sum(0).to(weight.dtype)
+        db = db_partial.sum(0).to(bias.dtype) if bias is not None else None
+        return dx.view(ctx.shape), dw, db, None
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5):
+    """LayerNorm over the last dimension (bias optional)."""
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"layer_norm: weight shape {tuple(weight.shape)} does not match the last dim of x {tuple(x.shape)}")
+    if bias is not None and bias.shape != weight.shape:
+        raise ValueError(f"layer_norm: bias shape {tuple(bias.shape)} != weight shape {tuple(weight.shape)}")
+    check_device(x, weight, bias)
+    return LayerNormFunction.apply(x, weight.contiguous(), None if bias is None else bias.contiguous(), float(eps))
+
+
+class LayerNorm(torch.nn.Module):
+    """Drop-in for torch.nn.LayerNorm over the last dimension (elementwise affine)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True, device=None, dtype=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype)) if bias else None
+        self.eps = eps
+
+    @property
+    def variance_epsilon(self) -> float:  # the name HF's norm modules use
+        return self.eps
+
+    def forward(self, x):
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, bias={self.bias is not None}"
