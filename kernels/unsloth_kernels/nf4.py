@@ -1,0 +1,201 @@
+"""NF4 dequantization of bitsandbytes' 4-bit format, both levels in one Triton kernel.
+
+bitsandbytes stores a 4-bit weight of n elements as ceil(n / 2) bytes, two code indices per byte
+(high nibble first, i.e. element 2j is `byte >> 4` and element 2j + 1 is `byte & 0xF`), flattened
+row-major from the original shape. Each block of `blocksize` elements has an fp32 scale (absmax):
+
+    w[i] = code[index[i]] * absmax[i // blocksize]
+
+With double quantization ("nested", `compress_statistics=True`), absmax itself is stored as uint8
+indices into a 256-entry code, with one fp32 scale per `blocksize2` (256) absmax values, plus a
+scalar offset (the mean that was subtracted before quantizing):
+
+    absmax[b] = code2[absmax_q[b]] * absmax2[b // blocksize2] + offset
+
+The kernel computes exactly that, in fp32 and in the same order as bitsandbytes, then casts to the
+output dtype, so the result is bit-identical to `bitsandbytes.functional.dequantize_4bit`.
+bitsandbytes itself is never imported here: `dequantize_bnb_4bit` reads its QuantState by attribute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import INTERPRET, check_device
+
+# The 16 NF4 levels (quantiles of N(0, 1) scaled to [-1, 1]) as bitsandbytes defines them.
+NF4_CODE = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)  # fmt: skip
+
+# Packed bytes per program: 2048 outputs, a few KiB of traffic, enough work to hide latency.
+_BYTES_PER_PROGRAM = 1024
+
+
+@dataclass(frozen=True)
+class NestedAbsmax:
+    """The second quantization level of absmax (bitsandbytes' `quant_state.state2` + `offset`)."""
+
+    absmax: torch.Tensor  # fp32, one scale per `blocksize` quantized absmax values
+    code: torch.Tensor  # fp32, 256 entries
+    blocksize: int
+    offset: torch.Tensor | float  # scalar added back after dequantizing
+
+
+@triton.jit
+def _to_output(x, dtype: tl.constexpr):
+    """Round fp32 to the output dtype to nearest-even, as torch's `.to()` does, on every backend.
+
+    Triton's CPU interpreter truncates fp32 -> bf16, so bf16 rounding is spelled out in integer ops
+    (finite inputs only: NF4 values always are).
+    """
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _dequantize_4bit_kernel(
+    packed_ptr,
+    absmax_ptr,
+    code_ptr,
+    out_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset_ptr,
+    n_elements,
+    BLOCKSIZE: tl.constexpr,
+    BLOCKSIZE2: tl.constexpr,
+    NESTED: tl.constexpr,
+    BYTES: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    byte = pid * BYTES + tl.arange(0, BYTES)
+    first = byte * 2  # index of the element in the high nibble
+    live = first < n_elements
+    packed = tl.load(packed_ptr + byte, mask=live, other=0).to(tl.int32)
+
+    # Both nibbles of a byte share a block: blocksizes are even.
+    block = first // BLOCKSIZE
+    if NESTED:
+        scale_q = tl.load(absmax_ptr + block, mask=live, other=0).to(tl.int32)
+        scale = tl.load(code2_ptr + scale_q) * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=live, other=0.0)
+        scale = scale + tl.load(offset_ptr)
+    else:
+        scale = tl.load(absmax_ptr + block, mask=live, other=0.0)
+
+    high = tl.load(code_ptr + (packed >> 4)) * scale
+    low = tl.load(code_ptr + (packed & 0xF)) * scale
+    values = tl.interleave(high, low)  # element order: high, low, high, low, ...
+    element = pid * (2 * BYTES) + tl.arange(0, 2 * BYTES)
+    tl.store(out_ptr + element, _to_output(values, out_ptr.dtype.element_ty), mask=element < n_elements)
+
+
+def _code_on(device: torch.device, code: torch.Tensor | None) -> torch.Tensor:
+    if code is None:
+        return torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
+    if code.numel() != 16:
+        raise ValueError(f"a 4-bit code has 16 entries, got {code.numel()}")
+    return code.to(device=device, dtype=torch.float32).contiguous()
+
+
+def dequantize_nf4(
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    shape: tuple[int, ...] | torch.Size,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    blocksize: int = 64,
+    code: torch.Tensor | None = None,
+    nested: NestedAbsmax | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dequantize a bitsandbytes 4-bit weight to a dense tensor of `shape` and `dtype`.
+
+    `packed` holds the bytes (any storage dtype; it is viewed as uint8), `absmax` the per-block
+    scales (fp32, or uint8 when `nested` is given), `code` the 16 levels (NF4 by default; pass
+    bitsandbytes' FP4 code to read FP4). One kernel launch, also for the nested case.
+    """
+    shape = tuple(shape)
+    n = prod(shape)
+    if blocksize <= 0 or blocksize % 2:
+        raise ValueError(f"blocksize must be a positive even number, got {blocksize}")
+    data = packed.contiguous().view(torch.uint8).reshape(-1)
+    if data.numel() != (n + 1) // 2:
+        raise ValueError(f"packed weight has {data.numel()} bytes; shape {shape} needs {(n + 1) // 2}")
+    n_blocks = triton.cdiv(n, blocksize)
+    if absmax.numel() < n_blocks:
+        raise ValueError(f"absmax has {absmax.numel()} scales; {n} elements in blocks of {blocksize} need {n_blocks}")
+    check_device(data, absmax)
+    device = data.device
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=device)
+    elif out.numel() != n or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous tensor of {n} elements")
+
+    if nested is not None:
+        if absmax.dtype != torch.uint8:
+            raise ValueError(f"nested absmax must be uint8 indices, got {absmax.dtype}")
+        absmax2 = nested.absmax.to(device=device, dtype=torch.float32).contiguous()
+        code2 = nested.code.to(device=device, dtype=torch.float32).contiguous()
+        offset = torch.as_tensor(nested.offset, dtype=torch.float32, device=device).reshape(1)
+        blocksize2 = int(nested.blocksize)
+        scales = absmax.contiguous()
+    else:
+        scales = absmax.to(torch.float32).contiguous()
+        absmax2 = code2 = offset = scales  # unused by the kernel
+        blocksize2 = 1
+
+    if n == 0:
+        return out
+    grid = (triton.cdiv(triton.cdiv(n, 2), _BYTES_PER_PROGRAM),)
+    # Keep `scale * code2 + offset` as two roundings (no FMA) so the result is bit-identical to bnb.
+    options = {} if INTERPRET else {"enable_fp_fusion": False}
+    _dequantize_4bit_kernel[grid](
+        data, scales, _code_on(device, code), out, absmax2, code2, offset, n,
+        BLOCKSIZE=int(blocksize), BLOCKSIZE2=blocksize2, NESTED=nested is not None,
+        BYTES=_BYTES_PER_PROGRAM, num_warps=4, **options,
+    )  # fmt: skip
+    return out
+
+
+def dequantize_bnb_4bit(
+    weight: torch.Tensor, quant_state, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Dequantize a bitsandbytes Params4bit (`weight`, usually `param.data`) with its QuantState.
+
+    The QuantState is duck-typed (absmax, shape, dtype, blocksize, quant_type, code, offset, state2
+    with absmax/code/blocksize), so bitsandbytes need not be importable here. `dtype` defaults to
+    the dtype recorded in the state (the model's compute dtype).
+    """
+    quant_type = getattr(quant_state, "quant_type", "nf4")
+    if quant_type not in ("nf4", "fp4"):
+        raise ValueError(f"unsupported 4-bit quant_type {quant_type!r} (expected 'nf4' or 'fp4')")
+    code = getattr(quant_state, "code", None)
+    if quant_type == "fp4" and code is None:
+        raise ValueError("an FP4 QuantState must carry its code")
+    state2 = getattr(quant_state, "state2", None)
+    nested = None
+    if state2 is not None:
+        nested = NestedAbsmax(state2.absmax, state2.code, state2.blocksize, quant_state.offset)
+    return dequantize_nf4(
+        weight,
+        quant_state.absmax,
+        quant_state.shape,
+        dtype or quant_state.dtype,
+        blocksize=quant_state.blocksize,
+        code=code,
+        nested=nested,
+        out=out,
+    )
