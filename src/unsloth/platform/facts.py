@@ -24,6 +24,7 @@ class Gpu:
     uuid: str | None = None
     index: int | None = None  # the tool's own ordinal (nvidia-smi index, rocminfo GPU order)
     reported_arch: str | None = None  # what the runtime reported when an override changed it
+    chip: str | None = None  # codename a tool printed: "Navi 31", "AD102"
     sources: list[str] = field(default_factory=list)  # probes that contributed to this GPU
 
     def to_json(self) -> dict[str, Any]:

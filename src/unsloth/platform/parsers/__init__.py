@@ -1,1 +1,143 @@
-"""One parser per tool: raw text -> facts. Pure; garbage yields unknown, never raises."""
+"""One parser per tool: raw text -> Findings. Pure; garbage yields unknown, never raises.
+
+Each module exposes ``parse(text) -> Findings``. ``PARSERS`` maps a dump file stem (probe name)
+to the parser that reads it; several probes may share one parser (amd-smi static/list/version).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from unsloth.platform.facts import Gpu
+
+
+@dataclass
+class Findings:
+    """What one tool's output shows: its GPUs, and platform-level facts keyed by Platform field.
+
+    ``facts`` may also hold hints detect uses but Platform does not store directly, named with a
+    leading underscore (e.g. ``_nvidia_smi_version``).
+    """
+
+    gpus: list[Gpu] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+def to_int(text: str | None) -> int | None:
+    """'30032(0x7550)' -> 30032, '0x744c' -> 29772, '24564' -> 24564; anything else -> None."""
+    if text is None:
+        return None
+    match = re.match(r"\s*(0x[0-9a-fA-F]+|\d+)", text)
+    if not match:
+        return None
+    return int(match.group(1), 0 if match.group(1).lower().startswith("0x") else 10)
+
+
+def bus_id(text: str | None) -> str | None:
+    """Normalise a PCI address to 'dddd:bb:dd.f' lower-case: nvidia-smi prints 8 domain digits,
+    lspci none. None when the text is not an address."""
+    if not text:
+        return None
+    match = re.search(r"(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])", text)
+    if not match:
+        return None
+    domain = int(match.group(1) or "0", 16)
+    return f"{domain:04x}:{match.group(2).lower()}:{match.group(3).lower()}.{match.group(4)}"
+
+
+def pci_id(vendor: int | None, device: int | None) -> str | None:
+    if vendor is None or device is None or not (0 < vendor <= 0xFFFF and 0 <= device <= 0xFFFF):
+        return None
+    return f"{vendor:04x}:{device:04x}"
+
+
+VENDOR_IDS = {0x10DE: "nvidia", 0x1002: "amd", 0x1022: "amd", 0x8086: "intel", 0x106B: "apple"}
+
+
+def vendor_from_name(name: str | None) -> str | None:
+    """The vendor a marketing or pci.ids name names, or None."""
+    lowered = (name or "").lower()
+    if re.search(r"nvidia|geforce|quadro|tesla|\brtx\b", lowered):
+        return "nvidia"
+    if re.search(r"\bamd\b|radeon|instinct|\bati\b|advanced micro devices", lowered):
+        return "amd"
+    if re.search(r"intel|\barc\b|iris|uhd graphics", lowered):
+        return "intel"
+    if re.search(r"\bapple\b", lowered):
+        return "apple"
+    return None
+
+
+def blocks(text: str, start: re.Pattern[str]) -> list[str]:
+    """Split text into blocks, each beginning at a line that matches ``start``."""
+    out: list[list[str]] = []
+    for line in text.splitlines():
+        if start.match(line):
+            out.append([line])
+        elif out:
+            out[-1].append(line)
+    return ["\n".join(block) for block in out]
+
+
+def key_values(text: str, sep: str = ":") -> dict[str, str]:
+    """'Key : value' lines -> {'key': 'value'} (keys lower-cased, first occurrence wins)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, found, value = line.partition(sep)
+        if found and key.strip():
+            out.setdefault(key.strip().lower(), value.strip())
+    return out
+
+
+def _registry() -> dict[str, Callable[[str], Findings]]:
+    from unsloth.platform.parsers import (
+        amd_smi,
+        drm,
+        hipconfig,
+        host,
+        kfd,
+        lspci,
+        nvidia_driver_files,
+        nvidia_smi,
+        os_files,
+        rocm_smi,
+        rocm_version,
+        rocminfo,
+        system_profiler,
+        win32,
+    )
+
+    return {
+        "nvidia-smi": nvidia_smi.parse,
+        "nvidia-smi-query": nvidia_smi.parse,
+        "proc-driver-nvidia-version": nvidia_driver_files.parse,
+        "sys-module-nvidia-version": nvidia_driver_files.parse,
+        "rocminfo": rocminfo.parse,
+        "rocminfo-no-override": rocminfo.parse,
+        "rocm-smi": rocm_smi.parse,
+        "rocm-smi-json": rocm_smi.parse,
+        "amd-smi": amd_smi.parse,
+        "amd-smi-list": amd_smi.parse,
+        "amd-smi-version": amd_smi.parse,
+        "hipconfig": hipconfig.parse,
+        "rocm-version": rocm_version.parse,
+        "kfd-topology": kfd.parse,
+        "drm": drm.parse,
+        "lspci": lspci.parse,
+        "proc-version": os_files.parse_kernel,
+        "uname": os_files.parse_kernel,
+        "os-release": os_files.parse_os_release,
+        "device-nodes": os_files.parse_device_nodes,
+        "win32-videocontroller": win32.parse,
+        "win-registry-video": win32.parse_registry,
+        "system-profiler": system_profiler.parse,
+        "host": host.parse_host,
+        "env": host.parse_env,
+    }
+
+
+def parser_for(name: str) -> Callable[[str], Findings] | None:
+    return _registry().get(name)

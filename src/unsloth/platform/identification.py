@@ -1,0 +1,76 @@
+"""Look-ups in data/identification.toml: what a PCI id, a codename or a model name fixes. Pure.
+
+Only what a table states is returned; anything else is None (never a guess)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from functools import cache
+from importlib import resources
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@cache
+def tables() -> dict[str, Any]:
+    text = resources.files("unsloth").joinpath("data/identification.toml").read_text(encoding="utf-8")
+    return tomllib.loads(text)
+
+
+def amd_by_pci(pci_id: str | None) -> dict[str, Any] | None:
+    """'1002:744c' -> {'gfx': 'gfx1100', 'chip': 'Navi 31', 'name': ..., 'integrated': False}."""
+    if not pci_id or not pci_id.lower().startswith("1002:"):
+        return None
+    return tables()["amd"]["pci"].get(pci_id.lower()[5:])
+
+
+def amd_gfx_by_codename(chip: str | None) -> str | None:
+    return tables()["amd"]["codename"].get(chip or "")
+
+
+def amd_family(gfx: str | None) -> str | None:
+    return tables()["amd"]["family"].get(gfx or "")
+
+
+def nvidia_family(cc: str | None) -> str | None:
+    return tables()["nvidia"]["family"].get(cc or "")
+
+
+def nvidia_sm(cc: str | None) -> str | None:
+    """'8.9' -> 'sm_89', '12.0' -> 'sm_120'."""
+    match = re.fullmatch(r"(\d+)\.(\d)", cc or "")
+    return f"sm_{match.group(1)}{match.group(2)}" if match else None
+
+
+def nvidia_by_name(name: str | None) -> dict[str, Any] | None:
+    """The first name pattern that matches: {'cc': '8.9', 'integrated'?: bool}; None for truncated
+    names ('NVIDIA GeForce ...') and unknown models."""
+    if not name or name.rstrip().endswith("..."):
+        return None
+    for row in tables()["nvidia"]["names"]:
+        if re.search(row["pattern"], name, re.I):
+            return row
+    return None
+
+
+def nvidia_cc_by_pci(pci_id: str | None) -> str | None:
+    if not pci_id or not pci_id.lower().startswith("10de:"):
+        return None
+    return tables()["nvidia"]["pci"].get(pci_id.lower()[5:])
+
+
+def integrated_by_name(vendor: str, name: str | None) -> bool | None:
+    """True/False when the name is one the vendor's table marks integrated/discrete, else None."""
+    table = tables().get(vendor)
+    if not name or not isinstance(table, dict) or "integrated_names" not in table:
+        return None
+    if any(re.search(p, name, re.I) for p in table["discrete_names"]):
+        return False
+    if any(re.search(p, name, re.I) for p in table["integrated_names"]):
+        return True
+    return None

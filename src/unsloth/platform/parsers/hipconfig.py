@@ -1,0 +1,18 @@
+"""hipconfig --version: '6.0.32830-d62f6a171'. HIP's third field is a build number, so only
+MAJOR.MINOR names the ROCm release."""
+
+from __future__ import annotations
+
+import re
+
+from unsloth.platform.parsers import Findings
+
+
+def parse(text: str) -> Findings:
+    found = Findings()
+    match = re.search(r"(?:HIP version\s*:\s*)?\b(\d+)\.(\d+)\.\d+(?:-[0-9a-zA-Z.]+)?\b", text)
+    if match and 1 <= int(match.group(1)) < 100:
+        found.facts["rocm_version"] = f"{match.group(1)}.{match.group(2)}"
+    if "/opt/rocm" in text:
+        found.facts["os"] = "linux"
+    return found

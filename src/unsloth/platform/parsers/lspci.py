@@ -1,0 +1,50 @@
+"""lspci: -nn, -nnk, -vvv, -D; names resolved from pci.ids or not ('Device 7550').
+
+Only display controllers (class 03xx) are GPUs; the HDMI audio function of a card (0403) is not."""
+
+from __future__ import annotations
+
+import re
+
+from unsloth.platform.facts import Gpu
+from unsloth.platform.parsers import VENDOR_IDS, Findings, bus_id, pci_id, vendor_from_name
+
+_LINE = re.compile(
+    r"^\s*(?P<bus>(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7])\s+"
+    r"(?P<cls>VGA compatible controller|3D controller|Display controller)(?:\s*\[03[0-9a-fA-F]{2}\])?:\s*"
+    r"(?P<desc>.*?)\s*(?:\[(?P<ven>[0-9a-fA-F]{4}):(?P<dev>[0-9a-fA-F]{4})\])?\s*(?:\(rev [0-9a-fA-F]+\))?\s*$"
+)
+_VENDOR_PREFIX = re.compile(
+    r"^(Advanced Micro Devices, Inc\.\s*\[AMD(?:/ATI)?\]|ATI Technologies Inc|NVIDIA Corporation|"
+    r"Intel Corporation)\s*"
+)
+
+
+def parse(text: str) -> Findings:
+    found = Findings()
+    for line in text.splitlines():
+        match = _LINE.match(line)
+        if not match:
+            continue
+        found.facts["os"] = "linux"
+        vendor_id = int(match.group("ven"), 16) if match.group("ven") else None
+        vendor = VENDOR_IDS.get(vendor_id) if vendor_id is not None else vendor_from_name(match.group("desc"))
+        if vendor is None:
+            continue  # a virtual or server display chip (ASPEED, Matrox, QXL): not a compute GPU
+        device_id = int(match.group("dev"), 16) if match.group("dev") else None
+        chip, name = _names(match.group("desc"))
+        found.gpus.append(Gpu(vendor=vendor, name=name, chip=chip, index=len(found.gpus),
+                              pci_id=pci_id(vendor_id, device_id), bus_id=bus_id(match.group("bus"))))
+    return found
+
+
+def _names(description: str) -> tuple[str | None, str | None]:
+    """'Advanced Micro Devices, Inc. [AMD/ATI] Navi 31 [Radeon RX 7900 XT/7900 XTX]'
+    -> ('Navi 31', 'Radeon RX 7900 XT/7900 XTX'); 'Device 7550' (unresolved) -> (None, None)."""
+    device = _VENDOR_PREFIX.sub("", description).strip()
+    if not device or re.fullmatch(r"Device [0-9a-fA-F]{4}", device):
+        return None, None
+    bracket = re.match(r"(.*?)\s*\[([^\[\]]+)\]\s*$", device)
+    if bracket:
+        return bracket.group(1) or None, bracket.group(2)
+    return device, device
