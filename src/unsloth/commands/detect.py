@@ -1,0 +1,45 @@
+"""`unsloth detect`: what this machine (or a dump) has, and which probe said so."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from unsloth.doctor.findings import EXIT_USAGE
+
+
+def add_from_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--from", dest="from_dir", type=Path, metavar="DIR",
+                        help="read a dump (written by `unsloth doctor --dump DIR`) instead of probing this machine")
+
+
+def detect_platform(from_dir: Path | None):
+    """(Platform, probe results) from the live machine or a dump; OSError when the dump cannot be read."""
+    from unsloth.platform.detect import detect_from_dump, detect_live
+
+    return detect_from_dump(from_dir) if from_dir is not None else detect_live()
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "detect", help="show the OS, drivers and GPUs unsloth sees",
+        description="Show the OS, drivers, ROCm/CUDA and every GPU, with the probe each fact came from.")
+    parser.add_argument("--json", action="store_true", help="print the Platform as JSON")
+    add_from_argument(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from unsloth.doctor import render
+
+    try:
+        platform, _ = detect_platform(args.from_dir)
+    except OSError as exc:  # read_dump: not a directory, unreadable file
+        print(f"unsloth detect: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        render.print_json(platform.to_json())
+    else:
+        render.print_platform(platform)
+    return 0

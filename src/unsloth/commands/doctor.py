@@ -1,0 +1,69 @@
+"""`unsloth doctor`: check this machine and the managed environment, with the exact fix for each problem."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from unsloth.commands.detect import add_from_argument, detect_platform
+from unsloth.doctor.env_checks import DEFAULT_TIMEOUT_S
+from unsloth.doctor.findings import EXIT_USAGE
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "doctor", help="check the GPU, drivers and environment; print a fix for each problem",
+        description="Check the GPU, drivers, device access, disk and the managed environment. "
+        "Exit status 1 when a required check fails, 0 otherwise (warnings allowed), 2 for bad arguments.")
+    parser.add_argument("--json", action="store_true",
+                        help='print {"findings", "platform", "plan", "summary"} as JSON')
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the machine and each check's evidence")
+    add_from_argument(parser)
+    parser.add_argument("--dump", type=Path, metavar="DIR",
+                        help="also write every probe's raw output into DIR, to attach to a bug report")
+    parser.add_argument("--python", type=Path, metavar="PATH",
+                        help="run the environment checks with this interpreter (e.g. .venv/bin/python) "
+                        "instead of the managed environment's")
+    parser.add_argument("--quick", action="store_true",
+                        help="skip the environment checks that start its Python (about a second in all)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                        help=f"give the environment checks this long before calling them hung (default {DEFAULT_TIMEOUT_S})")
+    parser.set_defaults(func=run)
+
+
+def _usage(message: str) -> int:
+    print(f"unsloth doctor: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def run(args: argparse.Namespace) -> int:
+    from unsloth.doctor import render
+    from unsloth.doctor.run import diagnose
+    from unsloth.platform.dump import write_dump
+
+    if args.from_dir is not None and (args.dump is not None or args.python is not None):
+        return _usage("--from reads another machine's dump; --dump and --python need this machine")
+    start = time.monotonic()
+    try:
+        platform, results = detect_platform(args.from_dir)
+    except OSError as exc:  # read_dump: not a directory, unreadable file
+        return _usage(str(exc))
+    timings = {"detect": time.monotonic() - start}
+    if args.dump is not None:
+        write_dump(args.dump, results)
+        print(f"Wrote every probe's raw output to {args.dump.resolve()}: attach that folder to your bug report "
+              f"(read it back with `unsloth doctor --from {args.dump}`).", file=sys.stderr)
+    report = diagnose(platform, source=str(args.from_dir) if args.from_dir else "live", python=args.python,
+                      env_checks=not args.quick, timeout_s=args.timeout, timings=timings)
+    if args.json:
+        render.print_json(report.to_json())
+    else:
+        out = render.console()
+        if args.verbose:
+            render.print_platform(platform, out)
+        if args.from_dir is not None:
+            out.print(f"Checking the dump in {args.from_dir} (live-only checks are skipped)")
+        render.print_findings(report.findings, report.summary(), verbose=args.verbose, out=out)
+    return report.summary()["exit_code"]

@@ -1,0 +1,249 @@
+"""The environment checks: is the managed environment there and healthy, and does its own Python
+import torch, see the GPU the plan expects, multiply on it, round-trip bitsandbytes 4-bit, run a
+Triton kernel and load llama.cpp?
+
+`run_env_probe` is the one side effect: it runs env_probe.py in the environment's interpreter
+with a timeout. Turning what the probe printed into findings (`probe_findings`) is pure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unsloth.doctor import env_probe
+from unsloth.doctor.checks import backend, target_gpu
+from unsloth.doctor.findings import Finding
+from unsloth.envs.receipt import hardware_fingerprint
+from unsloth.platform.facts import Platform
+from unsloth.plan import Plan
+
+DEFAULT_TIMEOUT_S = 180  # torch + bitsandbytes imports and a first Triton compile; a hang is far longer
+REINSTALL = "unsloth install"
+TITLES = {
+    "torch": "torch",
+    "gpu": "torch sees the GPU",
+    "matmul": "Matrix multiply",
+    "bitsandbytes": "bitsandbytes 4-bit",
+    "triton": "Triton kernel",
+    "llama_cpp": "llama.cpp",
+}
+
+
+@dataclass
+class EnvTarget:
+    """The interpreter the environment checks run in, and what is known about it."""
+
+    python: Path
+    origin: str  # "managed" (the active environment) | "--python"
+    env: Path | None = None
+    receipt: dict[str, Any] | None = None
+
+
+@dataclass
+class ProbeRun:
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)  # check name -> the probe's line
+    timed_out: bool = False
+    returncode: int | None = None
+    stderr: str = ""
+    seconds: float = 0.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+def run_env_probe(python: Path, plan_backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> ProbeRun:
+    """Run env_probe.py with ``python``. It runs from a fresh folder so nothing in the current
+    directory (a project's own `torch/` or `kernels/`) shadows the environment's packages."""
+    with tempfile.TemporaryDirectory(prefix="unsloth-doctor-") as tmp:
+        script = Path(tmp) / "env_probe.py"
+        shutil.copyfile(env_probe.__file__, script)
+        env = {**os.environ, "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+        env.pop("PYTHONPATH", None)  # the environment's own packages, not ours
+        start = time.monotonic()
+        try:
+            done = subprocess.run([str(python), str(script), "--backend", plan_backend], cwd=tmp, env=env,
+                                  capture_output=True, text=True, timeout=timeout_s)
+            stdout, stderr, returncode, timed_out = done.stdout, done.stderr, done.returncode, False
+        except subprocess.TimeoutExpired as exc:
+            stdout, stderr, returncode, timed_out = _text(exc.stdout), _text(exc.stderr), None, True
+        except OSError as exc:  # the interpreter is missing or not executable
+            stdout, stderr, returncode, timed_out = "", str(exc), None, False
+        seconds = time.monotonic() - start
+    return ProbeRun(parse_probe_output(stdout), timed_out, returncode, stderr, seconds, timeout_s)
+
+
+def _text(data: bytes | str | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def parse_probe_output(stdout: str) -> dict[str, dict[str, Any]]:
+    results = {}
+    for line in stdout.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a package printed to stdout; the checks' lines are whole JSON objects
+        if isinstance(record, dict) and "check" in record:
+            results[record["check"]] = record
+    return results
+
+
+def check_env(target: EnvTarget | None, platform: Platform | None) -> Finding:
+    """The managed environment exists, its receipt reads, its Python is there, and it was built for this machine."""
+    title = "Managed environment"
+    if target is None:
+        return Finding("env", title, "warning", "No managed environment yet", fix=REINSTALL)
+    if target.origin == "--python":
+        if not target.python.is_file():
+            return Finding("env", title, "error", f"{target.python} (given with --python) does not exist",
+                           fix="Give the path of a Python interpreter, e.g. --python .venv/bin/python", required=True)
+        return Finding("env", title, "ok", f"Checking {target.python} (given with --python)")
+    if target.receipt is None:
+        return Finding("env", title, "error", f"{target.env}: its receipt is missing or unreadable",
+                       fix=REINSTALL, required=True)
+    if not target.python.exists():
+        return Finding("env", title, "error", f"{target.env}: its Python ({target.python}) is missing",
+                       fix=REINSTALL, required=True)
+    name = target.receipt.get("name") or target.env.name
+    built = target.receipt.get("finished", "?")
+    if platform is not None and target.receipt.get("fingerprint") not in (None, hardware_fingerprint(platform.to_json())):
+        return Finding("env", title, "warning",
+                       f"{name} was built for other hardware or drivers than this machine has now",
+                       fix=REINSTALL)
+    return Finding("env", title, "ok", f"{name} (built {built})", detail=str(target.env))
+
+
+def skipped_env_findings(reason: str) -> list[Finding]:
+    return [Finding(f"env-{name.replace('_', '-')}", TITLES[name], "skipped", reason) for name in env_probe.CHECKS]
+
+
+def probe_findings(run: ProbeRun, platform: Platform, plan: Plan | None,
+                   without: list[str] | tuple[str, ...] = ()) -> list[Finding]:
+    """What the probe printed, judged against the plan. Checks it never reported hung or crashed."""
+    judges = {
+        "torch": _judge_torch,
+        "gpu": _judge_gpu,
+        "matmul": _judge_matmul,
+        "bitsandbytes": _judge_bitsandbytes,
+        "triton": _judge_triton,
+        "llama_cpp": _judge_llama_cpp,
+    }
+    findings, stopped = [], False
+    for name in env_probe.CHECKS:
+        check_id = f"env-{name.replace('_', '-')}"
+        result = run.results.get(name)
+        if result is None:
+            findings.append(Finding(check_id, TITLES[name], "skipped", "Not reached") if stopped
+                            else _missing(check_id, name, run))
+            stopped = True
+            continue
+        finding = judges[name](check_id, result, platform, plan, without)
+        findings.append(_with_detail(finding, result))
+    return findings
+
+
+def _with_detail(finding: Finding, result: dict[str, Any]) -> Finding:
+    extra = {k: v for k, v in result.items() if k not in ("check", "ok", "message", "traceback")}
+    detail = json.dumps(extra, sort_keys=True) + (("\n" + result["traceback"]) if result.get("traceback") else "")
+    return Finding(**{**finding.to_json(), "detail": detail})
+
+
+def _missing(check_id: str, name: str, run: ProbeRun) -> Finding:
+    title = TITLES[name]
+    tail = "\n".join(run.stderr.strip().splitlines()[-15:])
+    if run.timed_out:
+        return Finding(check_id, title, "error", f"Hung: no answer within {run.timeout_s:.0f} s",
+                       fix="Look for GPU driver errors (`sudo dmesg | tail -50`); if the machine is only slow, "
+                       f"run `unsloth doctor --timeout {int(run.timeout_s * 3)}`", required=True, detail=tail)
+    how = f"exited with code {run.returncode}" if run.returncode is not None else "did not start"
+    return Finding(check_id, title, "error", f"The environment's Python {how} during this check",
+                   fix=f"See the error with `unsloth doctor --verbose`; then repair with `{REINSTALL}`",
+                   required=True, detail=tail)
+
+
+def _judge_torch(check_id, result, platform, plan, without) -> Finding:
+    title, wanted = TITLES["torch"], backend(plan)
+    if not result["ok"]:
+        return Finding(check_id, title, "error", f"torch does not import: {result['message']}", fix=REINSTALL,
+                       required=True)
+    if result.get("backend") != wanted and wanted in ("cuda", "rocm"):
+        return Finding(check_id, title, "error",
+                       f"{result['message']}, but the plan needs a {wanted} build ({plan.torch.variant})",
+                       fix=REINSTALL, required=True)
+    return Finding(check_id, title, "ok", result["message"], required=True)
+
+
+def _judge_gpu(check_id, result, platform, plan, without) -> Finding:
+    title, wanted = TITLES["gpu"], backend(plan)
+    if result["ok"] is None:
+        return Finding(check_id, title, "skipped", result["message"])
+    if wanted not in ("cuda", "rocm"):
+        return Finding(check_id, title, "skipped", f"No GPU in the plan: torch runs on the {wanted.upper()}")
+    expected = target_gpu(platform, plan)
+    if not result["ok"]:
+        return Finding(check_id, title, "error",
+                       f"torch sees no GPU; the plan expects {expected.name if expected else 'one'}",
+                       fix="Fix the GPU findings above (driver, device access, HSA override), then run `unsloth doctor` again",
+                       required=True)
+    seen = result["devices"][0]
+    if expected is not None and expected.arch and seen.get("arch") and seen["arch"] != expected.arch:
+        return Finding(check_id, title, "warning",
+                       f"torch sees {seen['name']} as {seen['arch']}, but the GPU is {expected.arch}",
+                       fix="unset HSA_OVERRIDE_GFX_VERSION, and check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES")
+    return Finding(check_id, title, "ok", result["message"], required=True)
+
+
+def _judge_matmul(check_id, result, platform, plan, without) -> Finding:
+    title = TITLES["matmul"]
+    if result["ok"] is None:
+        return Finding(check_id, title, "skipped", result["message"])
+    if not result["ok"]:
+        return Finding(check_id, title, "error", f"Wrong or failed: {result['message']}",
+                       fix="Update the GPU driver, then reinstall: unsloth install", required=True)
+    return Finding(check_id, title, "ok", result["message"], required=True)
+
+
+def _judge_bitsandbytes(check_id, result, platform, plan, without) -> Finding:
+    title = TITLES["bitsandbytes"]
+    required = plan is not None and plan.bitsandbytes.get("source", "none") != "none"
+    if result["ok"] is None:
+        return Finding(check_id, title, "skipped", result["message"])
+    if not result["ok"]:
+        if not required:
+            return Finding(check_id, title, "skipped", f"Not in the plan here ({result['message']}); QLoRA is off")
+        return Finding(check_id, title, "error", f"Failed: {result['message']}", fix=REINSTALL, required=True)
+    return Finding(check_id, title, "ok", result["message"], required=required)
+
+
+def _judge_triton(check_id, result, platform, plan, without) -> Finding:
+    title = TITLES["triton"]
+    required = backend(plan) in ("cuda", "rocm", "xpu")  # our training kernels are Triton
+    if result["ok"] is None:
+        return Finding(check_id, title, "skipped", result["message"])
+    if not result["ok"]:
+        return Finding(check_id, title, "error" if required else "warning", f"Failed: {result['message']}",
+                       fix=REINSTALL if required else "Training falls back to plain PyTorch; reinstall to repair: unsloth install",
+                       required=required)
+    return Finding(check_id, title, "ok", result["message"], required=required)
+
+
+def _judge_llama_cpp(check_id, result, platform, plan, without) -> Finding:
+    title = TITLES["llama_cpp"]
+    if not result["ok"]:
+        if "llama-cpp" in without:
+            return Finding(check_id, title, "skipped", "Left out at install (--without llama-cpp)")
+        return Finding(check_id, title, "warning", f"Does not load: {result['message']}; export and chat need it",
+                       fix=REINSTALL)
+    wants_gpu = plan is not None and plan.llama_cpp.get("backend", "cpu") != "cpu"
+    if wants_gpu and not result.get("gpu_offload"):
+        return Finding(check_id, title, "warning", f"{result['message']}: built without GPU offload, chat will be slow",
+                       fix=REINSTALL)
+    return Finding(check_id, title, "ok", result["message"])
+
+

@@ -1,0 +1,108 @@
+"""Showing a Platform and doctor's findings: rich tables and lines for people, JSON for programs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from unsloth.doctor.findings import Finding
+from unsloth.platform.facts import Platform
+
+ICONS = {"ok": ("✓", "green"), "warning": ("!", "yellow"), "error": ("✗", "red"), "skipped": ("-", "dim")}
+GIB = 2**30
+
+
+def console() -> Console:
+    # Data goes to stdout; highlight=False keeps rich from colouring numbers inside messages.
+    return Console(highlight=False, soft_wrap=True)
+
+
+def print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def _yes_no(value: bool | None) -> str:
+    return {True: "yes", False: "no", None: "unknown"}[value]
+
+
+def _gib(n: int | None) -> str:
+    return f"{n / GIB:.1f} GiB" if n else "unknown"
+
+
+def platform_tables(platform: Platform) -> list[Table]:
+    """The machine as two tables: its facts (with the probe that said each) and its GPUs."""
+    machine = Table(title="Machine", title_justify="left", show_header=True)
+    for column in ("fact", "value", "from"):
+        machine.add_column(column, style="dim" if column == "from" else None)
+    rows = [
+        ("OS", "os", platform.os),
+        ("WSL", "wsl", _yes_no(platform.wsl) + (f" (WSL {platform.wsl_version})" if platform.wsl_version else "")),
+        ("Machine", "machine", platform.machine),
+        ("Kernel", "kernel", platform.kernel),
+        ("Distribution", "distro", platform.distro),
+        ("CPU", "cpu", platform.cpu),
+        ("RAM", "ram_bytes", _gib(platform.ram_bytes)),
+        ("NVIDIA driver", "nvidia_driver", platform.nvidia_driver),
+        ("CUDA (driver)", "cuda_driver", platform.cuda_driver),
+        ("ROCm", "rocm_version", platform.rocm_version),
+        ("/dev/kfd", "dev_kfd", _yes_no(platform.dev_kfd)),
+        ("/dev/dxg", "dev_dxg", _yes_no(platform.dev_dxg)),
+        ("HSA override", "hsa_override", platform.hsa_override
+         and platform.hsa_override + (" (changes the reported GPU)" if platform.hsa_override_spoofs else "")),
+    ]
+    for label, key, value in rows:
+        machine.add_row(label, str(value) if value not in (None, "") else "unknown", platform.provenance.get(key, ""))
+
+    gpus = Table(title="GPUs", title_justify="left")
+    for column in ("#", "vendor", "name", "arch", "family", "VRAM", "integrated", "PCI id", "from"):
+        gpus.add_column(column, style="dim" if column == "from" else None)
+    for n, gpu in enumerate(platform.gpus):
+        gpus.add_row(str(n), gpu.vendor, gpu.name or "unknown", gpu.arch or "unknown", gpu.family or "unknown",
+                     _gib(gpu.vram_bytes), _yes_no(gpu.integrated), gpu.pci_id or "unknown", ", ".join(gpu.sources))
+    return [machine, gpus]
+
+
+def print_platform(platform: Platform, out: Console | None = None) -> None:
+    out = out or console()
+    machine, gpus = platform_tables(platform)
+    out.print(machine)
+    if platform.gpus:
+        out.print(gpus)
+    else:
+        out.print(Text("No GPU found: training would run on the CPU (slow).", style="yellow"))
+    for note in platform.notes:
+        out.print(Text(f"note: {note}", style="yellow"))
+    if platform.probes:
+        probes = ", ".join(f"{name} {status}" for name, status in sorted(platform.probes.items()))
+        out.print(Text(f"probes: {probes}", style="dim"))
+
+
+def print_findings(findings: list[Finding], summary: dict[str, Any], *, verbose: bool = False,
+                   out: Console | None = None) -> None:
+    out = out or console()
+    width = max((len(f.title) for f in findings), default=0)
+    for finding in findings:
+        icon, colour = ICONS[finding.status]
+        line = Text.assemble((f" {icon} ", colour), (finding.title.ljust(width), "bold"), "  ",
+                             (finding.message, "dim" if finding.status == "skipped" else ""))
+        out.print(line)
+        if finding.fix and finding.status in ("warning", "error"):
+            out.print(Text.assemble(" " * (width + 5), ("fix: ", colour), finding.fix))
+        if verbose and finding.detail:
+            for detail_line in finding.detail.splitlines():
+                out.print(Text(" " * (width + 5) + detail_line, style="dim"))
+    out.print(summary_line(summary))
+
+
+def summary_line(summary: dict[str, Any]) -> Text:
+    counts = ", ".join(f"{summary[s]} {s}" for s in ("ok", "warning", "error", "skipped") if summary[s])
+    if summary["failed_required"]:
+        return Text(f"Doctor found problems that block training ({', '.join(summary['failed_required'])}): {counts}",
+                    style="bold red")
+    if summary["warning"] or summary["error"]:
+        return Text(f"Ready, with warnings: {counts}", style="bold yellow")
+    return Text(f"Ready: {counts}", style="bold green")
