@@ -458,7 +458,7 @@ def _url(entry: _Entry, key: str) -> str:
     parsed = urlparse(value)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise entry.error(f"'{key}' = {value!r} is not an http(s) URL")
-    return value.rstrip("/")
+    return value
 
 
 def _table(data: dict[str, Any], key: str, path: str) -> dict[str, Any]:

@@ -154,7 +154,7 @@ class _Resolver:
             elif chosen:
                 reason = f"{chosen.label} cannot be used yet (see warnings); until then: {reason}"
         self.cite(cell.source)
-        self.check_user_env(family)
+        self.check_user_env(family.vendor if family else None)
         torch = self.apply_pins(torch)
         bitsandbytes = self.bitsandbytes_choice(torch, device)
         return Plan(
@@ -171,7 +171,7 @@ class _Resolver:
             fits=self.fits(device, bitsandbytes["source"] != "none"),
             sources=self.sources,
             os=self.os,
-            family=family.name,
+            family=family.name if family else None,
         )
 
     # --- which device ---------------------------------------------------------------------------
@@ -180,8 +180,8 @@ class _Resolver:
         family = self.matrix.families.get(gpu.family or "") or (self.matrix.family_of(gpu.arch) if gpu.arch else None)
         if family is None and gpu.vendor == "nvidia" and gpu.compute_capability:
             family = self.matrix.family_of("sm_" + gpu.compute_capability.replace(".", ""))
-        if family is None and gpu.vendor == "intel":
-            family = self.matrix.families.get("Intel")
+        if family is None:  # vendors the matrix keeps as one family without archs (Intel, Apple)
+            family = next((f for f in self.matrix.families.values() if f.vendor == gpu.vendor and not f.archs), None)
         cell = self.matrix.support.get((family.name, self.os)) if family else None
         return _Candidate(gpu, family, cell, position)
 
@@ -191,10 +191,13 @@ class _Resolver:
             if candidate.family is None and candidate.gpu.vendor == "amd":
                 self.warn(
                     f"{candidate.label}: the AMD GPU's gfx target could not be read, so no ROCm build can be chosen for it.",
-                    "Install ROCm so `rocminfo` can name the target "
-                    f"({self.matrix.urls['rocm_install']}), or set UNSLOTH_ROCM_GFX_ARCH=gfxNNNN, then re-run.",
+                    f"Install ROCm ({self.matrix.urls['rocm_install']}) so `rocminfo` can name the gfx target, "
+                    "then re-run `unsloth install`.",
                 )
         usable = [c for c in candidates if c.family and c.cell]
+        unnamed_nvidia = [c for c in candidates if c.family is None and c.gpu.vendor == "nvidia"]
+        if not usable and unnamed_nvidia and self.platform.nvidia_driver:
+            return self.unidentified_nvidia(unnamed_nvidia[0])
         if not usable:
             if candidates:
                 return None, "no GPU the hardware matrix knows: " + ", ".join(c.label for c in candidates)
@@ -217,6 +220,23 @@ class _Resolver:
                 why.append(f"{other.label}: less VRAM or listed later")
         self.hide_others(best, others)
         return best, f"{best.label}: {best.cell.level} support; preferred over " + "; ".join(why)
+
+    def unidentified_nvidia(self, candidate: _Candidate) -> tuple[_Candidate, str]:
+        """A working driver but a model name that fixes no generation (nvidia-smi truncates long
+        names): plan CUDA from the driver alone, as "limited" until the generation is known."""
+        candidate.cell = SupportCell(
+            family="NVIDIA (unidentified)",
+            os=self.os,
+            level="limited",
+            reason=f"the GPU generation could not be identified from {candidate.gpu.name!r}; planned from the driver alone",
+            source="nvidia-smi driver version",
+        )
+        self.warn(
+            f"Could not tell which NVIDIA generation {candidate.gpu.name!r} is; GPUs older than Turing need the cu126 build.",
+            "Check with `nvidia-smi --query-gpu=name,compute_cap --format=csv`; for compute capability below 7.5 set "
+            f"UNSLOTH_TORCH_INDEX_URL={self.pytorch}/cu126 and re-run `unsloth install`.",
+        )
+        return candidate, f"{candidate.label}: the only NVIDIA GPU, generation unknown"
 
     def hide_others(self, best: _Candidate, others: list[_Candidate]) -> None:
         """Same-vendor GPUs we did not choose would still be enumerated by the runtime: hide them."""
@@ -253,9 +273,9 @@ class _Resolver:
     def torch_choice(self, chosen: _Candidate) -> TorchChoice | None:
         if chosen.cell.level == "unsupported":
             return None
-        if chosen.family.vendor == "nvidia":
+        if chosen.gpu.vendor == "nvidia":
             return self.cuda_choice(chosen.gpu)
-        if chosen.family.vendor == "amd":
+        if chosen.family and chosen.family.vendor == "amd":
             return self.amd_choice(chosen.gpu, chosen.family)
         return None
 
@@ -391,12 +411,12 @@ class _Resolver:
             )
         return TorchChoice(backend, leaf, url, torch.version_spec if backend == torch.backend else None, torch.packages)
 
-    def check_user_env(self, family: Family) -> None:
+    def check_user_env(self, vendor: str | None) -> None:
         """An HSA override the user set would make ROCm load another GPU's kernels: say so."""
         value = self.platform.hsa_override or self.platform.env.get("HSA_OVERRIDE_GFX_VERSION")
         if not value or value == self.env.get("HSA_OVERRIDE_GFX_VERSION"):
             return
-        if self.os != "windows" and (self.platform.hsa_override_spoofs is False or family.vendor != "amd"):
+        if self.os != "windows" and (self.platform.hsa_override_spoofs is False or vendor != "amd"):
             return  # it changes nothing the runtime reports, or there is no AMD GPU to mislead
         if self.os != "windows" and self.platform.hsa_override_spoofs is None and _gfx_of(value) == self.effective_arch:
             return
@@ -451,7 +471,7 @@ class _Resolver:
             "backend": row.backend,
             "how": "wheel" if tag else "source",
             "package": "llama-cpp-python",
-            "index_url": f"{self.matrix.urls['llama_cpp_wheels']}/{tag}" if tag else None,
+            "index_url": f"{self.matrix.urls['llama_cpp_wheels'].rstrip('/')}/{tag}" if tag else None,
             "cmake_args": cmake_args,
         }
 
