@@ -1,0 +1,198 @@
+"""`unsloth install | update | rollback | uninstall`: the managed environment, transactionally.
+
+`install --dry-run` only prints the plan (what would be installed, and why). Options can also come
+from UNSLOTH_* variables, which is how `curl ... | sh` passes them (docs/install.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from unsloth.commands.detect import add_from_argument, detect_platform
+
+EXIT_USAGE = 2
+OPTIONAL_PARTS = ("llama-cpp", "export", "bitsandbytes")
+
+
+def _env_list(name: str) -> list[str]:
+    return [item for item in os.environ.get(name, "").replace(",", " ").split() if item]
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _add_build_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--yes", "-y", action="store_true", help="do not ask before building (implied without a terminal)")
+    parser.add_argument("--source", default=os.environ.get("UNSLOTH_SOURCE"), metavar="PATH|URL",
+                        help="install this package from a source tree or release archive "
+                        "(default: this checkout, else what the active environment came from)")
+    parser.add_argument("--python", default=os.environ.get("UNSLOTH_PYTHON"), metavar="PYTHON",
+                        help="interpreter for the environment (default: the one running unsloth)")
+    parser.add_argument("--index-url", default=os.environ.get("UNSLOTH_INDEX_URL"), metavar="URL",
+                        help="package index for everything but PyTorch (default: your pip configuration, else PyPI)")
+    parser.add_argument("--extra-index-url", action="append", default=_env_list("UNSLOTH_EXTRA_INDEX_URL"), metavar="URL")
+    parser.add_argument("--find-links", action="append", default=_env_list("UNSLOTH_FIND_LINKS"), metavar="DIR|URL",
+                        help="a wheelhouse; with the exact PyTorch build in it, PyTorch comes from there (air-gapped installs)")
+    parser.add_argument("--ignore-pip-config", action="store_true", default=_env_flag("UNSLOTH_IGNORE_PIP_CONFIG"),
+                        help="do not read pip's configuration for indexes, find-links and constraints")
+    parser.add_argument("--without", action="append", default=_env_list("UNSLOTH_WITHOUT"), metavar="PART",
+                        help=f"leave out an optional part: {', '.join(OPTIONAL_PARTS)} (repeatable or comma-separated)")
+    parser.add_argument("--pip", action="store_true", default=os.environ.get("UNSLOTH_INSTALLER") == "pip",
+                        help="install with pip instead of uv")
+    parser.add_argument("--no-modify-path", action="store_true", default=_env_flag("UNSLOTH_NO_MODIFY_PATH"),
+                        help="do not add the launcher's folder to PATH in shell start-up files")
+
+
+def register(subparsers) -> None:
+    install = subparsers.add_parser(
+        "install", help="build the environment for this machine's GPU (or --dry-run: show the plan)",
+        description="Detect the hardware, plan, and build a managed environment beside the current one; "
+        "switch to it only once it is verified.")
+    install.add_argument("--dry-run", action="store_true", help="print the plan and change nothing")
+    install.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
+    install.add_argument("--torch-index-url", default=None, metavar="URL",
+                         help="take PyTorch from this index (a mirror of the plan's); also UNSLOTH_TORCH_INDEX_URL")
+    install.add_argument("--force", action="store_true", help="rebuild even when the active environment matches")
+    add_from_argument(install)
+    _add_build_arguments(install)
+    install.set_defaults(func=run_install, upgrade=False)
+
+    update = subparsers.add_parser(
+        "update", help="rebuild with the newest versions for this machine; keeps the current env if nothing changed",
+        description="Re-detect, re-plan and build with fresh versions beside the current environment.")
+    update.add_argument("--torch-index-url", default=None, metavar="URL")
+    _add_build_arguments(update)
+    update.set_defaults(func=run_install, upgrade=True, dry_run=False, json=False, force=False, from_dir=None)
+
+    rollback = subparsers.add_parser("rollback", help="return to the previous environment")
+    rollback.set_defaults(func=run_rollback)
+
+    uninstall = subparsers.add_parser(
+        "uninstall", help="remove the environments, the launcher and the PATH line (nothing else)")
+    uninstall.add_argument("--yes", "-y", action="store_true", help="do not ask")
+    uninstall.add_argument("--purge", action="store_true", help="also delete everything else under the install home")
+    uninstall.set_defaults(func=run_uninstall)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=False, highlight=False)
+
+
+def make_plan(args: argparse.Namespace):
+    from unsloth.matrix import load_matrix
+    from unsloth.plan import Overrides, resolve
+
+    platform, _ = detect_platform(args.from_dir)
+    overrides = Overrides.from_env(os.environ)
+    if args.torch_index_url:
+        overrides = Overrides(**{**overrides.__dict__, "torch_index_url": args.torch_index_url})
+    return platform, resolve(platform, load_matrix(), overrides=overrides)
+
+
+def run_install(args: argparse.Namespace) -> int:
+    try:
+        platform, plan = make_plan(args)
+    except (OSError, ValueError) as exc:  # an unreadable dump or matrix: say which, change nothing
+        print(f"unsloth install: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.dry_run:
+        return _print_plan(plan, args.json)
+    if args.from_dir is not None:
+        print("unsloth install: --from plans for another machine's dump; add --dry-run to see that plan.", file=sys.stderr)
+        return EXIT_USAGE
+    unknown = sorted(set(args.without) - set(OPTIONAL_PARTS))
+    if unknown:
+        print(f"unsloth install: --without {', '.join(unknown)}: not an optional part ({', '.join(OPTIONAL_PARTS)}).",
+              file=sys.stderr)
+        return EXIT_USAGE
+
+    from unsloth.envs import manager
+    from unsloth.envs.paths import home
+    from unsloth.envs.sources import Sources, with_overrides
+    from unsloth.envs.steps import Request
+
+    root = home()
+    source = manager.find_source(args.source, root)
+    if source is None:
+        print("unsloth install: where should unsloth be installed from? Pass --source PATH|URL "
+              "(a checkout or a release archive).", file=sys.stderr)
+        return EXIT_USAGE
+    base = Sources() if args.ignore_pip_config else manager.pip_config_sources(args.python)
+    sources = with_overrides(base, index_url=args.index_url, extra_index_urls=args.extra_index_url,
+                             find_links=args.find_links)
+    request = Request(source=source, sources=sources, without=tuple(sorted(set(args.without))), python=args.python)
+    console = _console()
+    _print_summary(console, plan)
+    if not args.yes and sys.stdin.isatty() and sys.stdout.isatty():
+        if console.input("Build this environment? [Y/n] ").strip().lower() not in ("", "y", "yes"):
+            console.print("Nothing changed.")
+            return 1
+    options = manager.Options(request=request, root=root, use_pip=args.pip, force=args.force,
+                              modify_path=not args.no_modify_path, upgrade=args.upgrade)
+    return manager.install(options, plan, platform.to_json(), console)
+
+
+def _print_summary(console, plan) -> None:
+    device = plan.device.name if plan.device else "CPU"
+    console.print(f"Plan: [bold]{plan.support}[/] support on {device} — PyTorch {plan.torch.backend}"
+                  f" ({plan.torch.variant}) from {plan.torch.index_url}")
+    for advice in plan.warnings:
+        console.print(f"[yellow]![/] {advice.message}" + (f"\n  fix: {advice.fix}" if advice.fix else ""))
+
+
+def _print_plan(plan, as_json: bool) -> int:
+    import json
+
+    if as_json:
+        print(json.dumps(plan.to_json(), indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    device = plan.device
+    table.add_row("support", f"{plan.support}: {plan.reason}")
+    table.add_row("device", (f"{device.name or device.vendor} ({device.arch or '?'})" if device else "CPU") + f" — {plan.device_reason}")
+    spec = plan.torch.version_spec or "torch"
+    table.add_row("torch", f"{plan.torch.backend} ({plan.torch.variant}) {spec} from {plan.torch.index_url}")
+    bnb = plan.bitsandbytes
+    table.add_row("bitsandbytes", (bnb.get("spec") or "none") + (f" — {bnb['note']}" if bnb.get("note") else ""))
+    llama = plan.llama_cpp
+    how = f"prebuilt from {llama.get('index_url')}" if llama.get("how") == "wheel" else f"source build, CMAKE_ARGS={llama.get('cmake_args')!r}"
+    table.add_row("llama.cpp", f"{llama.get('backend')} — {how}")
+    table.add_row("attention", plan.attention)
+    table.add_row("env", " ".join(f"{k}={v}" for k, v in plan.env.items()) or "-")
+    console = Console(highlight=False)
+    console.print(table)
+    for advice in plan.warnings:
+        console.print(f"[yellow]![/] {advice.message}" + (f"\n  fix: {advice.fix}" if advice.fix else ""))
+    return 0
+
+
+def run_rollback(args: argparse.Namespace) -> int:
+    from unsloth.envs import manager
+    from unsloth.envs.paths import home
+
+    return manager.rollback(home(), _console())
+
+
+def run_uninstall(args: argparse.Namespace) -> int:
+    from unsloth.envs import manager
+    from unsloth.envs.paths import bin_dir, home
+
+    console = _console()
+    root = home()
+    if not args.yes and sys.stdin.isatty():
+        what = root if args.purge else f"{root}/envs, the launcher in {bin_dir()} and the PATH line"
+        if console.input(f"Remove {what}? [y/N] ").strip().lower() not in ("y", "yes"):
+            console.print("Nothing changed.")
+            return 1
+    return manager.uninstall(root, console, purge=args.purge)

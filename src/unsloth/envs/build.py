@@ -1,0 +1,211 @@
+"""Build one environment beside the current one, verify it, and write its receipt.
+
+Either the build finishes with a receipt, or its folder is deleted (failure, Ctrl-C, SIGTERM).
+A SIGKILL can leave a folder without a receipt; the next run sweeps it away under the lock.
+Nothing here touches the active environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from unsloth import __version__
+from unsloth.envs import steps as plan_steps
+from unsloth.envs.paths import env_python, envs_dir
+from unsloth.envs.receipt import digest, hardware_fingerprint, utc_now, write_receipt
+from unsloth.envs.runner import Step, StepFailed, run_step
+from unsloth.envs.sources import TORCH_FAMILY, local_listings, torch_source
+from unsloth.envs.steps import Request, Tool
+from unsloth.envs.verify import problems
+
+REQUIRED_IMPORTS = ["unsloth", "transformers", "peft", "trl", "accelerate", "datasets"]
+
+
+class BuildFailed(Exception):
+    """The new environment does not fit the plan; it has been removed, the active one is untouched."""
+
+    def __init__(self, message: str, found: list[str] | None = None, log: Path | None = None):
+        super().__init__(message)
+        self.found = found or []
+        self.log = log
+
+
+def find_uv() -> str | None:
+    """uv from UNSLOTH_UV, the running environment (the `uv` package), or PATH."""
+    if os.environ.get("UNSLOTH_UV"):
+        return os.environ["UNSLOTH_UV"]
+    try:
+        from uv import find_uv_bin
+
+        return find_uv_bin()
+    except (ImportError, FileNotFoundError):
+        pass
+    beside = Path(sys.executable).parent / ("uv.exe" if os.name == "nt" else "uv")
+    return str(beside) if beside.exists() else shutil.which("uv")
+
+
+def default_python() -> str:
+    """The interpreter this installer runs on, outside any virtual environment."""
+    return getattr(sys, "_base_executable", None) or sys.executable
+
+
+def request_hash(request: Request, plan_json: dict[str, Any], source_id: str) -> str:
+    """Same hash, same environment: a re-run with nothing new has nothing to do."""
+    return digest({"request": request.to_json(), "plan": plan_json, "source_id": source_id, "unsloth": __version__})
+
+
+def source_identity(source: str) -> str:
+    """What identifies the package source: an archive's URL, or a directory's relevant files."""
+    if not plan_steps.is_local_source(source):
+        return source
+    root = Path(source.removeprefix("file://"))
+    entries = []
+    for top in ("pyproject.toml", "src", "kernels"):
+        path = root / top
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
+        for file in files:
+            if "__pycache__" in file.parts or file.suffix == ".pyc" or ".egg-info" in str(file):
+                continue
+            stat = file.stat()
+            entries.append((str(file.relative_to(root)), stat.st_size, stat.st_mtime_ns))
+    return digest(entries)
+
+
+def new_env_name() -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+def _json_from(python: Path, code: str) -> Any:
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def installed_versions(python: Path) -> dict[str, str]:
+    return _json_from(
+        python,
+        "import importlib.metadata as m, json; "
+        "print(json.dumps({d.metadata['Name'].lower(): d.version for d in m.distributions() if d.metadata['Name']}))",
+    )
+
+
+def build(
+    root: Path,
+    request: Request,
+    plan,
+    platform_json: dict[str, Any],
+    console: Console,
+    *,
+    use_pip: bool = False,
+) -> Path:
+    """Build, verify and receipt a new environment under ``root``/envs; return its path."""
+    env = envs_dir(root) / new_env_name()
+    started = utc_now()
+    try:
+        return _build(env, request, plan, platform_json, console, use_pip, started)
+    except BaseException:
+        shutil.rmtree(env, ignore_errors=True)
+        raise
+
+
+def _build(env: Path, request: Request, plan, platform_json, console: Console, use_pip: bool, started: str) -> Path:
+    logs = env / "logs"
+    python = env_python(env)
+    base_python = request.python or default_python()
+    uv = None if use_pip else find_uv()
+    count = iter(range(1, 100))
+
+    def run(step: Step) -> str:
+        return run_step(step, logs, console, next(count))
+
+    env.mkdir(parents=True)
+    if uv:
+        run(Step("venv", f"Python environment ({base_python})", [uv, "venv", "--allow-existing", "--python", base_python, str(env)]))
+        tool = Tool.uv(uv, python)
+    else:
+        run(Step("venv", f"Python environment ({base_python})", [base_python, "-m", "venv", str(env)]))
+        tool = Tool.pip(python)
+
+    info = _json_from(python, "import sys, json; print(json.dumps([sys.version.split()[0], f'cp{sys.version_info[0]}{sys.version_info[1]}']))")
+    py_version, py_tag = info
+    torch = torch_source(plan.torch, request.sources, py_tag, local_listings(request.sources.find_links), request.torch_index_url)
+    run(plan_steps.torch_step(tool, torch, request.sources, plan.torch.backend))
+
+    pins = env / "unsloth-pins.txt"
+    pins.write_text(plan_steps.pins_text(installed_versions(python), TORCH_FAMILY), encoding="utf-8")
+    run(plan_steps.packages_step(tool, request, pins, plan.bitsandbytes))
+    bnb = plan_steps.bitsandbytes_index_step(tool, request, pins, plan.bitsandbytes)
+    if bnb:
+        run(bnb)
+    export_requires = _json_from(
+        python,
+        "import importlib.metadata as m, json; "
+        f"print(json.dumps([r for r in (m.requires({plan_steps.DIST_NAME!r}) or []) if 'extra == \"export\"' in r]))",
+    )
+    export = plan_steps.export_step(tool, request, pins, export_requires)
+    if export:
+        run(export)
+    optional_failed = {}
+    llama = plan_steps.llama_cpp_step(tool, request, pins, export_requires, plan.llama_cpp)
+    if llama:
+        try:
+            run(llama)
+        except StepFailed as exc:  # optional: training works without it; doctor says how to add it
+            console.print(f"[yellow]! {exc.step.title} failed[/]; continuing without it. Log: {exc.log}\n  {exc.fix}")
+            optional_failed["llama-cpp"] = str(exc.log)
+
+    probe = _verify(run, python, plan, request, optional_failed)
+    receipt = {
+        "name": env.name,
+        "created": started,
+        "finished": utc_now(),
+        "unsloth": {"version": probe["packages"].get(plan_steps.DIST_NAME), "source": request.source},
+        "request": request.to_json(),
+        "request_hash": request_hash(request, plan.to_json(), source_identity(request.source)),
+        "fingerprint": hardware_fingerprint(platform_json),
+        "platform": platform_json,
+        "plan": plan.to_json(),
+        "python": {"version": py_version, "executable": str(python)},
+        "installer": {"tool": tool.name, "version": _tool_version(tool)},
+        "indexes": {"torch": torch.to_json(), **request.sources.to_json()},
+        "without": sorted(request.without),
+        "optional_failed": optional_failed,
+        "packages": probe["packages"],
+        "verified": {**probe["torch"], "imports": probe["imports"]},
+    }
+    write_receipt(env, receipt)
+    return env
+
+
+def _verify(run, python: Path, plan, request: Request, optional_failed: dict[str, str]) -> dict[str, Any]:
+    required = list(REQUIRED_IMPORTS)
+    if plan.bitsandbytes.get("source") not in (None, "none") and "bitsandbytes" not in request.without:
+        required.append("bitsandbytes")
+    if not {"export", "llama-cpp"} & (set(request.without) | set(optional_failed)):
+        required.append("llama_cpp")
+    probe_step = Step("verify", "Verify: imports, the torch build, the GPU", [str(python), "-m", "unsloth.envs.probe"])
+    probe = json.loads(run(probe_step).strip().splitlines()[-1])
+    found = problems(plan.torch.backend, probe, required)
+    if found:
+        raise BuildFailed("the new environment does not match the plan", found)
+    return probe
+
+
+def _tool_version(tool: Tool) -> str:
+    argv = [tool.install[0], "--version"] if tool.name == "uv" else [tool.install[0], "-m", "pip", "--version"]
+    try:
+        return subprocess.run(argv, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "?"
+
+
+__all__ = ["BuildFailed", "StepFailed", "build", "find_uv", "request_hash", "source_identity"]

@@ -1,0 +1,240 @@
+"""install, update, rollback, uninstall: each one transaction under the install lock.
+
+The active environment changes only by an atomic rename of the ``current`` pointer, after the new
+environment is built and verified; everything else that can fail happens before that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Iterator
+
+from rich.console import Console
+
+from unsloth.envs import launcher, state
+from unsloth.envs.build import BuildFailed, build, request_hash, source_identity
+from unsloth.envs.lock import InstallLock
+from unsloth.envs.paths import CURRENT, LOCK_NAME, PREVIOUS, active_env, bin_dir, envs_dir
+from unsloth.envs.receipt import read_receipt
+from unsloth.envs.runner import StepFailed
+from unsloth.envs.sources import Sources, parse_pip_config
+from unsloth.envs.steps import DIST_NAME, Request
+
+KEEP_ON_UNINSTALL_HINT = "model caches (~/.cache/huggingface) and your training outputs are kept"
+
+
+@dataclass
+class Options:
+    """Everything `unsloth install` / `update` were asked, besides the plan."""
+
+    request: Request
+    root: Path
+    use_pip: bool = False
+    force: bool = False
+    modify_path: bool = True
+    upgrade: bool = False  # `update`: build even when nothing was asked differently
+    extra: dict = field(default_factory=dict)
+
+
+def pip_config_sources(python: str | None = None) -> Sources:
+    """The user's pip configuration (files and PIP_* variables), read by pip itself."""
+    for candidate in filter(None, (python, sys.executable, shutil.which("pip3"), shutil.which("pip"))):
+        argv = [candidate, "config", "list"] if Path(candidate).stem.startswith("pip") else [candidate, "-m", "pip", "config", "list"]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if done.returncode == 0:
+            return parse_pip_config(done.stdout)
+    return Sources()
+
+
+def find_source(explicit: str | None, root: Path) -> str | None:
+    """Where this package is installed from: --source, this checkout, or what the active env used."""
+    if explicit:
+        return str(Path(explicit).absolute()) if "://" not in explicit else explicit
+    checkout = Path(__file__).resolve().parents[3]
+    pyproject = checkout / "pyproject.toml"
+    if pyproject.is_file() and f'name = "{DIST_NAME}"' in pyproject.read_text(encoding="utf-8"):
+        return str(checkout)
+    env = active_env(root)
+    receipt = read_receipt(env) if env else None
+    return (receipt or {}).get("unsloth", {}).get("source")
+
+
+@contextmanager
+def signals_as_interrupt() -> Iterator[None]:
+    """SIGTERM / SIGHUP clean up like Ctrl-C: the half-built environment is removed."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    names = [name for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    old = {name: signal.signal(getattr(signal, name), interrupt) for name in names}
+    try:
+        yield
+    finally:
+        for name, handler in old.items():
+            signal.signal(getattr(signal, name), handler)
+
+
+def locked(root: Path, console: Console) -> InstallLock:
+    def waiting(holder: str) -> None:
+        console.print(f"Another unsloth install is running (pid {holder}); waiting for it to finish…")
+
+    return InstallLock(root / LOCK_NAME, on_wait=waiting)
+
+
+def install(options: Options, plan, platform_json: dict, console: Console) -> int:
+    root, request = options.root, options.request
+    with locked(root, console), signals_as_interrupt():
+        swept = state.sweep(root)
+        if swept:
+            console.print(f"Removed unfinished builds left by an interrupted run: {', '.join(swept)}")
+        current = active_env(root)
+        receipt = read_receipt(current) if current else None
+        wanted = request_hash(request, plan.to_json(), source_identity(request.source))
+        if receipt and receipt.get("request_hash") == wanted and not (options.force or options.upgrade):
+            _expose(options, console)
+            console.print(f"[green]Up to date[/]: {current.name} already matches this plan ({plan.torch.backend}). Nothing to do.")
+            return 0
+        console.print(f"Building a new environment beside {'the current one' if current else 'nothing'} …")
+        try:
+            env = build(root, request, plan, platform_json, console, use_pip=options.use_pip)
+        except StepFailed as exc:
+            console.print(f"[red]✗ {exc.step.title} failed[/]\n{exc.tail}\n")
+            console.print(f"Full log: {exc.log}  (that build was removed)")
+            console.print(f"Likely fix: {exc.fix}")
+            return _kept(current, console)
+        except BuildFailed as exc:
+            console.print(f"[red]✗ {exc}[/]")
+            for problem in exc.found:
+                console.print(f"  - {problem}")
+            console.print(f"Likely fix: unsloth install --torch-index-url {plan.torch.index_url}  (the plan's own index)")
+            return _kept(current, console)
+        except KeyboardInterrupt:
+            console.print("[yellow]Interrupted[/]: the half-built environment was removed.")
+            _kept(current, console)
+            return 130
+        if options.upgrade and receipt and read_receipt(env)["packages"] == receipt.get("packages"):
+            state.remove_env(env)  # identical to what is active: keep the active one, which is proven
+            _expose(options, console)
+            console.print(f"[green]Up to date[/]: {current.name} already has the newest versions for this plan.")
+            return 0
+        state.switch(root, env.name)
+        state.sweep(root, keep_finished=False)
+        _expose(options, console)
+    console.print(f"[green]Ready[/]: environment {env.name} is active ({plan.torch.backend}).")
+    if current:
+        console.print(f"The previous one ({current.name}) is kept: `unsloth rollback` returns to it.")
+    return 0
+
+
+def _kept(current: Path | None, console: Console) -> int:
+    if current:
+        console.print(f"Nothing changed: {current.name} is still the active environment.")
+    else:
+        console.print("Nothing was installed; your system is as it was.")
+    return 1
+
+
+def _expose(options: Options, console: Console) -> None:
+    """The launcher and the PATH line; both idempotent."""
+    target = bin_dir()
+    path = launcher.write_launcher(options.root, target)
+    if options.modify_path:
+        for changed in launcher.add_to_path(target):
+            console.print(f"Added {target} to PATH in {changed}")
+    on_path = str(target) in os.environ.get("PATH", "").split(os.pathsep)
+    if not on_path:
+        console.print(f"Open a new terminal (or run: export PATH=\"{target}:$PATH\") to use `{path.name}`.")
+
+
+def rollback(root: Path, console: Console) -> int:
+    with locked(root, console):
+        swapped = state.rollback(root)
+    if swapped is None:
+        console.print("Nothing to roll back to: there is no previous environment.")
+        return 1
+    console.print(f"Rolled back: {swapped[1]} is active again (was {swapped[0]}; `unsloth rollback` swaps back).")
+    return 0
+
+
+def uninstall(root: Path, console: Console, purge: bool = False) -> int:
+    """Remove the environments, the bootstrap env, the launcher and the PATH line; nothing else."""
+    with locked(root, console):
+        removed = [str(path) for path in launcher.remove_from_path(bin_dir())]
+        script = launcher.launcher_path(bin_dir())
+        if launcher.is_ours(script):  # never delete an `unsloth` we did not write
+            script.unlink(missing_ok=True)
+            removed.append(str(script))
+        for name in ("envs", "bootstrap", "uv"):
+            if (root / name).exists():
+                shutil.rmtree(root / name, ignore_errors=True)
+                removed.append(str(root / name))
+        for name in (CURRENT, PREVIOUS):
+            (root / name).unlink(missing_ok=True)
+    (root / LOCK_NAME).unlink(missing_ok=True)
+    if purge:
+        shutil.rmtree(root, ignore_errors=True)
+    elif root.exists() and not any(root.iterdir()):
+        root.rmdir()
+    for path in removed:
+        console.print(f"removed {path}")
+    kept = "" if purge else f"; {KEEP_ON_UNINSTALL_HINT}"
+    console.print(f"[green]Uninstalled[/]{kept}.")
+    return 0
+
+
+def env_table(root: Path) -> list[dict]:
+    current = active_env(root)
+    rows = []
+    for env, receipt in state.list_envs(root):
+        rows.append(
+            {
+                "name": env.name,
+                "path": str(env),
+                "active": current is not None and env == current,
+                "finished": (receipt or {}).get("finished"),
+                "backend": ((receipt or {}).get("plan") or {}).get("torch", {}).get("backend"),
+                "torch": ((receipt or {}).get("packages") or {}).get("torch"),
+                "status": "ready" if receipt else "unfinished",
+            }
+        )
+    return rows
+
+
+def export_lock(env: Path) -> str:
+    """A requirements file that rebuilds ``env`` exactly: every version pinned, torch from its source."""
+    receipt = read_receipt(env)
+    if receipt is None:
+        raise ValueError(f"{env} has no receipt: it is not a finished environment")
+    indexes = receipt.get("indexes") or {}
+    torch = indexes.get("torch") or {}
+    lines = [
+        f"# unsloth environment {receipt['name']}, built {receipt['finished']} ({receipt['plan']['torch']['backend']})",
+        "# Rebuild it exactly in a fresh environment: pip install -r THIS_FILE",
+        "# (uv: uv pip install --index-strategy unsafe-best-match -r THIS_FILE)",
+    ]
+    if torch.get("mode") == "index" and torch.get("url"):
+        lines.append(f"--extra-index-url {torch['url']}")
+    if indexes.get("index_url"):
+        lines.append(f"--index-url {indexes['index_url']}")
+    lines += [f"--extra-index-url {url}" for url in indexes.get("extra_index_urls", [])]
+    lines += [f"--find-links {link}" for link in indexes.get("find_links", []) + ([torch["url"]] if torch.get("mode") == "wheelhouse" else [])]
+    source = receipt["unsloth"]["source"]
+    source_url = source if "://" in source else Path(source).as_uri()
+    for name, version in sorted(receipt["packages"].items()):
+        lines.append(f"{DIST_NAME} @ {source_url}" if name == DIST_NAME else f"{name}=={version}")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["Options", "install", "rollback", "uninstall", "env_table", "export_lock", "pip_config_sources", "find_source"]

@@ -1,0 +1,107 @@
+"""Run one install step: full output to a log file, a spinner on screen, and on failure the log's
+last lines, its path and the likely fix."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+
+
+@dataclass
+class Step:
+    name: str  # short, used for the log file: "torch", "packages", "llama-cpp"
+    title: str  # what the user reads: "PyTorch (cpu) from https://download.pytorch.org/whl/cpu"
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class StepFailed(Exception):
+    def __init__(self, step: Step, log: Path, tail: str, fix: str):
+        super().__init__(f"{step.title} failed")
+        self.step, self.log, self.tail, self.fix = step, log, tail, fix
+
+
+_CREDENTIALS = re.compile(r"(?<=://)[^/@\s:]+:[^/@\s]+@")
+
+
+def redact(text: str) -> str:
+    """Hide user:password in index URLs before anything is logged or shown."""
+    return _CREDENTIALS.sub("***@", text)
+
+
+# (pattern in the output, what to do about it): first match wins.
+_FIXES = (
+    (r"No space left on device", "Free some disk space (the log says where), then run the same command again."),
+    (
+        r"dns error|Name or service not known|Could not resolve|Connection refused|timed out|Failed to fetch|"
+        r"Network is unreachable|ConnectError",
+        "A package index could not be reached. Check the network or proxy; behind a mirror set "
+        "UNSLOTH_INDEX_URL (and UNSLOTH_TORCH_INDEX_URL for PyTorch); offline, pass --find-links <wheelhouse>.",
+    ),
+    (
+        r"No solution found|Could not find a version|ResolutionImpossible|not found in the package registry|"
+        r"no matching distribution|was not found in",
+        "No release fits the plan from the configured indexes. See the plan with `unsloth install --dry-run` "
+        "and the indexes in the log's first line; a mirror may lack the version (UNSLOTH_INDEX_URL).",
+    ),
+    (
+        r"CMake|cmake|CMAKE_|compiler|ninja|gcc|cl\.exe",
+        "Building llama-cpp-python from source needs a C/C++ compiler and cmake (Debian/Ubuntu: "
+        "`sudo apt install build-essential cmake`). Or leave it out: `unsloth install --without llama-cpp`.",
+    ),
+    (r"Permission denied|Access is denied", "A file could not be written: check that UNSLOTH_HOME is yours and writable."),
+)
+
+
+def likely_fix(output: str) -> str:
+    for pattern, fix in _FIXES:
+        if re.search(pattern, output):
+            return fix
+    return "Read the log for the first error; `unsloth install` again retries from a clean state."
+
+
+def run_step(step: Step, log_dir: Path, console: Console, index: int) -> str:
+    """Run ``step``; return its output. Raises StepFailed (non-zero exit) or KeyboardInterrupt."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{index:02d}-{step.name}.log"
+    tail: deque[str] = deque(maxlen=25)
+    lines: list[str] = []
+    started = time.monotonic()
+    with open(log, "w", encoding="utf-8") as handle, console.status(step.title):
+        handle.write("$ " + redact(" ".join(step.argv)) + "\n")
+        for key, value in sorted(step.env.items()):
+            handle.write(f"# {key}={redact(value)}\n")
+        handle.flush()
+        proc = subprocess.Popen(
+            step.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **step.env},
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+        )
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                handle.write(redact(line))
+                tail.append(redact(line.rstrip()))
+                lines.append(line)
+            code = proc.wait()
+        except BaseException:  # Ctrl-C or a signal: never leave the child running
+            proc.kill()
+            proc.wait()
+            raise
+    output = "".join(lines)
+    if code != 0:
+        raise StepFailed(step, log, "\n".join(tail), likely_fix(output))
+    console.print(f"[green]✓[/] {step.title} [dim]({time.monotonic() - started:.1f}s)[/]")
+    return output

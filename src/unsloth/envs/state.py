@@ -1,0 +1,55 @@
+"""Which environment is active, and the atomic switches between them. Call under the install lock."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from unsloth.envs.fsio import write_atomic
+from unsloth.envs.paths import CURRENT, PREVIOUS, active_env, envs_dir, previous_env
+from unsloth.envs.receipt import read_receipt
+
+
+def switch(root: Path, name: str) -> None:
+    """Make envs/<name> active; the one it replaces becomes the rollback target. One rename each."""
+    old = active_env(root)
+    if old is not None and old.name != name:
+        write_atomic(root / PREVIOUS, old.name + "\n")
+    write_atomic(root / CURRENT, name + "\n")
+
+
+def rollback(root: Path) -> tuple[str, str] | None:
+    """Swap current and previous; returns (from, to) or None when there is nothing to return to."""
+    old, new = active_env(root), previous_env(root)
+    if new is None:
+        return None
+    write_atomic(root / PREVIOUS, (old.name if old else new.name) + "\n")
+    write_atomic(root / CURRENT, new.name + "\n")
+    return (old.name if old else "-", new.name)
+
+
+def list_envs(root: Path) -> list[tuple[Path, dict[str, Any] | None]]:
+    folder = envs_dir(root)
+    if not folder.is_dir():
+        return []
+    return [(env, read_receipt(env)) for env in sorted(folder.iterdir()) if env.is_dir()]
+
+
+def remove_env(env: Path) -> bool:
+    """Delete an environment folder; False when the OS refuses (Windows: a program still runs from it)."""
+    shutil.rmtree(env, ignore_errors=True)
+    return not env.exists()
+
+
+def sweep(root: Path, keep_finished: bool = True) -> list[str]:
+    """Remove unfinished builds (no receipt: a killed run) and, unless ``keep_finished``, every
+    finished environment that is neither current nor previous. Returns the names removed."""
+    keep = {env.name for env in (active_env(root), previous_env(root)) if env is not None}
+    removed = []
+    for env, receipt in list_envs(root):
+        if env.name in keep or (receipt is not None and keep_finished):
+            continue
+        if remove_env(env):
+            removed.append(env.name)
+    return removed

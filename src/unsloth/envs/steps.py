@@ -1,0 +1,152 @@
+"""The install, as a list of commands. Pure: the plan and the request in, argv lists out.
+
+Order (each later step pins what the earlier ones installed, so nothing replaces them):
+1. the PyTorch family, from the torch source only (the plan's index, or a wheelhouse with that exact build);
+2. this package with its ``train`` extra, and bitsandbytes where the plan takes it from PyPI,
+   from the general sources (PyPI or the configured mirror), torch pinned by a constraints file;
+3. bitsandbytes from the plan's own index, where the plan says so;
+4. the ``export`` extra, with llama-cpp-python built with the plan's CMAKE_ARGS (unless left out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packaging.requirements import Requirement
+
+from unsloth.envs.runner import Step
+from unsloth.envs.sources import Sources, TorchSource
+
+DIST_NAME = "unsloth-installer"  # ours; PyPI's `unsloth` is another project and is never asked for
+OPTIONAL_PARTS = ("llama-cpp", "export", "bitsandbytes")
+
+
+@dataclass(frozen=True)
+class Tool:
+    """How to run installs: ``uv pip install --python P`` or ``P -m pip install``."""
+
+    name: str  # "uv" | "pip"
+    install: tuple[str, ...]
+
+    @classmethod
+    def uv(cls, uv: str, python: Path) -> "Tool":
+        return cls("uv", (uv, "pip", "install", "--python", str(python)))
+
+    @classmethod
+    def pip(cls, python: Path) -> "Tool":
+        return cls("pip", (str(python), "-m", "pip", "install", "--disable-pip-version-check"))
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asked for; with the plan, it decides everything the build does."""
+
+    source: str  # a directory or archive URL of this project
+    sources: Sources = field(default_factory=Sources)
+    without: tuple[str, ...] = ()
+    torch_index_url: str | None = None  # overrides the plan's index (a mirror of it)
+    python: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "sources": self.sources.to_json(),
+            "without": sorted(self.without),
+            "torch_index_url": self.torch_index_url,
+            "python": self.python,
+        }
+
+
+def is_local_source(source: str) -> bool:
+    return "://" not in source or source.startswith("file://")
+
+
+def torch_step(tool: Tool, torch: TorchSource, sources: Sources, backend: str) -> Step:
+    if torch.mode == "index":
+        # Only the torch index: PyTorch's indexes carry torch's own dependencies too.
+        where = ["--index-url", torch.url or ""] + [arg for c in sources.constraints for arg in ("--constraint", c)]
+        title = f"PyTorch ({backend}) from {torch.url}"
+    else:
+        where = sources.args() + [arg for link in torch.find_links if link not in sources.find_links for arg in ("--find-links", link)]
+        title = f"PyTorch ({backend}) from the wheelhouse {torch.url}"
+    return Step("torch", title, [*tool.install, *where, *torch.requirements])
+
+
+def pins_text(installed: dict[str, str], names: frozenset[str]) -> str:
+    """Constraints that keep the installed PyTorch family exactly as it is."""
+    return "".join(f"{name}=={installed[name]}\n" for name in sorted(names) if name in installed)
+
+
+def bitsandbytes_requirement(plan_bnb: dict[str, Any]) -> str | None:
+    if plan_bnb.get("source") in (None, "none"):
+        return None
+    return plan_bnb.get("spec") or "bitsandbytes"
+
+
+def packages_step(tool: Tool, request: Request, pins: Path, plan_bnb: dict[str, Any]) -> Step:
+    requirements = [f"{DIST_NAME}[train] @ {_as_url(request.source)}"]
+    bnb = bitsandbytes_requirement(plan_bnb)
+    if bnb and plan_bnb.get("source") == "pypi" and "bitsandbytes" not in request.without:
+        requirements.append(bnb)
+    refresh = ["--reinstall-package", DIST_NAME] if tool.name == "uv" and is_local_source(request.source) else []
+    argv = [*tool.install, *request.sources.args(), "--constraint", str(pins), *refresh, *requirements]
+    return Step("packages", "unsloth, transformers, PEFT, TRL and the rest", argv)
+
+
+def bitsandbytes_index_step(tool: Tool, request: Request, pins: Path, plan_bnb: dict[str, Any]) -> Step | None:
+    url = plan_bnb.get("index_url") or plan_bnb.get("url")
+    bnb = bitsandbytes_requirement(plan_bnb)
+    if plan_bnb.get("source") != "index" or not bnb or "bitsandbytes" in request.without:
+        return None
+    if url and url.endswith(".whl"):  # a direct wheel (e.g. a ROCm preview build)
+        argv = [*tool.install, "--no-deps", "--constraint", str(pins), url]
+    else:
+        argv = [*tool.install, "--no-deps", "--index-url", url or "", "--constraint", str(pins), bnb]
+    return Step("bitsandbytes", f"bitsandbytes from {url}", argv)
+
+
+def export_step(tool: Tool, request: Request, pins: Path, export_requires: list[str]) -> Step | None:
+    """The ``export`` extra (read from the installed package's metadata) but llama-cpp-python."""
+    if "export" in request.without:
+        return None
+    wanted = []
+    for text in export_requires:
+        req = Requirement(text)
+        if req.name != "llama-cpp-python":
+            req.marker = None  # the `extra == "export"` marker is what selected it
+            wanted.append(str(req))
+    if not wanted:
+        return None
+    argv = [*tool.install, *request.sources.args(), "--constraint", str(pins), *wanted]
+    return Step("export", "GGUF export tools", argv)
+
+
+def llama_cpp_step(tool: Tool, request: Request, pins: Path, export_requires: list[str], plan_llama: dict[str, Any]) -> Step | None:
+    """llama-cpp-python as the plan says: its prebuilt wheel index, or a source build with CMAKE_ARGS."""
+    if {"export", "llama-cpp"} & set(request.without):
+        return None
+    spec = next((text for text in export_requires if Requirement(text).name == "llama-cpp-python"), None)
+    if spec is None:
+        return None
+    req = Requirement(spec)
+    req.marker = None
+    backend = plan_llama.get("backend", "cpu")
+    cmake_args = plan_llama.get("cmake_args") or ""
+    if plan_llama.get("how") == "wheel" and plan_llama.get("index_url"):
+        where = ["--extra-index-url", plan_llama["index_url"], "--only-binary", "llama-cpp-python"]
+        title = f"llama-cpp-python ({backend}, prebuilt) from {plan_llama['index_url']}"
+        env = {}
+    else:
+        where = ["--no-binary", "llama-cpp-python"]
+        title = f"llama-cpp-python ({backend}), built from source (minutes)"
+        env = {"CMAKE_ARGS": " ".join(cmake_args) if isinstance(cmake_args, list) else str(cmake_args)}
+    argv = [*tool.install, *request.sources.args(), *where, "--constraint", str(pins), str(req)]
+    return Step("llama-cpp", title, argv, env=env)
+
+
+def _as_url(source: str) -> str:
+    if "://" in source:
+        return source
+    return Path(source).absolute().as_uri()
