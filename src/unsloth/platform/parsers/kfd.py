@@ -33,8 +33,9 @@ def parse(text: str) -> Findings:
         if "location_id" in props:
             location = props["location_id"]
             gpu.bus_id = f"{props.get('domain', 0):04x}:{location >> 8:02x}:{(location >> 3) & 0x1F:02x}.{location & 0x7}"
-        # An APU node carries both CPU cores and SIMDs; older kernels say local_mem_size 0 for it.
-        if props.get("cpu_cores_count", 0) > 0 or props.get("local_mem_size") == 0:
+        # An APU shown as one node carries both CPU cores and SIMDs. (local_mem_size is 0 on
+        # dGPUs too in recent kernels, so only a positive value says anything.)
+        if props.get("cpu_cores_count", 0) > 0:
             gpu.integrated = True
         elif props.get("local_mem_size", 0) > 0:
             gpu.vram_bytes = props["local_mem_size"]

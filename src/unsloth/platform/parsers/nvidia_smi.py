@@ -85,7 +85,7 @@ def _parse_list(text: str) -> Findings:
 
 
 def _parse_query_log(text: str) -> Findings:
-    header, _, _ = re.split(r"^GPU\s+[0-9A-Fa-f]{4,8}:", text, maxsplit=1, flags=re.M) + ["", ""]
+    header = re.split(r"^GPU\s+[0-9A-Fa-f]{4,8}:", text, maxsplit=1, flags=re.M)[0]
     found = Findings()
     top = key_values(header)
     driver = top.get("driver version") or top.get("kmd version")
