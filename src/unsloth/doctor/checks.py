@@ -130,6 +130,8 @@ def check_driver(platform: Platform, plan: Plan | None, needs: Needs) -> Finding
         from_page = f" from {page}" if page else ""
         minimum = needs.nvidia_driver
         if platform.nvidia_driver is None:
+            if any(status == "ok" for name, status in platform.probes.items() if name.startswith("nvidia-smi")):
+                return Finding("driver", title, "skipped", "nvidia-smi answered but did not show the driver version")
             at_least = f" ({minimum} or newer)" if minimum else ""
             return Finding("driver", title, "error", "NVIDIA GPU found but no driver answered (nvidia-smi)",
                            fix=f"Install the NVIDIA driver{at_least}{where}{from_page}, reboot, and check that "
@@ -176,14 +178,15 @@ def check_runtime(platform: Platform, plan: Plan | None, needs: Needs) -> Findin
                            fix="Update the NVIDIA driver, or run `unsloth install` again to pick a build for this driver",
                            required=True)
         return Finding("runtime", title, "ok", f"The driver supports CUDA {platform.cuda_driver}; torch {build}")
+    if platform.os == "windows":
+        return None  # AMD's Windows wheels carry the whole runtime (rocm_sdk); the driver is Adrenalin
     guide = needs.urls.get("rocm_wsl" if platform.wsl else "rocm_install", "AMD's ROCm install guide")
     if platform.rocm_version is None:
         if platform.wsl:  # torch's bundled runtime reaches the GPU only through ROCm's WSL bridge
             return Finding("runtime", title, "error", "No ROCm found: under WSL the GPU is reached through it",
                            fix=f"Install ROCm for WSL and set HSA_ENABLE_DXG_DETECTION=1: {guide}", required=True)
-        return Finding("runtime", title, "warning",
-                       "No ROCm found on the system (torch brings its own; rocminfo and llama.cpp builds need it)",
-                       fix=f"Install ROCm: {guide}")
+        # Not needed to train: the torch wheels bring their own ROCm (the plan's advice says when to add it).
+        return Finding("runtime", title, "skipped", "No system ROCm to check; torch brings its own")
     if needs.rocm and _v(platform.rocm_version) and _v(platform.rocm_version) < _v(needs.rocm):
         return Finding("runtime", title, "warning",
                        f"ROCm {platform.rocm_version} is older than {needs.rocm}, which torch {build} bundles "
@@ -257,7 +260,7 @@ def check_wsl_bridge(platform: Platform, plan: Plan | None, host: HostFacts | No
         return Finding("wsl-bridge", title, "error", "/dev/dxg is missing: Windows is not sharing a GPU with WSL",
                        fix=update, required=required)
     if host is None:
-        return Finding("wsl-bridge", title, "skipped", f"/dev/dxg present; /usr/lib/wsl/lib is {NOT_LIVE}")
+        return Finding("wsl-bridge", title, "skipped", NOT_LIVE)
     if not host.wsl_lib_dir:
         return Finding("wsl-bridge", title, "error", "/usr/lib/wsl/lib is missing: no GPU libraries from Windows",
                        fix=update, required=required)

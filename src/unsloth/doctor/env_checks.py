@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -67,19 +68,32 @@ def run_env_probe(python: Path, plan_backend: str, timeout_s: float = DEFAULT_TI
         env.pop("PYTHONPATH", None)  # the environment's own packages, not ours
         start = time.monotonic()
         try:
-            done = subprocess.run([str(python), str(script), "--backend", plan_backend], cwd=tmp, env=env,
-                                  capture_output=True, text=True, timeout=timeout_s)
-            stdout, stderr, returncode, timed_out = done.stdout, done.stderr, done.returncode, False
-        except subprocess.TimeoutExpired as exc:
-            stdout, stderr, returncode, timed_out = _text(exc.stdout), _text(exc.stderr), None, True
+            # Its own session, so a hang is ended with everything it started (compilers, workers).
+            process = subprocess.Popen([str(python), str(script), "--backend", plan_backend], cwd=tmp, env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       start_new_session=os.name == "posix")
         except OSError as exc:  # the interpreter is missing or not executable
-            stdout, stderr, returncode, timed_out = "", str(exc), None, False
+            return ProbeRun(stderr=str(exc), timeout_s=timeout_s)
+        try:
+            stdout, stderr = process.communicate(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            _kill(process)
+            stdout, stderr = process.communicate()
+            timed_out = True
         seconds = time.monotonic() - start
-    return ProbeRun(parse_probe_output(stdout), timed_out, returncode, stderr, seconds, timeout_s)
+    return ProbeRun(parse_probe_output(stdout), timed_out, None if timed_out else process.returncode, stderr,
+                    seconds, timeout_s)
 
 
-def _text(data: bytes | str | None) -> str:
-    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+def _kill(process: subprocess.Popen) -> None:
+    if os.name == "posix":
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    else:
+        process.kill()
 
 
 def parse_probe_output(stdout: str) -> dict[str, dict[str, Any]]:

@@ -81,28 +81,53 @@ def print_platform(platform: Platform, out: Console | None = None) -> None:
         out.print(Text(f"probes: {probes}", style="dim"))
 
 
+def _grouped(findings: list[Finding]) -> list[tuple[str, str, Finding]]:
+    """(title, message, finding) per line: a run of findings skipped for one reason is one line."""
+    runs: list[list[Finding]] = []
+    for finding in findings:
+        last = runs[-1][-1] if runs else None
+        if last is not None and finding.status == last.status == "skipped" and finding.message == last.message:
+            runs[-1].append(finding)
+        else:
+            runs.append([finding])
+    lines = []
+    for run in runs:
+        if len(run) == 1:
+            lines.append((run[0].title, run[0].message, run[0]))
+        else:
+            lines.append((f"{len(run)} checks", f"{run[0].message}: {', '.join(f.title for f in run)}", run[0]))
+    return lines
+
+
 def print_findings(findings: list[Finding], summary: dict[str, Any], *, verbose: bool = False,
                    out: Console | None = None) -> None:
+    """One line per finding (icon, title, message), its fix under it; with verbose, its evidence too."""
     out = out or console()
-    width = max((len(f.title) for f in findings), default=0)
-    for finding in findings:
+    lines = [(f.title, f.message, f) for f in findings] if verbose else _grouped(findings)
+    width = max((len(title) for title, _, _ in lines), default=0)
+    indent = " " * (width + 5)
+    for title, message, finding in lines:
         icon, colour = ICONS[finding.status]
-        line = Text.assemble((f" {icon} ", colour), (finding.title.ljust(width), "bold"), "  ",
-                             (finding.message, "dim" if finding.status == "skipped" else ""))
-        out.print(line)
+        skipped = finding.status == "skipped"
+        out.print(Text.assemble((f" {icon} ", colour), (title.ljust(width), "dim" if skipped else "bold"), "  ",
+                                (message, "dim" if skipped else "")))
         if finding.fix and finding.status in ("warning", "error"):
-            out.print(Text.assemble(" " * (width + 5), ("fix: ", colour), finding.fix))
+            out.print(Text.assemble(indent, ("fix: ", colour), finding.fix))
         if verbose and finding.detail:
             for detail_line in finding.detail.splitlines():
-                out.print(Text(" " * (width + 5) + detail_line, style="dim"))
+                out.print(Text(indent + detail_line, style="dim"))
     out.print(summary_line(summary))
 
 
+def _count(n: int, status: str) -> str:
+    noun = {"warning": "warning", "error": "error"}.get(status)
+    return f"{n} {noun}{'s' if n != 1 else ''}" if noun else f"{n} {status}"
+
+
 def summary_line(summary: dict[str, Any]) -> Text:
-    counts = ", ".join(f"{summary[s]} {s}" for s in ("ok", "warning", "error", "skipped") if summary[s])
+    counts = ", ".join(_count(summary[s], s) for s in ("ok", "warning", "error", "skipped") if summary[s])
     if summary["failed_required"]:
-        return Text(f"Doctor found problems that block training ({', '.join(summary['failed_required'])}): {counts}",
-                    style="bold red")
+        return Text(f"Not ready: {', '.join(summary['failed_required'])} failed ({counts})", style="bold red")
     if summary["warning"] or summary["error"]:
-        return Text(f"Ready, with warnings: {counts}", style="bold yellow")
-    return Text(f"Ready: {counts}", style="bold green")
+        return Text(f"Ready, with warnings ({counts})", style="bold yellow")
+    return Text(f"Ready ({counts})", style="bold green")

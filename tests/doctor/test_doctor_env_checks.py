@@ -1,0 +1,190 @@
+"""The environment checks: the probe's lines judged against the plan (pure), and the probe run for
+real in this very .venv (CPU torch, bitsandbytes, Triton's interpreter) and in broken interpreters."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from unsloth.doctor import env_probe
+from unsloth.doctor.env_checks import (
+    EnvTarget,
+    ProbeRun,
+    check_env,
+    parse_probe_output,
+    probe_findings,
+    run_env_probe,
+)
+from unsloth.envs.receipt import hardware_fingerprint
+from unsloth.platform.facts import Platform
+
+IDS = [f"env-{name.replace('_', '-')}" for name in env_probe.CHECKS]
+
+
+def line(check: str, ok, message: str = "", **facts) -> dict:
+    return {"check": check, "ok": ok, "message": message, **facts}
+
+
+def healthy_gpu_run(arch: str = "sm_89", name: str = "NVIDIA GeForce RTX 4090", backend: str = "cuda") -> ProbeRun:
+    device = {"index": 0, "name": name, "arch": arch, "capability": "8.9", "vram_bytes": 24 * 2**30}
+    return ProbeRun(results={
+        "torch": line("torch", True, f"torch 2.13.0 ({backend} build)", backend=backend),
+        "gpu": line("gpu", True, f"{name} ({arch}), 1 GPU(s)", count=1, devices=[device]),
+        "matmul": line("matmul", True, "256x256 matmul on cuda:0, max relative error 3.0e-07", error=3e-7),
+        "bitsandbytes": line("bitsandbytes", True, "bitsandbytes 0.50.2 NF4 round trip on cuda:0"),
+        "triton": line("triton", True, "Triton 3.6.0 compiled and ran a kernel (cuda:0)"),
+        "llama_cpp": line("llama_cpp", True, "llama-cpp-python 0.3.36 (GPU offload: yes)", gpu_offload=True),
+    }, returncode=0)
+
+
+def by_id(findings) -> dict:
+    return {finding.id: finding for finding in findings}
+
+
+# --- judging the probe's lines (pure) -----------------------------------------------------------
+
+def test_a_healthy_gpu_environment_is_all_ok_and_required(make_plan, rtx4090):
+    findings = probe_findings(healthy_gpu_run(), Platform(gpus=[rtx4090]), make_plan("cuda", "cu130", rtx4090))
+    assert [f.id for f in findings] == IDS
+    assert all(f.status == "ok" for f in findings)
+    assert [f.required for f in findings] == [True, True, True, True, True, False]
+
+
+def test_a_cpu_torch_where_the_plan_wants_cuda(make_plan, rtx4090):
+    run = healthy_gpu_run()
+    run.results["torch"] = line("torch", True, "torch 2.13.0+cpu (cpu build)", backend="cpu")
+    finding = by_id(probe_findings(run, Platform(gpus=[rtx4090]), make_plan("cuda", "cu130", rtx4090)))["env-torch"]
+    assert finding.fails
+    assert finding.message == "torch 2.13.0+cpu (cpu build), but the plan needs a cuda build (cu130)"
+    assert finding.fix == "unsloth install"
+
+
+def test_torch_that_sees_no_gpu_fails_and_one_that_sees_another_arch_warns(make_plan, rx7800):
+    plan, platform = make_plan("rocm", "rocm7.2", rx7800), Platform(gpus=[rx7800])
+    blind = healthy_gpu_run("gfx1101", "AMD Radeon RX 7800 XT", "rocm")
+    blind.results["gpu"] = line("gpu", False, "torch sees no GPU", count=0, devices=[])
+    finding = by_id(probe_findings(blind, platform, plan))["env-gpu"]
+    assert finding.fails and finding.message == "torch sees no GPU; the plan expects AMD Radeon RX 7800 XT"
+    spoofed = healthy_gpu_run("gfx1100", "AMD Radeon RX 7800 XT", "rocm")  # HSA_OVERRIDE_GFX_VERSION=11.0.0
+    finding = by_id(probe_findings(spoofed, platform, plan))["env-gpu"]
+    assert finding.status == "warning"
+    assert finding.message == "torch sees AMD Radeon RX 7800 XT as gfx1100, but the GPU is gfx1101"
+    assert "unset HSA_OVERRIDE_GFX_VERSION" in finding.fix
+
+
+def test_a_hang_names_the_check_that_hung_and_the_rest_were_not_reached(make_plan, rtx4090):
+    run = healthy_gpu_run()
+    for name in ("matmul", "bitsandbytes", "triton", "llama_cpp"):
+        del run.results[name]
+    run.timed_out, run.returncode, run.timeout_s, run.stderr = True, None, 60, "stuck in cuLaunchKernel"
+    found = by_id(probe_findings(run, Platform(gpus=[rtx4090]), make_plan("cuda", "cu130", rtx4090)))
+    hung = found["env-matmul"]
+    assert hung.fails and hung.message == "Hung: no answer within 60 s"
+    assert "dmesg" in hung.fix and "--timeout 180" in hung.fix and hung.detail == "stuck in cuLaunchKernel"
+    assert [found[i].status for i in IDS[3:]] == ["skipped"] * 3
+    assert found["env-torch"].status == "ok"
+
+
+def test_a_crash_reports_the_exit_code(make_plan):
+    run = ProbeRun(results={"torch": line("torch", True, "torch", backend="cpu")}, returncode=-11, stderr="Segfault")
+    found = by_id(probe_findings(run, Platform(), make_plan()))
+    assert found["env-gpu"].fails and "exited with code -11" in found["env-gpu"].message
+
+
+def test_optional_parts(make_plan, rtx4090):
+    run = healthy_gpu_run()
+    run.results["bitsandbytes"] = line("bitsandbytes", False, "ModuleNotFoundError: No module named 'bitsandbytes'")
+    run.results["llama_cpp"] = line("llama_cpp", False, "ModuleNotFoundError: No module named 'llama_cpp'")
+    no_bnb = make_plan("cuda", "cu130", rtx4090, bitsandbytes={"source": "none"})
+    found = by_id(probe_findings(run, Platform(gpus=[rtx4090]), no_bnb, without=("llama-cpp",)))
+    assert found["env-bitsandbytes"].status == "skipped"
+    assert found["env-llama-cpp"].message == "Left out at install (--without llama-cpp)"
+    found = by_id(probe_findings(run, Platform(gpus=[rtx4090]), make_plan("cuda", "cu130", rtx4090)))
+    assert found["env-bitsandbytes"].fails
+    assert found["env-llama-cpp"].status == "warning" and not found["env-llama-cpp"].required
+    cpu_llama = healthy_gpu_run()
+    cpu_llama.results["llama_cpp"] = line("llama_cpp", True, "llama-cpp-python 0.3.36 (GPU offload: no)",
+                                          gpu_offload=False)
+    found = by_id(probe_findings(cpu_llama, Platform(gpus=[rtx4090]), make_plan("cuda", "cu130", rtx4090)))
+    assert found["env-llama-cpp"].status == "warning" and "without GPU offload" in found["env-llama-cpp"].message
+
+
+def test_probe_output_survives_stray_prints():
+    stdout = "hello from a package\n" + json.dumps(line("torch", True, "torch 2")) + "\n{not json\n[1, 2]\n"
+    assert list(parse_probe_output(stdout)) == ["torch"]
+
+
+# --- the environment itself -----------------------------------------------------------------------
+
+def test_environment_presence_and_health(tmp_path):
+    assert check_env(None, None).status == "warning" and check_env(None, None).fix == "unsloth install"
+    env = tmp_path / "envs" / "e1"
+    python = env / "bin" / "python"
+    broken = check_env(EnvTarget(python, "managed", env, {"name": "e1"}), None)
+    assert broken.fails and "its Python" in broken.message
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    assert check_env(EnvTarget(python, "managed", env, None), None).fails  # unreadable receipt
+    platform = Platform(os="linux")
+    built_here = {"name": "e1", "finished": "2026-11-29T10:00:00+00:00",
+                  "fingerprint": hardware_fingerprint(platform.to_json())}
+    assert check_env(EnvTarget(python, "managed", env, built_here), platform).status == "ok"
+    moved = check_env(EnvTarget(python, "managed", env, built_here), Platform(os="linux", nvidia_driver="580.1"))
+    assert moved.status == "warning" and "other hardware" in moved.message
+    missing = check_env(EnvTarget(tmp_path / "nope", "--python"), None)
+    assert missing.fails and "--python" in missing.message
+
+
+# --- the probe for real -----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_probe_in_this_venv_sees_cpu_torch_and_runs_everything_on_the_cpu(make_plan):
+    """This very interpreter: CPU torch, no GPU, bitsandbytes and Triton (interpreter) on the CPU."""
+    run = run_env_probe(Path(sys.executable), "cpu", timeout_s=240)
+    assert (run.timed_out, run.returncode) == (False, 0), run.stderr
+    results = run.results
+    assert results["python"]["executable"] == sys.executable
+    assert results["torch"]["ok"] and results["torch"]["version"] == importlib.metadata.version("torch")
+    assert results["torch"]["backend"] == "cpu"
+    assert results["gpu"]["ok"] is False and results["gpu"]["count"] == 0
+    assert results["matmul"]["ok"] and results["matmul"]["device"] == "cpu" and results["matmul"]["error"] < 1e-5
+    assert results["bitsandbytes"]["ok"] and 0.01 < results["bitsandbytes"]["error"] < 0.2
+    assert results["triton"]["ok"] and results["triton"]["mode"] == "interpreter"
+    assert results["llama_cpp"]["ok"] is (importlib.util.find_spec("llama_cpp") is not None)
+
+    found = by_id(probe_findings(run, Platform(os="linux"), make_plan()))
+    assert found["env-gpu"].status == "skipped"  # the plan is CPU: no GPU to look for
+    assert [found[i].status for i in ("env-torch", "env-matmul", "env-bitsandbytes", "env-triton")] == ["ok"] * 4
+
+
+def _fake_python(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "python"
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the fake interpreter is a shell script")
+def test_a_hanging_interpreter_is_stopped_at_the_timeout_with_what_it_said(tmp_path, make_plan):
+    first = json.dumps(line("torch", True, "torch 2 (cpu build)", backend="cpu"))
+    # The child keeps the output pipe open: only killing the whole session ends the wait.
+    python = _fake_python(tmp_path, f"echo '{first}'\nsleep 30 &\nsleep 30")
+    run = run_env_probe(python, "cpu", timeout_s=1)
+    assert run.timed_out and run.seconds < 10
+    found = by_id(probe_findings(run, Platform(), make_plan()))
+    assert found["env-torch"].status == "ok"
+    assert found["env-gpu"].fails and found["env-gpu"].message.startswith("Hung")
+
+
+def test_a_missing_interpreter_is_a_finding_not_a_traceback(tmp_path, make_plan):
+    run = run_env_probe(tmp_path / "no-python", "cpu", timeout_s=5)
+    found = by_id(probe_findings(run, Platform(), make_plan()))
+    assert found["env-torch"].fails and "did not start" in found["env-torch"].message
+    assert "No such file" in found["env-torch"].detail
