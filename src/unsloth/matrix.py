@@ -7,6 +7,7 @@ inside the planner.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
@@ -172,6 +173,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
         raise MatrixError(f"{path}: 'oses' must list at least one OS")
 
     urls_entry = _Entry(path, "urls", _table(data, "urls", path))
+    urls_entry.only(*REQUIRED_URLS, "source")
     urls = {name: _url(urls_entry, name) for name in REQUIRED_URLS}
     sources = {"urls": urls_entry.source()}
 
@@ -179,6 +181,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
     for entry in _rows(data, "family", path):
         name = entry.str("name")
         entry.label = f"family {name!r}"
+        entry.only("name", "vendor", "archs", "products", "source", "hsa_override", "amd_index")
         if name in families:
             raise entry.error("duplicate family")
         archs = tuple(entry.str_list("archs"))
@@ -209,6 +212,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
     for entry in _rows(data, "support", path):
         names = entry.str_or_list("family")
         entry.label = f"support for {'/'.join(names)}"
+        entry.only("family", "os", "level", "reason", "source")
         cell_oses = entry.oses(oses)
         level = entry.choice("level", LEVELS)
         reason, source = entry.str("reason"), entry.source()
@@ -227,6 +231,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
     for entry in _rows(data, "cuda_index", path):
         variant = entry.str("variant")
         entry.label = f"cuda_index {variant!r}"
+        entry.only("variant", "cuda", "driver", "sm", "torch", "source")
         drivers = entry.str_map("driver")
         if set(drivers) != {"linux", "windows"}:
             raise entry.error(f"driver must give exactly 'linux' and 'windows', got {sorted(drivers)}")
@@ -246,6 +251,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
     for entry in _rows(data, "rocm_index", path):
         variant = entry.str("variant")
         entry.label = f"rocm_index {variant!r}"
+        entry.only("variant", "rocm", "archs", "torch", "source")
         rocm_indexes.append(
             RocmIndex(
                 variant=variant,
@@ -260,6 +266,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
     bitsandbytes = []
     for number, entry in enumerate(_rows(data, "bitsandbytes", path)):
         entry.label = f"bitsandbytes[{number}]"
+        entry.only("backend", "os", "spec", "sm", "archs", "source")
         spec = entry.str("spec")
         try:
             Requirement(spec)
@@ -279,6 +286,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
     llama_cpp = []
     for number, entry in enumerate(_rows(data, "llama_cpp", path)):
         entry.label = f"llama_cpp[{number}]"
+        entry.only("backend", "os", "wheel", "wheel_archs", "cmake_args", "source")
         llama_cpp.append(
             LlamaCppRow(
                 backend=entry.choice("backend", LLAMA_BACKENDS),
@@ -293,9 +301,11 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
     env = []
     for number, entry in enumerate(_rows(data, "env", path, required=False)):
         entry.label = f"env[{number}]"
+        entry.only("backend", "os", "vars", "source")
         env.append(EnvRow(entry.choice("backend", BACKENDS), entry.oses(oses), entry.str_map("vars"), entry.source()))
 
     amd_entry = _Entry(path, "amd_wheels", _table(data, "amd_wheels", path))
+    amd_entry.only("torch", "source")
     amd_torch = amd_entry.specifier("torch")
     sources["amd_wheels"] = amd_entry.source()
 
@@ -307,6 +317,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
     sources["attention"] = attention_entry.source()
 
     fits_entry = _Entry(path, "fits", _table(data, "fits", path))
+    fits_entry.only(*(f.name for f in dataclasses.fields(Fits)))
     fits = Fits(
         qlora_bytes_per_param=fits_entry.number("qlora_bytes_per_param"),
         lora16_bytes_per_param=fits_entry.number("lora16_bytes_per_param"),
@@ -345,6 +356,12 @@ class _Entry:
 
     def error(self, problem: str) -> MatrixError:
         return MatrixError(f"{self.path}: {self.label}: {problem}")
+
+    def only(self, *keys: str) -> None:
+        """Reject keys the schema does not know: a typo ("souce") must not pass silently."""
+        for key in self.data:
+            if key not in keys:
+                raise self.error(f"unknown key '{key}'; expected {', '.join(keys)}")
 
     def _get(self, key: str) -> Any:
         if key not in self.data:
