@@ -42,7 +42,7 @@ def _names(description: str) -> tuple[str | None, str | None]:
     """'Advanced Micro Devices, Inc. [AMD/ATI] Navi 31 [Radeon RX 7900 XT/7900 XTX]'
     -> ('Navi 31', 'Radeon RX 7900 XT/7900 XTX'); 'Device 7550' (unresolved) -> (None, None)."""
     device = _VENDOR_PREFIX.sub("", description).strip()
-    if not device or re.fullmatch(r"Device [0-9a-fA-F]{4}", device):
+    if not device or re.fullmatch(r"Device(?: [0-9a-fA-F]{4})?", device):
         return None, None
     bracket = re.match(r"(.*?)\s*\[([^\[\]]+)\]\s*$", device)
     if bracket:
