@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from unsloth.doctor.findings import Finding
-from unsloth.platform.facts import Platform
+from unsloth.platform.facts import Gpu, Platform
 
 ICONS = {"ok": ("✓", "green"), "warning": ("!", "yellow"), "error": ("✗", "red"), "skipped": ("-", "dim")}
 GIB = 2**30
@@ -33,11 +33,19 @@ def _gib(n: int | None) -> str:
     return f"{n / GIB:.1f} GiB" if n else "unknown"
 
 
-def platform_tables(platform: Platform) -> list[Table]:
-    """The machine as two tables: its facts (with the probe that said each) and its GPUs."""
-    machine = Table(title="Machine", title_justify="left", show_header=True)
-    for column in ("fact", "value", "from"):
-        machine.add_column(column, style="dim" if column == "from" else None)
+def _fact_table(title: str, columns: tuple[str, ...]) -> Table:
+    table = Table(title=title, title_justify="left", title_style="bold")
+    for column in columns:
+        table.add_column(column, style="dim" if column == "from" else None, overflow="fold")
+    return table
+
+
+def machine_table(platform: Platform) -> Table:
+    """The machine's facts, each with the probe that said it."""
+    table = _fact_table("Machine", ("fact", "value", "from"))
+    override = platform.hsa_override
+    if override and platform.hsa_override_spoofs:
+        override += " (changes the GPU the runtime reports)"
     rows = [
         ("OS", "os", platform.os),
         ("WSL", "wsl", _yes_no(platform.wsl) + (f" (WSL {platform.wsl_version})" if platform.wsl_version else "")),
@@ -51,28 +59,40 @@ def platform_tables(platform: Platform) -> list[Table]:
         ("ROCm", "rocm_version", platform.rocm_version),
         ("/dev/kfd", "dev_kfd", _yes_no(platform.dev_kfd)),
         ("/dev/dxg", "dev_dxg", _yes_no(platform.dev_dxg)),
-        ("HSA override", "hsa_override", platform.hsa_override
-         and platform.hsa_override + (" (changes the reported GPU)" if platform.hsa_override_spoofs else "")),
+        ("HSA override", "hsa_override", override),
     ]
     for label, key, value in rows:
-        machine.add_row(label, str(value) if value not in (None, "") else "unknown", platform.provenance.get(key, ""))
+        table.add_row(label, value or "unknown", platform.provenance.get(key, ""))
+    return table
 
-    gpus = Table(title="GPUs", title_justify="left")
-    for column in ("#", "vendor", "name", "arch", "family", "VRAM", "integrated", "PCI id", "from"):
-        gpus.add_column(column, style="dim" if column == "from" else None)
-    for n, gpu in enumerate(platform.gpus):
-        gpus.add_row(str(n), gpu.vendor, gpu.name or "unknown", gpu.arch or "unknown", gpu.family or "unknown",
-                     _gib(gpu.vram_bytes), _yes_no(gpu.integrated), gpu.pci_id or "unknown", ", ".join(gpu.sources))
-    return [machine, gpus]
+
+def gpu_table(n: int, gpu: Gpu) -> Table:
+    """One GPU as a column of facts: readable in any terminal width, however many GPUs there are."""
+    table = _fact_table(f"GPU {n}: {gpu.name or 'unknown name'}", ("fact", "value"))
+    arch = gpu.arch or "unknown"
+    if gpu.reported_arch and gpu.reported_arch != gpu.arch:
+        arch += f" (the runtime reports {gpu.reported_arch})"
+    for label, value in [
+        ("vendor", gpu.vendor),
+        ("arch", arch),
+        ("family", gpu.family),
+        ("VRAM", _gib(gpu.vram_bytes)),
+        ("integrated", _yes_no(gpu.integrated)),
+        ("PCI id", gpu.pci_id),
+        ("compute capability", gpu.compute_capability if gpu.vendor == "nvidia" else None),
+        ("seen by", ", ".join(gpu.sources)),
+    ]:
+        if label != "compute capability" or value:
+            table.add_row(label, value or "unknown")
+    return table
 
 
 def print_platform(platform: Platform, out: Console | None = None) -> None:
     out = out or console()
-    machine, gpus = platform_tables(platform)
-    out.print(machine)
-    if platform.gpus:
-        out.print(gpus)
-    else:
+    out.print(machine_table(platform))
+    for n, gpu in enumerate(platform.gpus):
+        out.print(gpu_table(n, gpu))
+    if not platform.gpus:
         out.print(Text("No GPU found: training would run on the CPU (slow).", style="yellow"))
     for note in platform.notes:
         out.print(Text(f"note: {note}", style="yellow"))

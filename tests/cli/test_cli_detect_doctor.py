@@ -1,0 +1,183 @@
+"""`unsloth detect` and `unsloth doctor` through the real entry points, on fixture dumps, on dumps
+written here, and on this machine (no GPU; CPU torch in this .venv)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from unsloth.cli import main
+from unsloth.envs.receipt import write_receipt
+
+DUMPS = Path(__file__).parents[1] / "fixtures" / "dumps"
+WSL_4090 = DUMPS / "nvidia-smi__rtx4090_wsl__1"
+WINDOWS_AMD = DUMPS / "Get-WmiObject__gfx1036+gfx1100_windows__1"
+NAVI31_LSPCI = DUMPS / "lspci__navi31__1"
+LIVE_ONLY = "checked only on the live machine, not on a dump"
+
+
+@pytest.fixture(autouse=True)
+def empty_home(tmp_path, monkeypatch):
+    """No managed environment unless a test makes one: UNSLOTH_HOME points at an empty folder."""
+    home = tmp_path / "unsloth-home"
+    monkeypatch.setenv("UNSLOTH_HOME", str(home))
+    monkeypatch.delenv("HSA_OVERRIDE_GFX_VERSION", raising=False)
+    return home
+
+
+def run_json(capsys, *argv: str) -> tuple[int, dict, str]:
+    """Exit code, the JSON on stdout, and stderr."""
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, json.loads(captured.out), captured.err
+
+
+def findings(report: dict) -> dict[str, dict]:
+    return {finding["id"]: finding for finding in report["findings"]}
+
+
+# --- detect ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dump", [WSL_4090, WINDOWS_AMD, NAVI31_LSPCI], ids=lambda p: p.name)
+def test_detect_json_on_fixture_dumps_matches_their_expectations(capsys, dump):
+    expect = json.loads((dump / "expect.json").read_text())["detect"]
+    code, platform, _ = run_json(capsys, "detect", "--json", "--from", str(dump))
+    assert code == 0
+    for key in ("os", "wsl", "nvidia_driver", "cuda_driver"):
+        if key in expect:
+            assert platform[key] == expect[key], key
+    for want, gpu in zip(expect["gpus"], platform["gpus"]):
+        for key in ("vendor", "arch", "family", "integrated", "pci_id"):
+            if key in want:
+                assert gpu[key] == want[key], key
+
+
+def test_detect_table_names_each_gpu_and_the_probe_that_saw_it(capsys):
+    assert main(["detect", "--from", str(WINDOWS_AMD)]) == 0
+    out = capsys.readouterr().out
+    assert "gfx1100" in out and "gfx1036" in out and "RDNA3" in out and "win32-videocontroller" in out
+    assert "1002:744c" in out
+
+
+def test_detect_on_a_missing_dump_is_a_usage_error(capsys, tmp_path):
+    assert main(["detect", "--from", str(tmp_path / "nope")]) == 2
+    assert "unsloth doctor --dump" in capsys.readouterr().err
+
+
+# --- doctor on dumps --------------------------------------------------------------------------------
+
+def test_doctor_json_on_a_wsl_dump(capsys):
+    code, report, _ = run_json(capsys, "doctor", "--json", "--from", str(WSL_4090))
+    assert code == 0
+    assert set(report) >= {"schema", "source", "findings", "platform", "plan", "summary"}
+    assert report["platform"]["wsl"] is True and report["plan"]["torch"]["backend"] == "cuda"
+    found = findings(report)
+    assert found["gpu"]["status"] == "ok" and "RTX 4090" in found["gpu"]["message"]
+    assert found["driver"]["status"] == "ok" and "531.29" in found["driver"]["message"]
+    # Live-only checks say why they did not run; the environment is never this machine's.
+    for check in ("wsl-bridge", "disk", "env", "env-torch", "env-matmul"):
+        assert (found[check]["status"], found[check]["message"]) == ("skipped", LIVE_ONLY)
+    summary = report["summary"]
+    assert sum(summary[s] for s in ("ok", "warning", "error", "skipped")) == len(report["findings"])
+    assert (summary["exit_code"], summary["failed_required"]) == (0, [])
+
+
+def test_doctor_on_a_dump_taken_on_windows(capsys):
+    code, report, _ = run_json(capsys, "doctor", "--json", "--from", str(WINDOWS_AMD))
+    assert code == 0 and report["platform"]["os"] == "windows"
+    found = findings(report)
+    assert "runtime" not in found  # AMD's Windows wheels carry their own ROCm
+    assert "dev-kfd" not in found and "wsl-bridge" not in found
+
+
+def test_a_required_failure_exits_1_and_is_named(capsys, tmp_path):
+    """A Linux dump of a Radeon whose amdgpu driver is not loaded (no /dev/kfd)."""
+    dump = tmp_path / "no-kfd"
+    dump.mkdir()
+    shutil.copy(NAVI31_LSPCI / "lspci.txt", dump)
+    (dump / "device-nodes.txt").write_text("/dev/kfd: absent\n/dev/dxg: absent\n")
+    (dump / "proc-version.txt").write_text("Linux version 6.8.0-45-generic (buildd@lcy02) #45-Ubuntu SMP\n")
+    code = main(["doctor", "--from", str(dump)])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "The amdgpu kernel driver is not loaded (no /dev/kfd)" in out
+    assert "Not ready: driver failed" in out
+    code, report, _ = run_json(capsys, "doctor", "--json", "--from", str(dump))
+    assert code == 1 and report["summary"]["failed_required"] == ["driver"]
+
+
+def test_conflicting_options_are_usage_errors(capsys, tmp_path):
+    assert main(["doctor", "--from", str(WSL_4090), "--dump", str(tmp_path / "d")]) == 2
+    assert main(["doctor", "--from", str(tmp_path / "nope")]) == 2
+    assert "not a dump directory" in capsys.readouterr().err
+
+
+# --- doctor on this machine ---------------------------------------------------------------------------
+
+def test_doctor_here_says_there_is_no_gpu_and_exits_0(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "No GPU found: training will run on the CPU (slow)" in out
+    assert "No managed environment yet" in out and "fix: unsloth install" in out
+
+
+def test_dump_then_from_round_trip(capsys, tmp_path):
+    dump = tmp_path / "bug-report"
+    code, live, err = run_json(capsys, "doctor", "--json", "--quick", "--dump", str(dump))
+    assert code == 0 and (dump / "probes.json").is_file()
+    assert f"Wrote every probe's raw output to {dump}" in err  # stderr: stdout stays JSON
+    code, again, _ = run_json(capsys, "doctor", "--json", "--from", str(dump))
+    assert code == 0
+    assert again["platform"] == live["platform"] and again["plan"] == live["plan"]
+    assert again["source"] == str(dump) and live["source"] == "live"
+
+
+def test_doctor_quick_through_the_console_script_answers_fast(tmp_path):
+    env = {**os.environ, "UNSLOTH_HOME": str(tmp_path / "home")}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "unsloth.cli", "doctor", "--json", "--quick"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert findings(report)["gpu"]["message"] == "No GPU found: training will run on the CPU (slow)"
+    assert elapsed < 15  # about a second when the machine is idle; generous for loaded CI runners
+
+
+def _managed_env_without_torch(home: Path) -> Path:
+    """A managed environment whose Python works but holds no packages (a half-broken install)."""
+    env = home / "envs" / "broken"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    write_receipt(env, {"name": "broken", "finished": "2026-11-29T00:00:00+00:00"})
+    (home / "current").write_text("broken\n")
+    return env
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX venv layout")
+def test_a_managed_environment_without_torch_fails_doctor(capsys, empty_home):
+    _managed_env_without_torch(empty_home)
+    code, report, _ = run_json(capsys, "doctor", "--json")
+    found = findings(report)
+    assert found["env"]["status"] == "ok"
+    assert found["env-torch"]["status"] == "error"
+    assert "ModuleNotFoundError" in found["env-torch"]["message"] and found["env-torch"]["fix"] == "unsloth install"
+    assert "env-torch" in report["summary"]["failed_required"] and code == 1
+
+
+@pytest.mark.slow
+def test_doctor_with_python_checks_this_venv(capsys):
+    code, report, _ = run_json(capsys, "doctor", "--json", "--python", sys.executable)
+    found = findings(report)
+    assert code == 0, report["summary"]
+    assert found["env"]["message"] == f"Checking {sys.executable} (given with --python)"
+    assert found["env-torch"]["status"] == "ok" and "cpu build" in found["env-torch"]["message"]
+    assert found["env-matmul"]["status"] == "ok"
+    assert found["env-triton"]["status"] == "ok" and "interpreter" in found["env-triton"]["message"]
+    assert "environment checks" in report["timings"]
