@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 from packaging.version import InvalidVersion, Version
 
@@ -24,6 +24,8 @@ from unsloth.platform.facts import Gpu, Platform
 GIB = 2**30
 _LEVEL_RANK = {"full": 2, "limited": 1, "unsupported": 0}
 _VENDOR_RANK = {"nvidia": 2, "amd": 1}
+# Probes (detection's dump names) that only answer when ROCm is installed.
+ROCM_TOOLS = ("rocminfo", "rocminfo-no-override", "amd-smi", "amd-smi-list", "amd-smi-version", "rocm-smi", "rocm-smi-json", "hipconfig", "rocm-version")
 _LLAMA_BACKEND = {"cuda": "cuda", "rocm": "hip", "mps": "metal", "cpu": "cpu"}
 
 
@@ -73,7 +75,7 @@ class Overrides:
     pytorch_mirror: str | None = None  # replaces https://download.pytorch.org/whl
     amd_mirror: str | None = None  # replaces https://repo.amd.com/rocm/whl
 
-    ENV = {
+    ENV: ClassVar[dict[str, str]] = {
         "torch_index_url": "UNSLOTH_TORCH_INDEX_URL",
         "pytorch_mirror": "UNSLOTH_PYTORCH_MIRROR",
         "amd_mirror": "UNSLOTH_AMD_ROCM_MIRROR",
@@ -137,7 +139,7 @@ class _Resolver:
 
     def plan(self) -> Plan:
         if self.platform.os not in self.matrix.oses:
-            self.warn(f"Operating system {self.platform.os!r} was not detected; planning for Linux.")
+            self.warn("The operating system was not detected; planning for Linux.", "Run `unsloth detect` to see what the probes found.")
         chosen, device_reason = self.choose_device()
         torch = self.torch_choice(chosen) if chosen else None
         if torch is not None:
@@ -253,7 +255,9 @@ class _Resolver:
 
     def host_fallback(self) -> tuple[Family, SupportCell]:
         """What runs without a usable GPU: MPS on Apple silicon, else the CPU."""
-        apple = self.os == "macos" and (self.platform.machine or "").lower() in ("arm64", "aarch64")
+        apple = self.os == "macos" and (
+            (self.platform.machine or "").lower() in ("arm64", "aarch64") or any(g.vendor == "apple" for g in self.platform.gpus)
+        )
         family = self.matrix.families["Apple" if apple else "CPU"]
         return family, self.matrix.cell(family.name, self.os)
 
@@ -277,6 +281,8 @@ class _Resolver:
             return self.cuda_choice(chosen.gpu)
         if chosen.family and chosen.family.vendor == "amd":
             return self.amd_choice(chosen.gpu, chosen.family)
+        if chosen.family and chosen.family.vendor == "apple":
+            return self.host_torch(chosen.family)
         return None
 
     def cuda_choice(self, gpu: Gpu) -> TorchChoice | None:
@@ -298,7 +304,7 @@ class _Resolver:
         if not usable:
             oldest = min(index.driver[column] for index in fitting)
             self.warn(
-                f"NVIDIA driver {driver} is too old for every PyTorch CUDA build for this GPU "
+                f"NVIDIA driver {self.platform.nvidia_driver} is too old for every PyTorch CUDA build for this GPU "
                 f"(the minimum is {oldest} on {column}); installing CPU PyTorch instead.",
                 f"Update the NVIDIA driver to {oldest} or newer ({self.matrix.urls['nvidia_driver']}), then re-run `unsloth install`.",
             )
@@ -380,13 +386,13 @@ class _Resolver:
                     "/dev/dxg is missing: WSL has no GPU paravirtualization, so ROCm cannot see the GPU.",
                     "Install the current AMD Adrenalin driver on Windows, run `wsl --update`, then restart WSL.",
                 )
-            if self.platform.rocm_version is None:
+            if not self.rocm_present():
                 self.warn(
                     "ROCm was not found inside WSL; ROCm on WSL needs ROCm and librocdxg.",
                     f"Install ROCm {newest} for WSL: {self.matrix.urls['rocm_wsl']}",
                 )
             return
-        if self.platform.rocm_version is None:
+        if not self.rocm_present():
             self.warn(
                 "ROCm was not found. The PyTorch ROCm wheels bring their own ROCm libraries, but `rocminfo` "
                 "and the amdgpu driver stack are needed to check the GPU.",
@@ -397,6 +403,12 @@ class _Resolver:
                 "/dev/kfd is missing or not accessible: the amdgpu kernel driver is not loaded or you lack access.",
                 "Install the amdgpu driver (amdgpu-install --usecase=rocm), then `sudo usermod -aG render,video $USER` and log in again.",
             )
+
+    def rocm_present(self) -> bool:
+        """A ROCm version, or a ROCm tool that ran, shows ROCm is installed (even if its version is unknown)."""
+        return self.platform.rocm_version is not None or any(
+            self.platform.probes.get(name) == "ok" for name in ROCM_TOOLS
+        )
 
     def apply_pins(self, torch: TorchChoice) -> TorchChoice:
         url = self.pins.torch_index_url
@@ -414,6 +426,15 @@ class _Resolver:
     def check_user_env(self, vendor: str | None) -> None:
         """An HSA override the user set would make ROCm load another GPU's kernels: say so."""
         value = self.platform.hsa_override or self.platform.env.get("HSA_OVERRIDE_GFX_VERSION")
+        if not value and self.platform.hsa_override_spoofs and self.os != "windows":
+            spoofed = next((g for g in self.platform.gpus if g.reported_arch and g.reported_arch != g.arch), None)
+            seen = f"reports {spoofed.reported_arch} for the real {spoofed.arch}" if spoofed else "reports another GPU"
+            self.warn(
+                f"The ROCm runtime {seen}: an HSA_OVERRIDE_GFX_VERSION is set somewhere (a service, "
+                "/etc/environment or a shell profile). The plan follows the real GPU.",
+                "Find and remove it: grep -rs HSA_OVERRIDE_GFX_VERSION /etc/environment /etc/profile.d ~/.bashrc ~/.profile",
+            )
+            return
         if not value or value == self.env.get("HSA_OVERRIDE_GFX_VERSION"):
             return
         if self.os != "windows" and (self.platform.hsa_override_spoofs is False or vendor != "amd"):

@@ -7,6 +7,7 @@ import json
 import pytest
 from plan_helpers import GIB, amd, machine, nvidia
 
+from unsloth.platform.facts import Gpu
 from unsloth.plan import Overrides, resolve
 
 
@@ -45,6 +46,13 @@ def test_apple_silicon_gets_mps_from_pypi(matrix):
     plan = resolve(machine("macos", machine="arm64"), matrix)
     assert (plan.support, plan.torch.backend, plan.torch.index_url) == ("limited", "mps", "https://pypi.org/simple")
     assert plan.llama_cpp["index_url"] == "https://abetlen.github.io/llama-cpp-python/whl/metal"
+
+
+def test_apple_gpu_means_apple_silicon_even_without_machine(matrix):
+    apple = Gpu("apple", name="Apple M2", integrated=True)
+    plan = resolve(machine("macos", apple, machine=None), matrix)
+    assert (plan.torch.backend, plan.device, plan.family) == ("mps", apple, "Apple")
+    assert plan.warnings == []
 
 
 def test_intel_mac_gets_the_last_cpu_wheels(matrix):

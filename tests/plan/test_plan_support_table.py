@@ -104,7 +104,7 @@ def test_cell(matrix, family, os_name):
     assert plan.reason and plan.sources
     if os_name == "windows" or family not in ("RDNA2",):
         assert "HSA_OVERRIDE_GFX_VERSION" not in plan.env
-    if backend in ("cpu", "mps"):
+    if backend == "cpu":
         assert plan.device is None
     else:
         assert plan.device is gpu and plan.family == family
