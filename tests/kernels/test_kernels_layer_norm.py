@@ -1,0 +1,82 @@
+"""LayerNorm kernel: output and gradients (x, weight, bias) against float64 and torch.nn.LayerNorm."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from reference import assert_close_dtype, f64, layer_norm_ref, tolerance
+
+import unsloth_kernels._utils as kernel_utils
+from unsloth_kernels import LayerNorm, layer_norm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not kernel_utils.INTERPRET,
+                                reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SHAPES = [(1, 129), (5, 1000), (2, 7, 129)]
+
+
+def check_against_float64(shape, dtype, bias, device=DEVICE):
+    g = torch.Generator().manual_seed(0)
+    # An offset mean makes the centring matter (and catches a variance computed without it).
+    x = (torch.randn(shape, generator=g) + 3).to(dtype).to(device)
+    weight = (1 + 0.2 * torch.randn(shape[-1], generator=g)).to(dtype).to(device)
+    b = (0.5 * torch.randn(shape[-1], generator=g)).to(dtype).to(device) if bias else None
+    dy = torch.randn(shape, generator=g).to(dtype).to(device)
+    xk, wk = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    bk = b.clone().requires_grad_() if bias else None
+    y = layer_norm(xk, wk, bk)
+    y.backward(dy)
+    xr, wr = f64(x, weight)
+    br = f64(b) if bias else None
+    yr = layer_norm_ref(xr, wr, br)
+    yr.backward(dy.double())
+    hidden, rows = shape[-1], x.numel() // shape[-1]
+    assert y.dtype == dtype
+    assert_close_dtype(y, yr, dtype, n_reduce=hidden, name="y")
+    assert_close_dtype(xk.grad, xr.grad, dtype, n_reduce=hidden, name="dx")
+    # dweight sums `rows` terms, each carrying the error of a `hidden`-long row reduction.
+    assert_close_dtype(wk.grad, wr.grad, dtype, n_reduce=rows + hidden, name="dweight")
+    if bias:
+        assert_close_dtype(bk.grad, br.grad, dtype, n_reduce=rows, name="dbias")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_matches_float64(dtype, shape, bias):
+    check_against_float64(shape, dtype, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_module_is_a_drop_in_for_torch_layer_norm(dtype):
+    torch_ln = torch.nn.LayerNorm(1000, eps=1e-5).to(DEVICE, dtype)
+    with torch.no_grad():
+        torch_ln.weight.normal_(1.0, 0.2)
+        torch_ln.bias.normal_(0.0, 0.2)
+    ours = LayerNorm(1000, eps=1e-5).to(DEVICE, dtype)
+    ours.load_state_dict(torch_ln.state_dict())
+    assert ours.variance_epsilon == torch_ln.eps
+    x = torch.randn(4, 5, 1000, device=DEVICE).to(dtype)
+    # Both compute in fp32 and round once; they differ only in the order of the fp32 sums.
+    tol = tolerance(dtype, n_reduce=1000)
+    torch.testing.assert_close(ours(x), torch_ln(x), rtol=tol, atol=tol)
+
+
+def test_bad_arguments_are_named():
+    x = torch.randn(2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="weight shape"):
+        layer_norm(x, torch.ones(63, device=DEVICE))
+    with pytest.raises(ValueError, match="bias shape"):
+        layer_norm(x, torch.ones(64, device=DEVICE), torch.zeros(3, device=DEVICE))
+
+
+REAL = os.environ.get("UNSLOTH_TEST_REAL_SHAPES") == "1" and torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not REAL, reason="real shapes run on a GPU with UNSLOTH_TEST_REAL_SHAPES=1")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_real_shapes(dtype):
+    check_against_float64((8, 2048, 4096), dtype, bias=True, device="cuda")
