@@ -179,7 +179,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
 
     families: dict[str, Family] = {}
     for entry in _rows(data, "family", path):
-        name = entry.str("name")
+        name = entry.text("name")
         entry.label = f"family {name!r}"
         entry.only("name", "vendor", "archs", "products", "source", "hsa_override", "amd_index")
         if name in families:
@@ -196,7 +196,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
             name=name,
             vendor=entry.choice("vendor", VENDORS),
             archs=archs,
-            products=entry.str("products"),
+            products=entry.text("products"),
             source=entry.source(),
             hsa_override=overrides,
             amd_index=amd_index,
@@ -215,7 +215,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
         entry.only("family", "os", "level", "reason", "source")
         cell_oses = entry.oses(oses)
         level = entry.choice("level", LEVELS)
-        reason, source = entry.str("reason"), entry.source()
+        reason, source = entry.text("reason"), entry.source()
         for name in names:
             if name not in families:
                 raise entry.error(f"unknown family {name!r}; known: {', '.join(families)}")
@@ -229,7 +229,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
 
     cuda_indexes = []
     for entry in _rows(data, "cuda_index", path):
-        variant = entry.str("variant")
+        variant = entry.text("variant")
         entry.label = f"cuda_index {variant!r}"
         entry.only("variant", "cuda", "driver", "sm", "torch", "source")
         drivers = entry.str_map("driver")
@@ -249,7 +249,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
 
     rocm_indexes = []
     for entry in _rows(data, "rocm_index", path):
-        variant = entry.str("variant")
+        variant = entry.text("variant")
         entry.label = f"rocm_index {variant!r}"
         entry.only("variant", "rocm", "archs", "torch", "source")
         rocm_indexes.append(
@@ -267,7 +267,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
     for number, entry in enumerate(_rows(data, "bitsandbytes", path)):
         entry.label = f"bitsandbytes[{number}]"
         entry.only("backend", "os", "spec", "sm", "archs", "source")
-        spec = entry.str("spec")
+        spec = entry.text("spec")
         try:
             Requirement(spec)
         except InvalidRequirement as exc:
@@ -292,7 +292,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
                 backend=entry.choice("backend", LLAMA_BACKENDS),
                 oses=entry.oses(oses),
                 wheel=entry.str_map("wheel"),
-                cmake_args=entry.str("cmake_args", allow_empty=True),
+                cmake_args=entry.text("cmake_args", allow_empty=True),
                 source=entry.source(),
                 wheel_archs=frozenset(entry.archs("wheel_archs", seen_arch)) if "wheel_archs" in entry.data else None,
             )
@@ -368,14 +368,14 @@ class _Entry:
             raise self.error(f"missing '{key}'")
         return self.data[key]
 
-    def str(self, key: str, *, allow_empty: bool = False) -> str:
+    def text(self, key: str, *, allow_empty: bool = False) -> str:
         value = self._get(key)
         if not isinstance(value, str) or (not allow_empty and not value.strip()):
             raise self.error(f"'{key}' must be a non-empty string, got {value!r}")
         return value
 
     def source(self) -> str:
-        return self.str("source")
+        return self.text("source")
 
     def str_list(self, key: str) -> list[str]:
         return _str_list(self, key)
@@ -385,7 +385,7 @@ class _Entry:
         return [value] if isinstance(value, str) else _str_list(self, key)
 
     def choice(self, key: str, allowed: tuple[str, ...]) -> str:
-        value = self.str(key)
+        value = self.text(key)
         if value not in allowed:
             raise self.error(f"bad {key} {value!r}; expected one of {', '.join(allowed)}")
         return value
@@ -412,7 +412,7 @@ class _Entry:
         return dict(self.data)
 
     def version(self, key: str) -> Version:
-        return _version(self, key, self.str(key))
+        return _version(self, key, self.text(key))
 
     def version_range(self, key: str) -> tuple[Version, Version]:
         values = self.str_list(key)
@@ -424,7 +424,7 @@ class _Entry:
         return low, high
 
     def specifier(self, key: str) -> str:
-        value = self.str(key)
+        value = self.text(key)
         try:
             SpecifierSet(value)
         except InvalidSpecifier as exc:
@@ -471,7 +471,7 @@ def _version(entry: _Entry, key: str, value: str) -> Version:
 
 
 def _url(entry: _Entry, key: str) -> str:
-    value = entry.str(key)
+    value = entry.text(key)
     parsed = urlparse(value)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise entry.error(f"'{key}' = {value!r} is not an http(s) URL")
