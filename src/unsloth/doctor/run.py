@@ -110,7 +110,8 @@ def diagnose(platform: Platform, *, source: str = "live", python: Path | None = 
     start = time.monotonic()
     target = find_env_target(python) if live else None
     host = gather_host_facts(home()) if live else None
-    findings = machine_findings(platform, plan, plan_error, needs, host, env_installed=target is not None)
+    managed = target is not None and target.origin == "managed"
+    findings = machine_findings(platform, plan, plan_error, needs, host, env_installed=managed)
     findings.append(check_env(target, platform) if live else
                     Finding("env", "Managed environment", "skipped", checks.NOT_LIVE))
     timings["machine checks"] = time.monotonic() - start
