@@ -290,7 +290,11 @@ class _Resolver:
         cc = _compute_capability(gpu)
         fitting = [index for index in self.matrix.cuda_indexes if cc is None or index.covers(cc)]
         if not fitting:
-            self.warn(f"No PyTorch CUDA build covers compute capability {cc} ({gpu.name}).")
+            lowest = min(index.sm[0] for index in self.matrix.cuda_indexes)
+            self.warn(
+                f"No PyTorch CUDA build covers compute capability {cc} ({gpu.name}); installing CPU PyTorch.",
+                f"Train on a GPU of compute capability {lowest} or newer.",
+            )
             return None
         driver = _version_or_none(self.platform.nvidia_driver)
         if driver is None:
@@ -370,7 +374,10 @@ class _Resolver:
     def amd_index_torch(self, family: Family, arch: str) -> TorchChoice | None:
         leaf = family.amd_index.get(arch)
         if leaf is None:
-            self.warn(f"No PyTorch ROCm build ships {arch} on {self.os}; installing CPU PyTorch.")
+            self.warn(
+                f"No PyTorch ROCm build ships {arch} on {self.os}; installing CPU PyTorch.",
+                "See docs/hardware-support.md for the supported gfx targets; GGUF chat still runs through Vulkan.",
+            )
             return None
         self.effective_arch = arch
         self.cite(self.matrix.sources["amd_wheels"])
