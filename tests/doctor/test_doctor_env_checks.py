@@ -188,3 +188,13 @@ def test_a_missing_interpreter_is_a_finding_not_a_traceback(tmp_path, make_plan)
     found = by_id(probe_findings(run, Platform(), make_plan()))
     assert found["env-torch"].fails and "did not start" in found["env-torch"].message
     assert "No such file" in found["env-torch"].detail
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the fake interpreter is a shell script")
+def test_the_probe_runs_under_the_plans_env_vars_from_a_clean_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
+    monkeypatch.setenv("HSA_OVERRIDE_GFX_VERSION", "10.3.0")  # a stale hand-set value: the plan's wins
+    python = _fake_python(tmp_path, 'printf \'{"check": "torch", "ok": true, "message": "%s|%s|%s"}\\n\' '
+                                    '"$HSA_OVERRIDE_GFX_VERSION" "${PYTHONPATH:-unset}" "$(ls)"')
+    run = run_env_probe(python, "rocm", timeout_s=10, plan_env={"HSA_OVERRIDE_GFX_VERSION": "11.0.0"})
+    assert run.results["torch"]["message"] == "11.0.0|unset|env_probe.py"

@@ -27,7 +27,7 @@ def register(subparsers) -> None:
                         help="run the environment checks with this interpreter (e.g. .venv/bin/python) "
                         "instead of the managed environment's")
     parser.add_argument("--quick", action="store_true",
-                        help="skip the environment checks that start its Python (about a second in all)")
+                        help="skip the environment checks, the slow part (they start the environment's Python)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help=f"give the environment checks this long before calling them hung (default {DEFAULT_TIMEOUT_S})")
     parser.set_defaults(func=run)

@@ -135,7 +135,7 @@ def run_install(args: argparse.Namespace) -> int:
             return 1
     options = manager.Options(request=request, root=root, use_pip=args.pip, force=args.force,
                               modify_path=not args.no_modify_path, upgrade=args.upgrade)
-    return manager.install(options, plan, platform.to_json(), console)
+    return manager.install(options, plan, platform, console)
 
 
 def _print_summary(console, plan) -> None:

@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from unsloth.doctor import env_probe
 from unsloth.doctor.checks import backend, target_gpu
@@ -58,13 +58,16 @@ class ProbeRun:
     timeout_s: float = DEFAULT_TIMEOUT_S
 
 
-def run_env_probe(python: Path, plan_backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> ProbeRun:
-    """Run env_probe.py with ``python``. It runs from a fresh folder so nothing in the current
-    directory (a project's own `torch/` or `kernels/`) shadows the environment's packages."""
+def run_env_probe(python: Path, plan_backend: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+                  plan_env: Mapping[str, str] | None = None) -> ProbeRun:
+    """Run env_probe.py with ``python``, under the plan's env vars (``plan.env``: an
+    HSA_OVERRIDE_GFX_VERSION some GPUs need), as training will run. It runs from a fresh folder so
+    nothing in the current directory (a project's own `torch/` or `kernels/`) shadows the
+    environment's packages."""
     with tempfile.TemporaryDirectory(prefix="unsloth-doctor-") as tmp:
         script = Path(tmp) / "env_probe.py"
         shutil.copyfile(env_probe.__file__, script)
-        env = {**os.environ, "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+        env = {**os.environ, **(plan_env or {}), "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
         env.pop("PYTHONPATH", None)  # the environment's own packages, not ours
         start = time.monotonic()
         try:

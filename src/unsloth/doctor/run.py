@@ -126,7 +126,7 @@ def diagnose(platform: Platform, *, source: str = "live", python: Path | None = 
         findings += skipped_env_findings("The environment is broken (see above)")
     else:
         start = time.monotonic()
-        run = run_env_probe(target.python, checks.backend(plan), timeout_s)
+        run = run_env_probe(target.python, checks.backend(plan), timeout_s, plan.env if plan else None)
         without = (target.receipt or {}).get("without") or ()
         findings += probe_findings(run, platform, plan, without)
         timings["environment checks"] = time.monotonic() - start

@@ -1,0 +1,95 @@
+"""`unsloth train CONFIG [--set key=value ...]` and `unsloth train --demo`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+# Common settings with their own flag; anything else goes through --set key.path=value.
+_FLAGS = {
+    "model": "model.name",
+    "dataset": "dataset.name",
+    "output_dir": "output_dir",
+    "max_steps": "training.max_steps",
+    "learning_rate": "training.learning_rate",
+    "batch_size": "training.per_device_train_batch_size",
+    "max_seq_length": "model.max_seq_length",
+}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="fine-tune a model from a TOML/YAML config (or --demo)",
+        description="Fine-tune with LoRA/QLoRA from a TOML or YAML config; flags override the file. "
+        "`unsloth train --demo` trains a tiny model on a built-in task, on any machine.",
+    )
+    p.add_argument("config", nargs="?", help="a .toml, .yaml or .yml training config")
+    p.add_argument("--demo", action="store_true", help="the built-in demo: a tiny model learns capitals (CPU ok)")
+    p.add_argument("--model", help="model name or local folder (model.name)")
+    p.add_argument("--dataset", help="hub dataset or local .jsonl/.parquet/.csv (dataset.name)")
+    p.add_argument("--output-dir", dest="output_dir", help="where checkpoints and results go")
+    p.add_argument("--max-steps", dest="max_steps", type=int, help="training.max_steps")
+    p.add_argument("--learning-rate", dest="learning_rate", type=float, help="training.learning_rate")
+    p.add_argument("--batch-size", dest="batch_size", type=int, help="training.per_device_train_batch_size")
+    p.add_argument("--max-seq-length", dest="max_seq_length", type=int, help="model.max_seq_length")
+    p.add_argument("--resume", nargs="?", const=True, default=None,
+                   help="resume from the latest checkpoint in output_dir (or from the given checkpoint)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any setting, e.g. --set training.warmup_steps=10 (repeatable)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.demo:
+        return _demo(args)
+    if not args.config:
+        print("unsloth train: give a config file (unsloth train my.toml), or try `unsloth train --demo`",
+              file=sys.stderr)
+        return 2
+    from unsloth.training.config import ConfigError, load_config
+
+    overrides = list(args.overrides)
+    for flag, key in _FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    if args.resume is not None:
+        overrides.append(f"resume={args.resume if isinstance(args.resume, str) else 'true'}")
+    try:
+        config = load_config(args.config, overrides)
+        return _train(config)
+    except ConfigError as exc:
+        print(f"unsloth train: {exc}", file=sys.stderr)
+        return 2
+
+
+def _train(config) -> int:
+    import torch
+
+    from unsloth.training.memory import out_of_memory_advice
+    from unsloth.training.sft import train
+
+    try:
+        result = train(config)
+    except torch.OutOfMemoryError:
+        batch = config.training.get("per_device_train_batch_size", 2)
+        print(out_of_memory_advice(batch, config.model.max_seq_length, config.model.load_in_4bit),
+              file=sys.stderr)
+        print(f"(checkpoints so far are kept in {config.output_dir}; add --resume to continue)", file=sys.stderr)
+        return 3
+    print(f"done: adapters in {result.output_dir}/lora" + (f", merged model in {result.merged_dir}"
+                                                            if result.merged_dir else ""))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from unsloth.training.demo import DEFAULT_OUTPUT, run_demo
+
+    kwargs = {"output_dir": args.output_dir or DEFAULT_OUTPUT}
+    if args.max_steps:
+        kwargs["max_steps"] = args.max_steps
+    result = run_demo(**kwargs)
+    return 0 if result.losses[-1] < result.losses[0] else 1
