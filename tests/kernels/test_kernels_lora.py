@@ -1,0 +1,262 @@
+"""LoRA linear / QKV / gated MLP against a float64 composition (peft's semantics) and peft itself.
+
+Tolerances: each projection rounds its matmul outputs to the dtype (x A^T, then y after the LoRA
+term is folded in), the MLP adds the activation's output h and the backward's dh / d(gate) / d(up);
+a gradient therefore passes through up to ~6 roundings to `dtype` where `assert_close_dtype`
+budgets 4, hence `CHAIN_FACTOR` for results that go through the whole MLP. fp32 results are held to
+the fp32 bound with the fp32 sums' sqrt(n) term.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import assert_close_dtype, f64
+
+from unsloth_kernels.lora import LoraWeights, lora_linear, lora_mlp, lora_o, lora_qkv
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+CHAIN_FACTOR = 2
+ACTIVATION_REF = {
+    "swiglu": F.silu,
+    "geglu": F.gelu,
+    "geglu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+}
+
+
+def make_lora(out_features, in_features, dtype, *, rank=4, alpha=8, bias=False, seed=0, device="cpu"):
+    """A LoRA linear with B != 0 (peft starts B at zero, which would hide half the math)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=g) / in_features**0.5).to(device, dtype)
+    A = (torch.randn(rank, in_features, generator=g) / in_features**0.5).to(device, dtype).requires_grad_()
+    B = (torch.randn(out_features, rank, generator=g) / rank**0.5).to(device, dtype).requires_grad_()
+    b = (torch.randn(out_features, generator=g) * 0.1).to(device, dtype).requires_grad_() if bias else None
+    return LoraWeights(weight, A, B, alpha / rank, bias=b)
+
+
+def as_f64(p: LoraWeights, weight=None) -> LoraWeights:
+    """The same projection in float64, with fresh leaves to collect reference gradients."""
+    dense = p.weight if weight is None else weight
+    return LoraWeights(dense.double(), f64(p.A), f64(p.B), p.scaling, bias=None if p.bias is None else f64(p.bias))
+
+
+def linear_ref(x, p: LoraWeights):
+    return F.linear(x, p.weight, p.bias) + p.scaling * (x @ p.A.t()) @ p.B.t()
+
+
+def check_grads(p: LoraWeights, ref: LoraWeights, dtype, n_reduce, name, factor=1.0):
+    assert p.A.grad.dtype == p.A.dtype and p.B.grad.dtype == p.B.dtype
+    assert_close_dtype(p.A.grad, ref.A.grad, dtype, n_reduce=n_reduce, name=f"{name}.dA", factor=factor)
+    assert_close_dtype(p.B.grad, ref.B.grad, dtype, n_reduce=n_reduce, name=f"{name}.dB", factor=factor)
+    if p.bias is not None:
+        assert_close_dtype(p.bias.grad, ref.bias.grad, dtype, n_reduce=n_reduce, name=f"{name}.dbias", factor=factor)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 7])
+def test_lora_linear(rows, dtype):
+    x = torch.randn(rows, 24, dtype=dtype).requires_grad_()  # hidden 24: not a power of two
+    p = make_lora(40, 24, dtype, bias=True)
+    y = lora_linear(x, p.weight, p.A, p.B, p.scaling, bias=p.bias)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+
+    ref, x_ref = as_f64(p), f64(x)
+    expected = linear_ref(x_ref, ref)
+    expected.backward(dy.double())
+    assert_close_dtype(y, expected, dtype, n_reduce=24, name="y")
+    assert_close_dtype(x.grad, x_ref.grad, dtype, n_reduce=40, name="dX")
+    check_grads(p, ref, dtype, n_reduce=rows, name="linear")
+
+
+def test_lora_linear_with_nf4_base_and_fp32_adapters():
+    # QLoRA as peft sets it up: 4-bit base, bf16 activations, fp32 A/B (their grads come back fp32).
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    dense = make_lora(64, 128, torch.float32)
+    packed, state = bnb_functional.quantize_4bit(dense.weight, blocksize=64, compress_statistics=True, quant_type="nf4")
+    state.dtype = torch.bfloat16
+    x = torch.randn(2, 3, 128, dtype=torch.bfloat16).requires_grad_()
+    y = lora_linear(x, packed, dense.A, dense.B, dense.scaling, base_quant_state=state)
+    assert y.shape == (2, 3, 64) and y.dtype == torch.bfloat16
+    dy = torch.randn_like(y)
+    y.backward(dy)
+
+    weight = bnb_functional.dequantize_4bit(packed, state)  # what the kernel must be multiplying by
+    # The adapters are used in bf16, as autocast would: round them first for the reference.
+    rounded = LoraWeights(weight, dense.A.detach().bfloat16(), dense.B.detach().bfloat16(), dense.scaling)
+    ref, x_ref = as_f64(rounded), f64(x)
+    linear_ref(x_ref, ref).backward(dy.double())
+    assert_close_dtype(y, linear_ref(x_ref, ref), torch.bfloat16, n_reduce=128, name="y")
+    assert_close_dtype(x.grad, x_ref.grad, torch.bfloat16, n_reduce=64, name="dX")
+    assert dense.A.grad.dtype == torch.float32
+    assert_close_dtype(dense.A.grad, ref.A.grad, torch.bfloat16, n_reduce=6, name="dA")
+    assert_close_dtype(dense.B.grad, ref.B.grad, torch.bfloat16, n_reduce=6, name="dB")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_lora_qkv_accumulates_dx_from_all_three(dtype):
+    # GQA widths: Q 48, K/V 16 from hidden 24.
+    x = torch.randn(2, 5, 24, dtype=dtype).requires_grad_()
+    q, k, v = (make_lora(n, 24, dtype, seed=s, bias=s == 1) for s, n in enumerate((48, 16, 16)))
+    outputs = lora_qkv(x, q, k, v)
+    grads = [torch.randn_like(o) for o in outputs]
+    torch.autograd.backward(outputs, grads)
+
+    refs, x_ref = [as_f64(p) for p in (q, k, v)], f64(x)
+    expected = [linear_ref(x_ref, r) for r in refs]
+    torch.autograd.backward(expected, [g.double() for g in grads])
+    for name, out, exp in zip("QKV", outputs, expected):
+        assert out.shape == exp.shape
+        assert_close_dtype(out, exp, dtype, n_reduce=24, name=name)
+    assert_close_dtype(x.grad, x_ref.grad, dtype, n_reduce=80, name="dX")
+    for name, p, r in zip("qkv", (q, k, v), refs):
+        check_grads(p, r, dtype, n_reduce=10, name=name)
+
+
+def mlp_ref(x, gate, up, down, activation):
+    return linear_ref(ACTIVATION_REF[activation](linear_ref(x, gate)) * linear_ref(x, up), down)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", list(ACTIVATION_REF))
+def test_lora_mlp(activation, dtype):
+    hidden, inter = 24, 40
+    x = torch.randn(3, hidden, dtype=dtype).requires_grad_()
+    gate, up = make_lora(inter, hidden, dtype, seed=1), make_lora(inter, hidden, dtype, seed=2, bias=True)
+    down = make_lora(hidden, inter, dtype, seed=3)
+    out = lora_mlp(x, gate, up, down, activation)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+
+    refs, x_ref = [as_f64(p) for p in (gate, up, down)], f64(x)
+    expected = mlp_ref(x_ref, *refs, activation)
+    expected.backward(dout.double())
+    assert_close_dtype(out, expected, dtype, n_reduce=inter, name="out", factor=CHAIN_FACTOR)
+    assert_close_dtype(x.grad, x_ref.grad, dtype, n_reduce=inter, name="dX", factor=CHAIN_FACTOR)
+    for name, p, r in zip(("gate", "up", "down"), (gate, up, down), refs):
+        check_grads(p, r, dtype, n_reduce=3, name=name, factor=CHAIN_FACTOR)
+
+
+def test_lora_mlp_with_nf4_bases():
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    dtype, hidden, inter = torch.bfloat16, 64, 128
+    projections, dense_weights = [], []
+    for seed, (o, i) in enumerate(((inter, hidden), (inter, hidden), (hidden, inter))):
+        p = make_lora(o, i, dtype, seed=seed)
+        packed, state = bnb_functional.quantize_4bit(p.weight.float(), blocksize=64, compress_statistics=True)
+        state.dtype = dtype
+        projections.append(LoraWeights(packed, p.A, p.B, p.scaling, quant_state=state))
+        dense_weights.append(bnb_functional.dequantize_4bit(packed, state))
+    x = torch.randn(4, hidden, dtype=dtype).requires_grad_()
+    out = lora_mlp(x, *projections)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+
+    refs = [as_f64(p, weight=w) for p, w in zip(projections, dense_weights)]
+    x_ref = f64(x)
+    expected = mlp_ref(x_ref, *refs, "swiglu")
+    expected.backward(dout.double())
+    assert_close_dtype(out, expected, dtype, n_reduce=inter, name="out", factor=CHAIN_FACTOR)
+    assert_close_dtype(x.grad, x_ref.grad, dtype, n_reduce=inter, name="dX", factor=CHAIN_FACTOR)
+    for name, p, r in zip(("gate", "up", "down"), projections, refs):
+        check_grads(p, r, dtype, n_reduce=4, name=name, factor=CHAIN_FACTOR)
+
+
+def test_matches_peft_modules():
+    # peft's own LoRA layers (r=4, alpha=8 -> scaling 2, dropout 0) as the semantic reference.
+    peft = pytest.importorskip("peft")
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj = torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(16, 24, bias=False)
+            self.down_proj = torch.nn.Linear(24, 16, bias=False)
+
+        def forward(self, x):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["gate_proj", "up_proj", "down_proj"])
+    model = peft.get_peft_model(MLP(), config).base_model.model
+    layers = (model.gate_proj, model.up_proj, model.down_proj)
+    for layer in layers:
+        torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.3)  # peft starts B at 0
+    x = torch.randn(5, 16)
+    dout = torch.randn(5, 16)
+
+    model(x).backward(dout)
+    expected = [(layer.lora_A["default"].weight.grad, layer.lora_B["default"].weight.grad) for layer in layers]
+    model.zero_grad()
+    weights = [
+        LoraWeights(layer.base_layer.weight, layer.lora_A["default"].weight, layer.lora_B["default"].weight,
+                    layer.scaling["default"])  # fmt: skip
+        for layer in layers
+    ]
+    out = lora_mlp(x, *weights)
+    torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
+    out.backward(dout)
+    for layer, (dA, dB) in zip(layers, expected):
+        torch.testing.assert_close(layer.lora_A["default"].weight.grad, dA, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(layer.lora_B["default"].weight.grad, dB, rtol=1e-5, atol=1e-6)
+
+
+def test_lora_o_is_the_single_projection():
+    x = torch.randn(3, 24)
+    p = make_lora(24, 24, torch.float32)
+    torch.testing.assert_close(lora_o(x, p), linear_ref(x, p))
+
+
+def test_mlp_backward_twice_is_refused():
+    # The backward overwrites its saved buffers; a second call must fail, not return garbage.
+    gate, up, down = make_lora(8, 4, torch.float32), make_lora(8, 4, torch.float32), make_lora(4, 8, torch.float32)
+    out = lora_mlp(torch.randn(2, 4, requires_grad=True), gate, up, down).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="once"):
+        out.backward()
+
+
+def test_bad_inputs_are_named():
+    p = make_lora(8, 4, torch.float32)
+    trainable_base = LoraWeights(p.weight.clone().requires_grad_(), p.A, p.B, p.scaling)
+    with pytest.raises(ValueError, match="frozen"):
+        lora_o(torch.randn(2, 4), trainable_base)
+    with pytest.raises(ValueError, match="does not match"):
+        lora_o(torch.randn(2, 4), LoraWeights(p.weight.t(), p.A, p.B, p.scaling))
+    with pytest.raises(ValueError, match="activation"):
+        lora_mlp(torch.randn(2, 4), p, p, make_lora(4, 8, torch.float32), activation="relu")
+    with pytest.raises(ValueError, match="same width"):
+        lora_mlp(torch.randn(2, 4), p, make_lora(6, 4, torch.float32), make_lora(4, 8, torch.float32))
+
+
+REAL = os.environ.get("UNSLOTH_TEST_REAL_SHAPES") == "1"
+
+
+@pytest.mark.skipif(not (REAL and torch.cuda.is_available()), reason="real shapes: UNSLOTH_TEST_REAL_SHAPES=1 on a GPU")
+def test_real_shape_mlp_on_gpu():
+    # Llama-3.1-8B MLP (4096 -> 14336 -> 4096), r=16, 2048 tokens, bf16; fp32 reference.
+    dtype, hidden, inter, rows = torch.bfloat16, 4096, 14336, 2048
+    gate, up = (make_lora(inter, hidden, dtype, rank=16, alpha=32, seed=s, device="cuda") for s in (1, 2))
+    down = make_lora(hidden, inter, dtype, rank=16, alpha=32, seed=3, device="cuda")
+    x = torch.randn(rows, hidden, dtype=dtype, device="cuda").requires_grad_()
+    out = lora_mlp(x, gate, up, down)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+
+    refs = [LoraWeights(p.weight.float(), p.A.detach().float().requires_grad_(), p.B.detach().float().requires_grad_(),
+                        p.scaling) for p in (gate, up, down)]  # fmt: skip
+    x_ref = x.detach().float().requires_grad_()
+    expected = mlp_ref(x_ref, *refs, "swiglu")
+    expected.backward(dout.float())
+
+    def close(actual, ref, name):  # bf16 storage of a long fp32 chain: ~1% of the tensor's scale
+        err = (actual.float() - ref).norm() / ref.norm()
+        assert err < 2e-2, f"{name}: relative error {err:.3g}"
+
+    close(out, expected, "out")
+    close(x.grad, x_ref.grad, "dX")
+    for p, r in zip((gate, up, down), refs):
+        close(p.A.grad, r.A.grad, "dA")
+        close(p.B.grad, r.B.grad, "dB")
