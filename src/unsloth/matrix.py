@@ -25,6 +25,8 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 SCHEMA = 1
+OSES = ("linux", "wsl", "windows", "macos")  # the columns plan.os_cell produces
+REQUIRED_FAMILIES = ("CPU", "Apple")
 LEVELS = ("full", "limited", "unsupported")
 VENDORS = ("nvidia", "amd", "intel", "apple", "none")
 BACKENDS = ("cuda", "rocm", "mps", "cpu", "vulkan")
@@ -169,22 +171,48 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
     if data.get("schema") != SCHEMA:
         raise MatrixError(f"{path}: schema = {data.get('schema')!r}, this unsloth reads schema = {SCHEMA}")
     oses = tuple(_str_list(_Entry(path, "oses", {"oses": data.get("oses")}), "oses"))
-    if not oses:
-        raise MatrixError(f"{path}: 'oses' must list at least one OS")
+    if sorted(oses) != sorted(OSES):
+        raise MatrixError(f"{path}: oses = {list(oses)}; the planner needs exactly {list(OSES)}")
 
-    urls_entry = _Entry(path, "urls", _table(data, "urls", path))
-    urls_entry.only(*REQUIRED_URLS, "source")
+    urls_entry = _table(data, "urls", path, *REQUIRED_URLS, "source")
     urls = {name: _url(urls_entry, name) for name in REQUIRED_URLS}
-    sources = {"urls": urls_entry.source()}
+    families = _families(data, path)
+    archs = {arch: family.name for family in families.values() for arch in family.archs}
+    amd_entry = _table(data, "amd_wheels", path, "torch", "source")
+    attention_entry = _table(data, "attention", path, *BACKENDS, "source")
+    return Matrix(
+        path=path,
+        oses=oses,
+        urls=urls,
+        families=families,
+        support=_support(data, path, families, oses),
+        cuda_indexes=_cuda_indexes(data, path),
+        rocm_indexes=_rocm_indexes(data, path, archs),
+        bitsandbytes=_bitsandbytes(data, path, oses, archs),
+        llama_cpp=_llama_cpp(data, path, oses, archs),
+        env=tuple(
+            EnvRow(entry.choice("backend", BACKENDS), entry.oses(oses), entry.str_map("vars"), entry.source())
+            for entry in _rows(data, "env", path, "backend", "os", "vars", "source", required=False)
+        ),
+        amd_torch=amd_entry.specifier("torch"),
+        attention={key: attention_entry.text(key) for key in attention_entry.data if key != "source"},
+        fits=_fits(data, path),
+        sources={"urls": urls_entry.source(), "amd_wheels": amd_entry.source(), "attention": attention_entry.source()},
+    )
 
+
+def _families(data: dict[str, Any], path: str) -> dict[str, Family]:
     families: dict[str, Family] = {}
-    for entry in _rows(data, "family", path):
+    owner: dict[str, str] = {}  # arch -> family
+    for entry in _rows(data, "family", path, "name", "vendor", "archs", "products", "source", "hsa_override", "amd_index"):
         name = entry.text("name")
-        entry.label = f"family {name!r}"
-        entry.only("name", "vendor", "archs", "products", "source", "hsa_override", "amd_index")
         if name in families:
             raise entry.error("duplicate family")
         archs = tuple(entry.str_list("archs"))
+        for arch in archs:
+            if arch in owner:
+                raise entry.error(f"arch {arch!r} is also in family {owner[arch]!r}")
+            owner[arch] = name
         overrides = entry.str_map("hsa_override", required=False)
         amd_index = entry.str_map("amd_index", required=False)
         for arch in [*overrides, *amd_index]:
@@ -192,29 +220,18 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
                 raise entry.error(f"arch {arch!r} is not in its archs {list(archs)}")
         for arch, value in overrides.items():
             _version(entry, f"hsa_override.{arch}", value)
-        families[name] = Family(
-            name=name,
-            vendor=entry.choice("vendor", VENDORS),
-            archs=archs,
-            products=entry.text("products"),
-            source=entry.source(),
-            hsa_override=overrides,
-            amd_index=amd_index,
-        )
-    seen_arch: dict[str, str] = {}
-    for family in families.values():
-        for arch in family.archs:
-            if arch in seen_arch:
-                raise MatrixError(f"{path}: family {family.name!r}: arch {arch!r} is also in family {seen_arch[arch]!r}")
-            seen_arch[arch] = family.name
+        families[name] = Family(name, entry.choice("vendor", VENDORS), archs, entry.text("products"), entry.source(), overrides, amd_index)
+    for name in REQUIRED_FAMILIES:  # what the planner falls back to without a usable GPU
+        if name not in families:
+            raise MatrixError(f"{path}: missing family {name!r} (the plan without a usable GPU)")
+    return families
 
+
+def _support(data: dict[str, Any], path: str, families: dict[str, Family], oses: tuple[str, ...]) -> dict[tuple[str, str], SupportCell]:
     support: dict[tuple[str, str], SupportCell] = {}
-    for entry in _rows(data, "support", path):
+    for entry in _rows(data, "support", path, "family", "os", "level", "reason", "source"):
         names = entry.str_or_list("family")
-        entry.label = f"support for {'/'.join(names)}"
-        entry.only("family", "os", "level", "reason", "source")
-        cell_oses = entry.oses(oses)
-        level = entry.choice("level", LEVELS)
+        cell_oses, level = entry.oses(oses), entry.choice("level", LEVELS)
         reason, source = entry.text("reason"), entry.source()
         for name in names:
             if name not in families:
@@ -226,122 +243,80 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
     missing = [f"{name} x {os_name}" for name in families for os_name in oses if (name, os_name) not in support]
     if missing:
         raise MatrixError(f"{path}: support has no row for {', '.join(missing)}")
+    return support
 
-    cuda_indexes = []
-    for entry in _rows(data, "cuda_index", path):
+
+def _cuda_indexes(data: dict[str, Any], path: str) -> tuple[CudaIndex, ...]:
+    indexes = []
+    for entry in _rows(data, "cuda_index", path, "variant", "cuda", "driver", "sm", "torch", "source"):
         variant = entry.text("variant")
-        entry.label = f"cuda_index {variant!r}"
-        entry.only("variant", "cuda", "driver", "sm", "torch", "source")
         drivers = entry.str_map("driver")
         if set(drivers) != {"linux", "windows"}:
             raise entry.error(f"driver must give exactly 'linux' and 'windows', got {sorted(drivers)}")
-        cuda_indexes.append(
-            CudaIndex(
-                variant=variant,
-                cuda=entry.version("cuda"),
-                driver={key: _version(entry, f"driver.{key}", value) for key, value in drivers.items()},
-                sm=entry.version_range("sm"),
-                torch=entry.specifier("torch"),
-                source=entry.source(),
-            )
-        )
-    _unique(path, "cuda_index", [index.variant for index in cuda_indexes])
+        driver = {key: _version(entry, f"driver.{key}", value) for key, value in drivers.items()}
+        indexes.append(CudaIndex(variant, entry.version("cuda"), driver, entry.version_range("sm"), entry.specifier("torch"), entry.source()))
+    _unique(path, "cuda_index", [index.variant for index in indexes])
+    return tuple(indexes)
 
-    rocm_indexes = []
-    for entry in _rows(data, "rocm_index", path):
+
+def _rocm_indexes(data: dict[str, Any], path: str, archs: dict[str, str]) -> tuple[RocmIndex, ...]:
+    indexes = []
+    for entry in _rows(data, "rocm_index", path, "variant", "rocm", "archs", "torch", "source"):
         variant = entry.text("variant")
-        entry.label = f"rocm_index {variant!r}"
-        entry.only("variant", "rocm", "archs", "torch", "source")
-        rocm_indexes.append(
-            RocmIndex(
-                variant=variant,
-                rocm=entry.version("rocm"),
-                archs=frozenset(entry.archs("archs", seen_arch)),
-                torch=entry.specifier("torch"),
-                source=entry.source(),
-            )
-        )
-    _unique(path, "rocm_index", [index.variant for index in rocm_indexes])
+        shipped = frozenset(entry.archs("archs", archs))
+        indexes.append(RocmIndex(variant, entry.version("rocm"), shipped, entry.specifier("torch"), entry.source()))
+    _unique(path, "rocm_index", [index.variant for index in indexes])
+    return tuple(indexes)
 
-    bitsandbytes = []
-    for number, entry in enumerate(_rows(data, "bitsandbytes", path)):
-        entry.label = f"bitsandbytes[{number}]"
-        entry.only("backend", "os", "spec", "sm", "archs", "source")
+
+def _bitsandbytes(data: dict[str, Any], path: str, oses: tuple[str, ...], archs: dict[str, str]) -> tuple[BitsandbytesRow, ...]:
+    rows = []
+    for entry in _rows(data, "bitsandbytes", path, "backend", "os", "spec", "sm", "archs", "source"):
         spec = entry.text("spec")
         try:
             Requirement(spec)
         except InvalidRequirement as exc:
             raise entry.error(f"spec {spec!r} is not a requirement: {exc}") from exc
-        bitsandbytes.append(
+        rows.append(
             BitsandbytesRow(
                 backend=entry.choice("backend", BACKENDS),
                 oses=entry.oses(oses),
                 spec=spec,
                 source=entry.source(),
                 sm=entry.version_range("sm") if "sm" in entry.data else None,
-                archs=frozenset(entry.archs("archs", seen_arch)) if "archs" in entry.data else None,
+                archs=frozenset(entry.archs("archs", archs)) if "archs" in entry.data else None,
             )
         )
+    return tuple(rows)
 
-    llama_cpp = []
-    for number, entry in enumerate(_rows(data, "llama_cpp", path)):
-        entry.label = f"llama_cpp[{number}]"
-        entry.only("backend", "os", "wheel", "wheel_archs", "cmake_args", "source")
-        llama_cpp.append(
+
+def _llama_cpp(data: dict[str, Any], path: str, oses: tuple[str, ...], archs: dict[str, str]) -> tuple[LlamaCppRow, ...]:
+    rows = []
+    for entry in _rows(data, "llama_cpp", path, "backend", "os", "wheel", "wheel_archs", "cmake_args", "source"):
+        rows.append(
             LlamaCppRow(
                 backend=entry.choice("backend", LLAMA_BACKENDS),
                 oses=entry.oses(oses),
                 wheel=entry.str_map("wheel"),
                 cmake_args=entry.text("cmake_args", allow_empty=True),
                 source=entry.source(),
-                wheel_archs=frozenset(entry.archs("wheel_archs", seen_arch)) if "wheel_archs" in entry.data else None,
+                wheel_archs=frozenset(entry.archs("wheel_archs", archs)) if "wheel_archs" in entry.data else None,
             )
         )
+    if not any(row.backend == "cpu" and set(row.oses) == set(oses) for row in rows):
+        raise MatrixError(f"{path}: llama_cpp needs a 'cpu' row for every OS (the fallback)")
+    return tuple(rows)
 
-    env = []
-    for number, entry in enumerate(_rows(data, "env", path, required=False)):
-        entry.label = f"env[{number}]"
-        entry.only("backend", "os", "vars", "source")
-        env.append(EnvRow(entry.choice("backend", BACKENDS), entry.oses(oses), entry.str_map("vars"), entry.source()))
 
-    amd_entry = _Entry(path, "amd_wheels", _table(data, "amd_wheels", path))
-    amd_entry.only("torch", "source")
-    amd_torch = amd_entry.specifier("torch")
-    sources["amd_wheels"] = amd_entry.source()
-
-    attention_entry = _Entry(path, "attention", _table(data, "attention", path))
-    attention = {key: value for key, value in attention_entry.str_map_all().items() if key != "source"}
-    for backend in attention:
-        if backend not in BACKENDS:
-            raise attention_entry.error(f"unknown torch backend {backend!r}; known: {', '.join(BACKENDS)}")
-    sources["attention"] = attention_entry.source()
-
-    fits_entry = _Entry(path, "fits", _table(data, "fits", path))
-    fits_entry.only(*(f.name for f in dataclasses.fields(Fits)))
-    fits = Fits(
-        qlora_bytes_per_param=fits_entry.number("qlora_bytes_per_param"),
-        lora16_bytes_per_param=fits_entry.number("lora16_bytes_per_param"),
-        overhead=fits_entry.number("overhead"),
-        fixed_gib=fits_entry.number("fixed_gib"),
-        model_sizes_b=tuple(fits_entry.number_list("model_sizes_b")),
-        source=fits_entry.source(),
-    )
-
-    return Matrix(
-        path=path,
-        oses=oses,
-        urls=urls,
-        families=families,
-        support=support,
-        cuda_indexes=tuple(cuda_indexes),
-        rocm_indexes=tuple(rocm_indexes),
-        bitsandbytes=tuple(bitsandbytes),
-        llama_cpp=tuple(llama_cpp),
-        env=tuple(env),
-        amd_torch=amd_torch,
-        attention=attention,
-        fits=fits,
-        sources=sources,
+def _fits(data: dict[str, Any], path: str) -> Fits:
+    entry = _table(data, "fits", path, *(field.name for field in dataclasses.fields(Fits)))
+    return Fits(
+        qlora_bytes_per_param=entry.number("qlora_bytes_per_param"),
+        lora16_bytes_per_param=entry.number("lora16_bytes_per_param"),
+        overhead=entry.number("overhead"),
+        fixed_gib=entry.number("fixed_gib"),
+        model_sizes_b=tuple(entry.number_list("model_sizes_b")),
+        source=entry.source(),
     )
 
 
@@ -404,12 +379,6 @@ class _Entry:
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
             raise self.error(f"'{key}' must be a table of strings, got {value!r}")
         return dict(value)
-
-    def str_map_all(self) -> dict[str, str]:
-        for key, value in self.data.items():
-            if not isinstance(value, str):
-                raise self.error(f"'{key}' must be a string, got {value!r}")
-        return dict(self.data)
 
     def version(self, key: str) -> Version:
         return _version(self, key, self.text(key))
@@ -478,23 +447,38 @@ def _url(entry: _Entry, key: str) -> str:
     return value
 
 
-def _table(data: dict[str, Any], key: str, path: str) -> dict[str, Any]:
+def _table(data: dict[str, Any], key: str, path: str, *keys: str) -> _Entry:
     value = data.get(key)
     if not isinstance(value, dict):
         raise MatrixError(f"{path}: missing table [{key}]")
-    return value
+    entry = _Entry(path, key, value)
+    entry.only(*keys)
+    return entry
 
 
-def _rows(data: dict[str, Any], key: str, path: str, *, required: bool = True) -> list[_Entry]:
-    rows = data.get(key, [] if not required else None)
+def _rows(data: dict[str, Any], key: str, path: str, *keys: str, required: bool = True) -> list[_Entry]:
+    rows = data.get(key, None if required else [])
     if not isinstance(rows, list) or (required and not rows):
         raise MatrixError(f"{path}: missing [[{key}]] rows")
     entries = []
     for number, row in enumerate(rows):
         if not isinstance(row, dict):
             raise MatrixError(f"{path}: {key}[{number}] must be a table")
-        entries.append(_Entry(path, f"{key}[{number}]", row))
+        entry = _Entry(path, _label(key, number, row), row)
+        entry.only(*keys)
+        entries.append(entry)
     return entries
+
+
+def _label(section: str, number: int, row: dict[str, Any]) -> str:
+    """How an error names a row: by its name or variant where it has one, else by position."""
+    name = row.get("name", row.get("variant"))
+    if isinstance(name, str):
+        return f"{section} {name!r}"
+    family = row.get("family")
+    if section == "support" and isinstance(family, (str, list)):
+        return "support for " + (family if isinstance(family, str) else "/".join(map(str, family)))
+    return f"{section}[{number}]"
 
 
 def _unique(path: str, section: str, names: list[str]) -> None:

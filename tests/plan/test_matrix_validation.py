@@ -44,6 +44,10 @@ BAD_ENTRIES = [
     ('"gfx1151", "gfx1200", "gfx1201"]\ntorch = ">=2.11', '"gfx1151", "gfx1200", "gfx9999"]\ntorch = ">=2.11', "rocm_index 'rocm7.2': 'archs' names arch 'gfx9999', which no family lists"),
     ("overhead = 0.2", "overhead = -0.2", "fits: 'overhead' must be a non-negative number, got -0.2"),
     ("schema = 1", "schema = 2", "schema = 2, this unsloth reads schema = 1"),
+    ('oses = ["linux", "wsl", "windows", "macos"]', 'oses = ["linux", "wsl", "windows"]', "the planner needs exactly ['linux', 'wsl', 'windows', 'macos']"),
+    ('name = "CPU"', 'name = "NoGPU"', "missing family 'CPU' (the plan without a usable GPU)"),
+    ('backend = "cpu"\nos = ["linux", "wsl", "windows", "macos"]', 'backend = "cpu"\nos = ["linux"]', "llama_cpp needs a 'cpu' row for every OS"),
+    ('[attention]\ncuda = "sdpa"', '[attention]\ncuda = "sdpa"\nrocm6 = "sdpa"', "attention: unknown key 'rocm6'"),
 ]
 
 
