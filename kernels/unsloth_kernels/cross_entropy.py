@@ -6,11 +6,12 @@ Here the tokens are processed in chunks; per chunk:
 
 1. logits = x_chunk @ W^T (+ bias)             torch matmul (cuBLAS / hipBLAS), in the input dtype
 2. one Triton program per row: online softmax over V in fp32, the row's loss, and the gradient of
-   the loss w.r.t. the logits written back *into the logits buffer* (no second buffer)
+   the row's loss w.r.t. its logits written back *into the logits buffer* (no second buffer)
 3. dX_chunk = dlogits @ W                      straight into the dX output
 4. dW += dlogits^T @ x_chunk, dbias += sum     only when the weight / bias are trainable
 
-So the gradients are ready when forward returns, and backward only scales them by grad_output.
+So the gradients are ready when forward returns; backward only scales them, in place, by
+grad_output times the reduction's 1/count.
 Peak extra memory is one chunk of logits (bounded by `_CHUNK_BYTES`) plus the gradients themselves.
 
 Semantics match `torch.nn.functional.cross_entropy(F.linear(x, W, b), labels)`, with two optional
@@ -58,7 +59,6 @@ def _cross_entropy_rows_kernel(
     logits_stride,
     labels_ptr,
     loss_ptr,
-    grad_scale_ptr,
     V,
     ignore_index,
     softcap,
@@ -68,7 +68,11 @@ def _cross_entropy_rows_kernel(
     COMPUTE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """Per row: loss = logsumexp(z) - z[label]; logits row <- grad_scale * (softmax(z) - onehot) * dz."""
+    """Per row: loss = logsumexp(z) - z[label]; logits row <- (softmax(z) - onehot) * dz.
+
+    The gradient is stored unscaled (entries in [-1, 1]); the 1/count of the mean is applied to dX
+    and dW at the end, so fp16 gradients of large batches do not underflow here.
+    """
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_stride
     label = tl.load(labels_ptr + row).to(tl.int64)
@@ -100,14 +104,13 @@ def _cross_entropy_rows_kernel(
 
         # Pass 2: the gradient, written over the logits (the row is re-read, mostly from L2).
         if COMPUTE_GRAD:
-            grad_scale = tl.load(grad_scale_ptr)
             for start in range(0, V, BLOCK_V):
                 mask = start + cols < V
                 raw = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
                 z, dz = _transform(raw, softcap, logit_scale, HAS_SCALE, HAS_SOFTCAP)
                 p = tl.exp(z - lse)
                 p = tl.where(start + cols == label, p - 1.0, p)
-                grad = p * dz * grad_scale
+                grad = p * dz
                 tl.store(row_ptr + start + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
@@ -121,21 +124,22 @@ def chunk_rows(n_rows: int, vocab: int, element_size: int) -> int:
 def _fused_linear_cross_entropy_forward(
     hidden, weight, bias, labels, ignore_index, softcap, logit_scale, reduction, total_tokens, chunk_size, need_grads
 ):
-    """Loss plus (dX, dW, dbias) for grad_output == 1; a gradient is None when not wanted."""
+    """Loss, the (dX, dW, dbias) of the summed loss (None where not wanted), and the loss's scale.
+
+    The scale (1 for "sum", 1/count for "mean") stays a device tensor: no host sync to count labels.
+    """
     n_rows, _ = hidden.shape
     vocab = weight.shape[0]
     need_dx, need_dw, need_db = need_grads
     compute_grad = need_dx or need_dw or need_db
     device = hidden.device
 
-    # The gradient scale lives on the device so no host sync is needed to count the labels.
     if reduction == "sum":
-        grad_scale = torch.ones(1, dtype=torch.float32, device=device)
+        scale = torch.ones((), dtype=torch.float32, device=device)
     elif total_tokens is not None:
-        grad_scale = 1.0 / torch.as_tensor(total_tokens, dtype=torch.float32, device=device).reshape(1)
+        scale = 1.0 / torch.as_tensor(total_tokens, dtype=torch.float32, device=device)
     else:
-        n_valid = (labels != ignore_index).sum().to(torch.float32).reshape(1)
-        grad_scale = 1.0 / n_valid.clamp_min(1.0)
+        scale = 1.0 / (labels != ignore_index).sum().to(torch.float32).clamp_min(1.0)
 
     rows = chunk_size or chunk_rows(n_rows, vocab, hidden.element_size())
     rows = min(rows, n_rows)
@@ -156,7 +160,7 @@ def _fused_linear_cross_entropy_forward(
         else:
             torch.addmm(bias, x, weight_t, out=logits)
         _cross_entropy_rows_kernel[(end - start,)](
-            logits, logits.stride(0), labels[start:end], losses[start:end], grad_scale,
+            logits, logits.stride(0), labels[start:end], losses[start:end],
             vocab, ignore_index, float(softcap or 0.0), float(logit_scale or 1.0),
             HAS_SCALE=logit_scale is not None, HAS_SOFTCAP=softcap is not None,
             COMPUTE_GRAD=compute_grad, BLOCK_V=block_v, num_warps=8,
@@ -169,10 +173,9 @@ def _fused_linear_cross_entropy_forward(
         if need_db:
             grad_bias += logits.sum(dim=0, dtype=torch.float32)
 
-    loss = losses.sum() * grad_scale[0] if reduction != "sum" else losses.sum()
     if grad_bias is not None:
         grad_bias = grad_bias.to(bias.dtype)
-    return loss, grad_hidden, grad_weight, grad_bias
+    return losses.sum() * scale, grad_hidden, grad_weight, grad_bias, scale
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
@@ -181,11 +184,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 chunk_size, grad_enabled):  # fmt: skip
         need = ctx.needs_input_grad
         need_grads = (grad_enabled and need[0], grad_enabled and need[1], grad_enabled and bias is not None and need[2])
-        loss, grad_hidden, grad_weight, grad_bias = _fused_linear_cross_entropy_forward(
+        loss, grad_hidden, grad_weight, grad_bias, scale = _fused_linear_cross_entropy_forward(
             hidden, weight, bias, labels, ignore_index, softcap, logit_scale, reduction, total_tokens, chunk_size,
             need_grads,
         )  # fmt: skip
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, scale)
         ctx.used = False
         return loss
 
@@ -194,11 +197,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         if ctx.used:
             raise RuntimeError("fused_linear_cross_entropy: backward can run once per forward (no retain_graph)")
         ctx.used = True
-        grads = []
-        for grad in ctx.saved_tensors:
-            # Scaling in place: the gradient buffers were made for this call and are used once.
-            grads.append(None if grad is None else grad.mul_(grad_output.to(grad.dtype)))
-        grad_hidden, grad_weight, grad_bias = grads
+        *grads, scale = ctx.saved_tensors
+        factor = grad_output * scale
+        # Scaling in place: the gradient buffers were made for this call and are used once.
+        grad_hidden, grad_weight, grad_bias = (None if g is None else g.mul_(factor.to(g.dtype)) for g in grads)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
