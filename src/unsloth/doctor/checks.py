@@ -13,13 +13,14 @@ from packaging.version import InvalidVersion, Version
 
 from unsloth.doctor.findings import Finding
 from unsloth.doctor.host import HostFacts
+from unsloth.matrix import Matrix
 from unsloth.platform.facts import Gpu, Platform
 from unsloth.plan import Plan
 
 GIB = 2**30
 MIN_RAM_GIB = 8  # tokenizer, dataset and the model's CPU copy during load; below this loads swap
 # What a fresh environment takes on disk: torch with its bundled runtime (ROCm's is the
-# largest), the training stack and room for one small model download.
+# largest), uv's cached copy of the wheels, the training stack and one small model download.
 ENV_DISK_GIB = {"cuda": 12, "rocm": 30, "xpu": 12, "cpu": 4, "mps": 4}
 WORK_DISK_GIB = 5  # with the environment installed: a model download and a checkpoint
 GROUP_FIX = "sudo usermod -aG render,video $USER   # then log out and back in"
@@ -35,7 +36,7 @@ class Needs:
     urls: dict[str, str] = field(default_factory=dict)  # the matrix's [urls]: driver and ROCm install pages
 
 
-def needs_from_matrix(matrix, platform: Platform, plan: Plan | None) -> Needs:
+def needs_from_matrix(matrix: Matrix, platform: Platform, plan: Plan | None) -> Needs:
     if plan is None:
         return Needs(urls=dict(matrix.urls))
     # Under WSL nvidia-smi reports the Windows host driver, so the Windows minimum applies.

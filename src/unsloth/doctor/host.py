@@ -69,7 +69,8 @@ def _groups(user: str) -> tuple[list[str], list[str]]:
         return [], []
     import grp
 
-    now = sorted({_group_name(gid) for gid in os.getgroups()})
+    # getgroups() lists the supplementary groups only; the primary one counts for access too.
+    now = sorted({_group_name(gid) for gid in (os.getegid(), *os.getgroups())})
     listed = sorted(g.gr_name for g in grp.getgrall() if user in g.gr_mem)
     return now, listed
 
