@@ -7,10 +7,9 @@ inside the planner.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -309,7 +308,7 @@ def _llama_cpp(data: dict[str, Any], path: str, oses: tuple[str, ...], archs: di
 
 
 def _fits(data: dict[str, Any], path: str) -> Fits:
-    entry = _table(data, "fits", path, *(field.name for field in dataclasses.fields(Fits)))
+    entry = _table(data, "fits", path, *(f.name for f in fields(Fits)))
     return Fits(
         qlora_bytes_per_param=entry.number("qlora_bytes_per_param"),
         lora16_bytes_per_param=entry.number("lora16_bytes_per_param"),

@@ -300,7 +300,7 @@ class _Resolver:
         if driver is None:
             index = fitting[0]
             self.warn(
-                "No NVIDIA driver was detected; the CUDA build below needs one.",
+                f"No NVIDIA driver was detected; the planned CUDA build ({index.variant}) needs one.",
                 f"Install NVIDIA driver {index.driver[column]} or newer ({self.matrix.urls['nvidia_driver']}), then run `unsloth doctor`.",
             )
             return self.cuda_torch(index)
@@ -339,16 +339,16 @@ class _Resolver:
         if self.os == "windows":
             return self.amd_index_torch(family, arch)
         self.check_rocm_runtime()
-        arch_target = arch
-        if not any(arch in index.archs for index in self.matrix.rocm_indexes) and arch in family.hsa_override:
-            value = family.hsa_override[arch]
-            arch_target = _gfx_of(value)
-            self.env["HSA_OVERRIDE_GFX_VERSION"] = value
-            self.cite(family.source)
-        index = self.rocm_index(arch_target)
+        shipped = any(arch in index.archs for index in self.matrix.rocm_indexes)
+        override = None if shipped else family.hsa_override.get(arch)  # run a shipped sibling's kernels
+        target = _gfx_of(override) if override else arch
+        index = self.rocm_index(target)
         if index is None:
             return self.amd_index_torch(family, arch)
-        self.effective_arch = arch_target
+        if override:
+            self.env["HSA_OVERRIDE_GFX_VERSION"] = override
+            self.cite(family.source)
+        self.effective_arch = target
         self.cite(index.source)
         return TorchChoice("rocm", index.variant, f"{self.pytorch}/{index.variant}", _spec(index.torch))
 
