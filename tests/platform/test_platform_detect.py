@@ -27,7 +27,9 @@ KFD = "== nodes/1/properties ==\ncpu_cores_count 0\nsimd_count 80\ngfx_target_ve
 
 
 def run(**texts: str):
-    return detect({name.replace("_", "-"): ProbeResult(name.replace("_", "-"), "ok", text) for name, text in texts.items()})
+    return detect(
+        {name.replace("_", "-"): ProbeResult(name.replace("_", "-"), "ok", text) for name, text in texts.items()}
+    )
 
 
 def test_table_and_csv_views_of_one_gpu_are_merged():
@@ -47,22 +49,29 @@ def test_truncated_name_gets_arch_only_from_a_pci_id():
 
 
 def test_gpus_at_different_bus_ids_stay_apart_in_tool_order():
-    lspci = ("0e:00.0 VGA compatible controller [0300]: Advanced Micro Devices, Inc. [AMD/ATI] Raphael [1002:164e]\n"
-             "01:00.0 VGA compatible controller [0300]: NVIDIA Corporation AD102 [GeForce RTX 4090] [10de:2684]\n")
+    lspci = (
+        "0e:00.0 VGA compatible controller [0300]: Advanced Micro Devices, Inc. [AMD/ATI] Raphael [1002:164e]\n"
+        "01:00.0 VGA compatible controller [0300]: NVIDIA Corporation AD102 [GeForce RTX 4090] [10de:2684]\n"
+    )
     platform = run(nvidia_smi=TABLE, lspci=lspci)
     assert [(g.vendor, g.bus_id) for g in platform.gpus] == [("nvidia", "0000:01:00.0"), ("amd", "0000:0e:00.0")]
 
 
 def test_order_matching_never_merges_different_pci_ids():
-    win = ("Name                    VideoProcessor\n----                    --------------\n"
-           "AMD Radeon RX 7900 XTX  AMD Radeon Graphics Processor (0x744C)\n")
+    win = (
+        "Name                    VideoProcessor\n----                    --------------\n"
+        "AMD Radeon RX 7900 XTX  AMD Radeon Graphics Processor (0x744C)\n"
+    )
     rocm = "GPU[0]\t\t: Card Series: \t\tRadeon RX 6700 XT\nGPU[0]\t\t: Device ID: \t0x73df\n"
     assert len(run(win32_videocontroller=win, rocm_smi=rocm).gpus) == 2
 
 
 def test_spoof_is_found_and_the_real_arch_reported():
-    platform = run(rocminfo=ROCMINFO.format(gfx="gfx1100", chip="5510(0x1586)"), kfd_topology=KFD.format(v=110501),
-                   env="HSA_OVERRIDE_GFX_VERSION=11.0.0")
+    platform = run(
+        rocminfo=ROCMINFO.format(gfx="gfx1100", chip="5510(0x1586)"),
+        kfd_topology=KFD.format(v=110501),
+        env="HSA_OVERRIDE_GFX_VERSION=11.0.0",
+    )
     (gpu,) = platform.gpus
     assert (gpu.arch, gpu.reported_arch, gpu.family) == ("gfx1151", "gfx1100", "RDNA3.5")
     assert (platform.hsa_override, platform.hsa_override_spoofs) == ("11.0.0", True)
@@ -84,20 +93,28 @@ def test_with_an_override_and_nothing_else_the_real_arch_stays_unknown():
 def test_the_chip_id_alone_exposes_a_spoof():
     platform = run(rocminfo=ROCMINFO.format(gfx="gfx1030", chip="29663(0x73df)"))
     assert (platform.gpus[0].arch, platform.gpus[0].reported_arch, platform.hsa_override_spoofs) == (
-        "gfx1031", "gfx1030", True)
+        "gfx1031",
+        "gfx1030",
+        True,
+    )
 
 
 def test_integrated_gpu_reports_no_vram():
     rocm = ROCMINFO.format(gfx="gfx1151", chip="5510(0x1586)") + (
         "  Pool Info:\n    Pool 1\n      Segment:                 GLOBAL; FLAGS: COARSE GRAINED\n"
-        "      Size:                    67108864(0x4000000) KB\n")
+        "      Size:                    67108864(0x4000000) KB\n"
+    )
     (gpu,) = run(rocminfo=rocm).gpus
     assert (gpu.integrated, gpu.vram_bytes) == (True, None)
 
 
 def test_disagreements_are_noted_and_the_preferred_probe_wins():
-    platform = run(host="sys.platform: linux\n", win32_videocontroller="Name : NVIDIA GeForce RTX 3090\n",
-                   nvidia_smi_query=CSV, proc_driver_nvidia_version="NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.14  Thu Feb 22 01:44:30 UTC 2024\n")
+    platform = run(
+        host="sys.platform: linux\n",
+        win32_videocontroller="Name : NVIDIA GeForce RTX 3090\n",
+        nvidia_smi_query=CSV,
+        proc_driver_nvidia_version="NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.14  Thu Feb 22 2024\n",
+    )
     assert (platform.os, platform.provenance["os"]) == ("linux", "host")
     assert platform.nvidia_driver == "570.133.07"
     assert any(n.startswith("os: host says linux") for n in platform.notes)
@@ -105,7 +122,10 @@ def test_disagreements_are_noted_and_the_preferred_probe_wins():
 
 
 def test_statuses_and_env_are_recorded():
-    results = {"rocminfo": ProbeResult("rocminfo", "timeout"), "env": ProbeResult("env", "ok", "ROCR_VISIBLE_DEVICES=1\n")}
+    results = {
+        "rocminfo": ProbeResult("rocminfo", "timeout"),
+        "env": ProbeResult("env", "ok", "ROCR_VISIBLE_DEVICES=1\n"),
+    }
     platform = detect(results)
     assert platform.probes == {"env": "ok", "rocminfo": "timeout"}
     assert platform.env == {"ROCR_VISIBLE_DEVICES": "1"}
@@ -116,8 +136,10 @@ def test_a_parser_bug_costs_only_its_own_probe(monkeypatch):
 
     def broken(name):
         if name == "lspci":
+
             def parse(text):
                 raise RuntimeError("boom")
+
             return parse
         return real(name)
 
@@ -139,13 +161,27 @@ def test_identification_tables_are_consistent():
     assert all(ident.nvidia_family(cc) for cc in tables["nvidia"]["pci"].values())
 
 
-@pytest.mark.parametrize("name, cc", [
-    ("NVIDIA GeForce RTX 4090", "8.9"), ("NVIDIA H200", "9.0"), ("NVIDIA H100 80GB HBM3", "9.0"),
-    ("NVIDIA A100-SXM4-80GB", "8.0"), ("NVIDIA GeForce RTX 3090", "8.6"), ("Tesla T4", "7.5"),
-    ("Tesla V100-SXM2-32GB", "7.0"), ("Tesla P100-PCIE-16GB", "6.0"), ("NVIDIA GeForce GTX 1080", "6.1"),
-    ("NVIDIA GeForce RTX 5090", "12.0"), ("NVIDIA B200", "10.0"), ("NVIDIA GeForce GTX 970", "5.2"),
-    ("NVIDIA L40S", "8.9"), ("NVIDIA RTX A6000", "8.6"), ("NVIDIA GeForce RTX 2080 Ti", "7.5"),
-    ("NVIDIA GeForce ...", None), ("NVIDIA Graphics Device", None),
-])
+@pytest.mark.parametrize(
+    "name, cc",
+    [
+        ("NVIDIA GeForce RTX 4090", "8.9"),
+        ("NVIDIA H200", "9.0"),
+        ("NVIDIA H100 80GB HBM3", "9.0"),
+        ("NVIDIA A100-SXM4-80GB", "8.0"),
+        ("NVIDIA GeForce RTX 3090", "8.6"),
+        ("Tesla T4", "7.5"),
+        ("Tesla V100-SXM2-32GB", "7.0"),
+        ("Tesla P100-PCIE-16GB", "6.0"),
+        ("NVIDIA GeForce GTX 1080", "6.1"),
+        ("NVIDIA GeForce RTX 5090", "12.0"),
+        ("NVIDIA B200", "10.0"),
+        ("NVIDIA GeForce GTX 970", "5.2"),
+        ("NVIDIA L40S", "8.9"),
+        ("NVIDIA RTX A6000", "8.6"),
+        ("NVIDIA GeForce RTX 2080 Ti", "7.5"),
+        ("NVIDIA GeForce ...", None),
+        ("NVIDIA Graphics Device", None),
+    ],
+)
 def test_nvidia_model_names(name, cc):
     assert (ident.nvidia_by_name(name) or {}).get("cc") == cc

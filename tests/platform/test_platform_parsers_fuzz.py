@@ -21,11 +21,27 @@ FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthChe
 tool_like_text = st.lists(
     st.one_of(
         st.text(max_size=80),
-        st.sampled_from(["GPU[0]\t\t: GFX Version: \tgfx1100", "  Name:   gfx90a", "  Device Type:  GPU",
-                         "|   0  NVIDIA GeForce RTX 4090  On | 00000000:01:00.0  On |", "Driver Version: 1.2",
-                         "== x ==", "simd_count 4", "gfx_target_version 999999", "GPU: 0", "Name : x",
-                         "---- ----", "{", "[", "HardwareInformation.qwMemorySize : 0x", "Chipset Model:",
-                         "03:00.0 VGA compatible controller [0300]: x [1002:zzzz]", "CUDA Version: ERR!"]),
+        st.sampled_from(
+            [
+                "GPU[0]\t\t: GFX Version: \tgfx1100",
+                "  Name:   gfx90a",
+                "  Device Type:  GPU",
+                "|   0  NVIDIA GeForce RTX 4090  On | 00000000:01:00.0  On |",
+                "Driver Version: 1.2",
+                "== x ==",
+                "simd_count 4",
+                "gfx_target_version 999999",
+                "GPU: 0",
+                "Name : x",
+                "---- ----",
+                "{",
+                "[",
+                "HardwareInformation.qwMemorySize : 0x",
+                "Chipset Model:",
+                "03:00.0 VGA compatible controller [0300]: x [1002:zzzz]",
+                "CUDA Version: ERR!",
+            ]
+        ),
     ),
     max_size=30,
 ).map("\n".join)

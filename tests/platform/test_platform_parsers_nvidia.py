@@ -10,19 +10,35 @@ HEADER = "| NVIDIA-SMI {smi}   {driver_key} Version: {driver}   {cuda_key}: {cud
 COLUMNS_LINUX = "| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |"
 
 
-def table(smi="550.54.14", driver="550.54.14", cuda="12.4", driver_key="Driver", cuda_key="CUDA Version",
-          columns=COLUMNS_LINUX, rows=(LINUX_ROW, MEMORY_ROW)):
-    return "\n".join([HEADER.format(smi=smi, driver=driver, cuda=cuda, driver_key=driver_key, cuda_key=cuda_key),
-                      columns, *rows])
+def table(
+    smi="550.54.14",
+    driver="550.54.14",
+    cuda="12.4",
+    driver_key="Driver",
+    cuda_key="CUDA Version",
+    columns=COLUMNS_LINUX,
+    rows=(LINUX_ROW, MEMORY_ROW),
+):
+    return "\n".join(
+        [HEADER.format(smi=smi, driver=driver, cuda=cuda, driver_key=driver_key, cuda_key=cuda_key), columns, *rows]
+    )
 
 
 def test_linux_table_gives_gpu_driver_cuda_and_os():
     found = nvidia_smi.parse(table())
-    assert found.facts == {"nvidia_driver": "550.54.14", "cuda_driver": "12.4", "_nvidia_smi_version": "550.54.14",
-                           "os": "linux"}
+    assert found.facts == {
+        "nvidia_driver": "550.54.14",
+        "cuda_driver": "12.4",
+        "_nvidia_smi_version": "550.54.14",
+        "os": "linux",
+    }
     (gpu,) = found.gpus
     assert (gpu.name, gpu.index, gpu.bus_id, gpu.vram_bytes) == (
-        "NVIDIA GeForce RTX 4090", 0, "0000:01:00.0", 24564 * 2**20)
+        "NVIDIA GeForce RTX 4090",
+        0,
+        "0000:01:00.0",
+        24564 * 2**20,
+    )
 
 
 def test_differing_smi_and_driver_versions_in_linux_layout_mean_wsl():
@@ -31,8 +47,9 @@ def test_differing_smi_and_driver_versions_in_linux_layout_mean_wsl():
 
 
 def test_r610_header_kmd_and_cuda_umd_versions():
-    found = nvidia_smi.parse(table(smi="610.43.02", driver="610.43.02", driver_key="KMD", cuda_key="CUDA UMD Version",
-                                   cuda="13.2"))
+    found = nvidia_smi.parse(
+        table(smi="610.43.02", driver="610.43.02", driver_key="KMD", cuda_key="CUDA UMD Version", cuda="13.2")
+    )
     assert found.facts["nvidia_driver"] == "610.43.02"
     assert found.facts["cuda_driver"] == "13.2"
     assert "wsl" not in found.facts
@@ -44,8 +61,10 @@ def test_cuda_err_is_unknown_not_a_version():
 
 def test_windows_layouts():
     wddm_row = "|   0  NVIDIA GeForce RTX 3090      WDDM  | 00000000:0A:00.0  On |                  N/A |"
-    for columns in ("| GPU  Name            TCC/WDDM | Bus-Id        Disp.A | Volatile Uncorr. ECC |",
-                    "| GPU  Name                  Driver-Model | Bus-Id          Disp.A | Volatile Uncorr. ECC |"):
+    for columns in (
+        "| GPU  Name            TCC/WDDM | Bus-Id        Disp.A | Volatile Uncorr. ECC |",
+        "| GPU  Name                  Driver-Model | Bus-Id          Disp.A | Volatile Uncorr. ECC |",
+    ):
         found = nvidia_smi.parse(table(columns=columns, rows=(wddm_row,)))
         assert found.facts["os"] == "windows" and found.facts["wsl"] is False
         assert found.gpus[0].name == "NVIDIA GeForce RTX 3090"
@@ -86,7 +105,12 @@ def test_query_log_fields():
     found = nvidia_smi.parse(_query_log("Enabled", "N/A"))
     (gpu,) = found.gpus
     assert (gpu.pci_id, gpu.bus_id, gpu.uuid, gpu.family, gpu.vram_bytes) == (
-        "10de:2704", "0000:2b:00.0", "GPU-1a2b", "Ada", 16376 * 2**20)
+        "10de:2704",
+        "0000:2b:00.0",
+        "GPU-1a2b",
+        "Ada",
+        16376 * 2**20,
+    )
     assert found.facts["nvidia_driver"] == "560.81" and found.facts["cuda_driver"] == "12.6"
 
 
@@ -102,7 +126,14 @@ def test_csv_in_the_probe_column_order():
     text = "0, NVIDIA H200, 00000000:19:00.0, 0x233510DE, 143771, 9.0, 570.124.06, GPU-4b2c\n"
     (gpu,) = nvidia_smi.parse(text).gpus
     assert (gpu.index, gpu.name, gpu.bus_id, gpu.pci_id, gpu.vram_bytes, gpu.compute_capability, gpu.uuid) == (
-        0, "NVIDIA H200", "0000:19:00.0", "10de:2335", 143771 * 2**20, "9.0", "GPU-4b2c")
+        0,
+        "NVIDIA H200",
+        "0000:19:00.0",
+        "10de:2335",
+        143771 * 2**20,
+        "9.0",
+        "GPU-4b2c",
+    )
     assert nvidia_smi.parse(text).facts["nvidia_driver"] == "570.124.06"
 
 
@@ -119,7 +150,9 @@ def test_headerless_csv_of_other_columns_is_read_by_content():
 
 
 def test_driver_failure_message_yields_nothing():
-    text = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
-            "Make sure that the latest NVIDIA driver is installed and running.\n")
+    text = (
+        "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+        "Make sure that the latest NVIDIA driver is installed and running.\n"
+    )
     found = nvidia_smi.parse(text)
     assert found.gpus == [] and "nvidia_driver" not in found.facts

@@ -86,7 +86,9 @@ def test_dump_round_trip_keeps_statuses_texts_and_details(tmp_path):
     results = {
         "nvidia-smi": ProbeResult("nvidia-smi", "timeout", detail="nvidia-smi: no answer within 5 s"),
         "rocminfo": ProbeResult("rocminfo", "failed", "ROCk module is NOT loaded\n", "rocminfo: exit code 1"),
-        "lspci": ProbeResult("lspci", "ok", "03:00.0 VGA compatible controller [0300]: x [1002:744c]\n", "lspci -D -nn"),
+        "lspci": ProbeResult(
+            "lspci", "ok", "03:00.0 VGA compatible controller [0300]: x [1002:744c]\n", "lspci -D -nn"
+        ),
     }
     write_dump(tmp_path, results)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lspci.txt", "probes.json", "rocminfo.txt"]
@@ -94,7 +96,9 @@ def test_dump_round_trip_keeps_statuses_texts_and_details(tmp_path):
 
 
 def test_dump_written_by_hand_without_index(tmp_path):
-    (tmp_path / "lspci.txt").write_bytes("03:00.0 VGA compatible controller [0300]: AMD [1002:744c]\r\n".encode("utf-16"))
+    (tmp_path / "lspci.txt").write_bytes(
+        "03:00.0 VGA compatible controller [0300]: AMD [1002:744c]\r\n".encode("utf-16")
+    )
     (tmp_path / "notes.md").write_text("ignored")
     results = read_dump(tmp_path)
     assert list(results) == ["lspci"]

@@ -19,21 +19,60 @@ from unsloth.platform.parsers import Findings, parser_for
 # Probes that list GPUs, most detailed first. GPUs are reported in the order the first of these
 # that saw them lists them; later probes fill in what earlier ones left unknown.
 GPU_SOURCES = (
-    "nvidia-smi-query", "nvidia-smi",
-    "rocminfo", "rocminfo-no-override", "amd-smi", "amd-smi-list", "rocm-smi-json", "rocm-smi",
-    "kfd-topology", "drm", "lspci", "win32-videocontroller", "system-profiler",
+    "nvidia-smi-query",
+    "nvidia-smi",
+    "rocminfo",
+    "rocminfo-no-override",
+    "amd-smi",
+    "amd-smi-list",
+    "rocm-smi-json",
+    "rocm-smi",
+    "kfd-topology",
+    "drm",
+    "lspci",
+    "win32-videocontroller",
+    "system-profiler",
 )
 # Where the physical AMD target comes from: KFD sysfs and tools that read it, which an
 # HSA_OVERRIDE_GFX_VERSION cannot change; rocminfo (the HSA runtime) reports the override.
 REAL_ARCH_SOURCES = ("kfd-topology", "rocminfo-no-override", "amd-smi", "amd-smi-list", "rocm-smi-json", "rocm-smi")
 # Platform facts: the first probe in each list that states the fact wins; the others are checked.
 FACT_SOURCES = {
-    "os": ("host", "proc-version", "uname", "os-release", "device-nodes", "win32-videocontroller",
-           "win-registry-video", "system-profiler", "nvidia-smi", "nvidia-smi-query", "rocminfo",
-           "rocm-smi", "rocm-smi-json", "amd-smi", "amd-smi-version", "hipconfig", "rocm-version",
-           "kfd-topology", "drm", "lspci", "proc-driver-nvidia-version", "sys-module-nvidia-version"),
-    "wsl": ("proc-version", "uname", "device-nodes", "env", "nvidia-smi", "nvidia-smi-query",
-            "win32-videocontroller", "win-registry-video", "system-profiler"),
+    "os": (
+        "host",
+        "proc-version",
+        "uname",
+        "os-release",
+        "device-nodes",
+        "win32-videocontroller",
+        "win-registry-video",
+        "system-profiler",
+        "nvidia-smi",
+        "nvidia-smi-query",
+        "rocminfo",
+        "rocm-smi",
+        "rocm-smi-json",
+        "amd-smi",
+        "amd-smi-version",
+        "hipconfig",
+        "rocm-version",
+        "kfd-topology",
+        "drm",
+        "lspci",
+        "proc-driver-nvidia-version",
+        "sys-module-nvidia-version",
+    ),
+    "wsl": (
+        "proc-version",
+        "uname",
+        "device-nodes",
+        "env",
+        "nvidia-smi",
+        "nvidia-smi-query",
+        "win32-videocontroller",
+        "win-registry-video",
+        "system-profiler",
+    ),
     "wsl_version": ("proc-version", "uname", "device-nodes"),
     "kernel": ("proc-version", "uname"),
     "machine": ("host", "uname", "proc-version"),
@@ -140,8 +179,10 @@ class _Seen:
         return self.views[0][1].vendor
 
     def first(self, field: str, sources: tuple[str, ...] | None = None) -> tuple[str | None, Any]:
-        for source, gpu in self.views if sources is None else sorted(
-                (v for v in self.views if v[0] in sources), key=lambda v: sources.index(v[0])):
+        """The first value a view gives for ``field``, and its probe; with ``sources``, only
+        those probes' views, in that order."""
+        views = self.views if sources is None else [v for s in sources for v in self.views if v[0] == s]
+        for source, gpu in views:
             if (value := getattr(gpu, field)) is not None:
                 return source, value
         return None, None
@@ -197,7 +238,9 @@ def _amd_arch(gpu: Gpu, seen: _Seen, platform: Platform) -> None:
     table = (ident.amd_by_pci(gpu.pci_id) or {}).get("gfx") or ident.amd_gfx_by_codename(gpu.chip)
     if real is None and table is not None:
         real, real_source = table, "pci id"
-    overridden = platform.hsa_override is not None or any(k.startswith("HSA_OVERRIDE_GFX_VERSION") for k in platform.env)
+    overridden = platform.hsa_override is not None or any(
+        k.startswith("HSA_OVERRIDE_GFX_VERSION") for k in platform.env
+    )
     if real is None and not overridden:
         real = runtime  # no override set: what the runtime reports is the hardware
     gpu.arch = real
@@ -206,7 +249,8 @@ def _amd_arch(gpu: Gpu, seen: _Seen, platform: Platform) -> None:
     if runtime and real and runtime != real:
         platform.notes.append(
             f"GPU {gpu.index} ({gpu.name or gpu.pci_id}): the ROCm runtime reports {runtime} but the "
-            f"hardware is {real} (from {real_source}): HSA_OVERRIDE_GFX_VERSION is spoofing it")
+            f"hardware is {real} (from {real_source}): HSA_OVERRIDE_GFX_VERSION is spoofing it"
+        )
 
 
 def _identify(gpu: Gpu, platform: Platform) -> None:

@@ -38,12 +38,15 @@ def read_dump(directory: str | Path) -> dict[str, ProbeResult]:
             index = {k: v for k, v in loaded.items() if isinstance(v, dict)} if isinstance(loaded, dict) else {}
         except ValueError:
             index = {}  # a damaged index loses only the statuses; the outputs still count
-    results = {name: ProbeResult(name, str(entry.get("status", "ok")), detail=str(entry.get("detail", "")))
-               for name, entry in index.items()}
+    results = {
+        name: ProbeResult(name, str(entry.get("status", "ok")), detail=str(entry.get("detail", "")))
+        for name, entry in index.items()
+    }
     for path in sorted(directory.glob("*.txt")):
         entry = index.get(path.stem, {})
-        results[path.stem] = ProbeResult(path.stem, str(entry.get("status", "ok")), decode(path.read_bytes()),
-                                         str(entry.get("detail", "")))
+        results[path.stem] = ProbeResult(
+            path.stem, str(entry.get("status", "ok")), decode(path.read_bytes()), str(entry.get("detail", ""))
+        )
     return results
 
 

@@ -68,8 +68,10 @@ def _sysfs_blocks(pattern: str, files: tuple[str, ...] | None = None) -> Callabl
 
 
 def _device_nodes() -> str:
-    return "\n".join(f"{path}: {'present' if os.path.exists(path) else 'absent'}"
-                     for path in ("/dev/kfd", "/dev/dxg", "/usr/lib/wsl"))
+    return "\n".join(
+        f"{path}: {'present' if os.path.exists(path) else 'absent'}"
+        for path in ("/dev/kfd", "/dev/dxg", "/usr/lib/wsl")
+    )
 
 
 def _host() -> str:
@@ -81,8 +83,14 @@ def _host() -> str:
         if line.startswith("model name"):
             cpu = line.partition(":")[2].strip()
             break
-    return "\n".join([f"sys.platform: {sys.platform}", f"machine: {host_platform.machine()}",
-                      f"cpu: {cpu}", f"ram_bytes: {psutil.virtual_memory().total}"])
+    return "\n".join(
+        [
+            f"sys.platform: {sys.platform}",
+            f"machine: {host_platform.machine()}",
+            f"cpu: {cpu}",
+            f"ram_bytes: {psutil.virtual_memory().total}",
+        ]
+    )
 
 
 def _env() -> str:
@@ -105,27 +113,47 @@ PROBES: tuple[Probe, ...] = (
     Probe("sys-module-nvidia-version", LINUX, read=_file("/sys/module/nvidia/version")),
     Probe("rocminfo", LINUX, ("rocminfo",)),
     Probe("rocm-smi", LINUX, ("rocm-smi", "--showproductname", "--showid", "--showbus", "--showmeminfo", "vram")),
-    Probe("rocm-smi-json", LINUX, ("rocm-smi", "--showproductname", "--showid", "--showbus", "--showmeminfo",
-                                   "vram", "--json")),
+    Probe(
+        "rocm-smi-json",
+        LINUX,
+        ("rocm-smi", "--showproductname", "--showid", "--showbus", "--showmeminfo", "vram", "--json"),
+    ),
     Probe("amd-smi", LINUX, ("amd-smi", "static")),
     Probe("amd-smi-list", LINUX, ("amd-smi", "list")),
     Probe("amd-smi-version", LINUX, ("amd-smi", "version")),
     Probe("hipconfig", LINUX + WINDOWS, ("hipconfig", "--version")),
     Probe("rocm-version", LINUX, read=_file("/opt/rocm/.info/version")),
     Probe("kfd-topology", LINUX, read=_sysfs_blocks("/sys/class/kfd/kfd/topology/nodes/*/properties")),
-    Probe("drm", LINUX, read=_sysfs_blocks("/sys/class/drm/card[0-9]*/device",
-                                           ("vendor", "device", "class", "boot_vga", "mem_info_vram_total"))),
+    Probe(
+        "drm",
+        LINUX,
+        read=_sysfs_blocks(
+            "/sys/class/drm/card[0-9]*/device", ("vendor", "device", "class", "boot_vga", "mem_info_vram_total")
+        ),
+    ),
     Probe("lspci", LINUX, ("lspci", "-D", "-nn")),
     Probe("proc-version", LINUX, read=_file("/proc/version")),
     Probe("uname", LINUX + MAC, ("uname", "-a")),
     Probe("os-release", LINUX, read=_file("/etc/os-release")),
     Probe("device-nodes", LINUX, read=_device_nodes),
-    Probe("win32-videocontroller", WINDOWS, (*_POWERSHELL,
-          "Get-CimInstance Win32_VideoController | Format-List Name,AdapterCompatibility,VideoProcessor,"
-          "AdapterRAM,PNPDeviceID,DriverVersion")),
-    Probe("win-registry-video", WINDOWS, (*_POWERSHELL,
-          f"Get-ItemProperty -ErrorAction SilentlyContinue '{DISPLAY_CLASS_KEY}\\0*' | "
-          "Format-List DriverDesc,'HardwareInformation.qwMemorySize'")),
+    Probe(
+        "win32-videocontroller",
+        WINDOWS,
+        (
+            *_POWERSHELL,
+            "Get-CimInstance Win32_VideoController | Format-List Name,AdapterCompatibility,VideoProcessor,"
+            "AdapterRAM,PNPDeviceID,DriverVersion",
+        ),
+    ),
+    Probe(
+        "win-registry-video",
+        WINDOWS,
+        (
+            *_POWERSHELL,
+            f"Get-ItemProperty -ErrorAction SilentlyContinue '{DISPLAY_CLASS_KEY}\\0*' | "
+            "Format-List DriverDesc,'HardwareInformation.qwMemorySize'",
+        ),
+    ),
     Probe("system-profiler", MAC, ("system_profiler", "SPDisplaysDataType")),
 )
 
@@ -155,8 +183,14 @@ def run_command(name: str, command: tuple[str, ...], timeout: float, env: dict[s
     # Own process group/session, so a timeout kills the tool and anything it started.
     group = {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP} if os.name == "nt" else {"start_new_session": True}
     try:
-        process = subprocess.Popen([executable, *command[1:]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, env=env, **group)
+        process = subprocess.Popen(
+            [executable, *command[1:]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            **group,
+        )
     except OSError as exc:
         return ProbeResult(name, "failed", detail=f"{line}: {exc}")
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 from unsloth.platform.facts import Gpu
@@ -92,6 +93,7 @@ def key_values(text: str, sep: str = ":") -> dict[str, str]:
     return out
 
 
+@cache
 def _registry() -> dict[str, Callable[[str], Findings]]:
     from unsloth.platform.parsers import (
         amd_smi,

@@ -19,8 +19,8 @@ def parse(text: str) -> Findings:
     found = Findings()
     if match := _ROCM.search(text):
         found.facts["rocm_version"] = match.group(1)
-    if re.search(r"amdgpu version|Kernel version|Linux", text) and "amdsmi" in text.lower().replace("-", "").replace(" ", ""):
-        found.facts["os"] = "linux"
+    if re.search(r"amdgpu version:\s*\d|KERNEL_VERSION|Kernel version", text):
+        found.facts["os"] = "linux"  # the amdgpu kernel driver: Linux
     for index, block in enumerate(_json_blocks(text) or blocks(text, _GPU_BLOCK)):
         found.gpus.append(_gpu(index, block))
     return found

@@ -19,8 +19,12 @@ def parse(text: str) -> Findings:
         if vendor not in VENDOR_IDS or (values.get("class") and not values["class"].startswith("0x03")):
             continue
         found.facts["os"] = "linux"
-        gpu = Gpu(vendor=VENDOR_IDS[vendor], pci_id=pci_id(vendor, device), index=len(found.gpus),
-                  bus_id=bus_id(values.get("pci_address") or card.splitlines()[0]))
+        gpu = Gpu(
+            vendor=VENDOR_IDS[vendor],
+            pci_id=pci_id(vendor, device),
+            index=len(found.gpus),
+            bus_id=bus_id(values.get("pci_address") or card.splitlines()[0]),
+        )
         if (vram := to_int(values.get("mem_info_vram_total"))) is not None and vram > 0:
             gpu.vram_bytes = vram
         found.gpus.append(gpu)

@@ -10,7 +10,7 @@ from unsloth.platform.parsers import Findings
 
 def parse(text: str) -> Findings:
     found = Findings()
-    match = re.search(r"(?:HIP version\s*:\s*)?\b(\d+)\.(\d+)\.\d+(?:-[0-9a-zA-Z.]+)?\b", text)
+    match = re.search(r"^\s*(?:HIP version\s*:\s*)?(\d+)\.(\d+)\.\d+", text, re.M)
     if match and 1 <= int(match.group(1)) < 100:
         found.facts["rocm_version"] = f"{match.group(1)}.{match.group(2)}"
     if "/opt/rocm" in text:

@@ -32,7 +32,9 @@ def parse(text: str) -> Findings:
         gpu.pci_id = pci_id(props.get("vendor_id"), props.get("device_id"))
         if "location_id" in props:
             location = props["location_id"]
-            gpu.bus_id = f"{props.get('domain', 0):04x}:{location >> 8:02x}:{(location >> 3) & 0x1F:02x}.{location & 0x7}"
+            gpu.bus_id = (
+                f"{props.get('domain', 0):04x}:{location >> 8:02x}:{(location >> 3) & 0x1F:02x}.{location & 0x7}"
+            )
         # An APU shown as one node carries both CPU cores and SIMDs. (local_mem_size is 0 on
         # dGPUs too in recent kernels, so only a positive value says anything.)
         if props.get("cpu_cores_count", 0) > 0:

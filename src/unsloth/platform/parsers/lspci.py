@@ -33,8 +33,16 @@ def parse(text: str) -> Findings:
             continue  # a virtual or server display chip (ASPEED, Matrox, QXL): not a compute GPU
         device_id = int(match.group("dev"), 16) if match.group("dev") else None
         chip, name = _names(match.group("desc"))
-        found.gpus.append(Gpu(vendor=vendor, name=name, chip=chip, index=len(found.gpus),
-                              pci_id=pci_id(vendor_id, device_id), bus_id=bus_id(match.group("bus"))))
+        found.gpus.append(
+            Gpu(
+                vendor=vendor,
+                name=name,
+                chip=chip,
+                index=len(found.gpus),
+                pci_id=pci_id(vendor_id, device_id),
+                bus_id=bus_id(match.group("bus")),
+            )
+        )
     return found
 
 

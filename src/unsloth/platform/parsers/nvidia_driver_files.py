@@ -11,7 +11,8 @@ from unsloth.platform.parsers import Findings
 def parse(text: str) -> Findings:
     found = Findings()
     match = re.search(r"Kernel Module(?:\s+for\s+\S+)?\s+(\d+\.\d+(?:\.\d+)?)", text) or re.fullmatch(
-        r"\s*(\d{3}\.\d+(?:\.\d+)?)\s*", text)
+        r"\s*(\d{3}\.\d+(?:\.\d+)?)\s*", text
+    )
     if match:
         found.facts.update(nvidia_driver=match.group(1), os="linux")
     return found

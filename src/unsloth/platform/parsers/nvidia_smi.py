@@ -8,8 +8,7 @@ from unsloth.platform.facts import Gpu
 from unsloth.platform.parsers import Findings, bus_id, key_values, to_int
 
 # The probe's query, so header-less csv in exactly this column order needs no guessing.
-QUERY_FIELDS = ("index", "name", "pci.bus_id", "pci.device_id", "memory.total", "compute_cap",
-                "driver_version", "uuid")
+QUERY_FIELDS = ("index", "name", "pci.bus_id", "pci.device_id", "memory.total", "compute_cap", "driver_version", "uuid")
 
 _VERSION = r"(\d+(?:\.\d+)+)"
 _HEADER_SMI = re.compile(r"NVIDIA-SMI\s+" + _VERSION)
@@ -58,8 +57,7 @@ def _parse_table(text: str) -> Findings:
         if not row:
             continue
         windows = windows or row.group(3) in ("WDDM", "TCC", "MCDM")
-        gpu = Gpu(vendor="nvidia", index=int(row.group(1)), name=row.group(2).strip(),
-                  bus_id=bus_id(row.group(4)))
+        gpu = Gpu(vendor="nvidia", index=int(row.group(1)), name=row.group(2).strip(), bus_id=bus_id(row.group(4)))
         following = lines[number + 1] if number + 1 < len(lines) else ""
         if memory := _TABLE_MEMORY.search(following):
             gpu.vram_bytes = int(memory.group(2)) * _MIB
@@ -97,8 +95,13 @@ def _parse_query_log(text: str) -> Findings:
     sections = re.split(r"^(?=GPU\s+[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]\s*$)", text, flags=re.M)[1:]
     for index, section in enumerate(sections):
         values = key_values(section)
-        gpu = Gpu(vendor="nvidia", index=index, name=values.get("product name"),
-                  bus_id=bus_id(section.splitlines()[0]), uuid=values.get("gpu uuid"))
+        gpu = Gpu(
+            vendor="nvidia",
+            index=index,
+            name=values.get("product name"),
+            bus_id=bus_id(section.splitlines()[0]),
+            uuid=values.get("gpu uuid"),
+        )
         if (device := to_int(values.get("device id"))) is not None and device > 0xFFFF:
             gpu.pci_id = f"10de:{device >> 16:04x}"
         if memory := re.search(r"FB Memory Usage\s*\n\s*Total\s*:\s*(\d+)\s*MiB", section):
@@ -131,7 +134,7 @@ def _parse_csv(text: str) -> Findings:
     for line in lines:
         cells = [cell.strip() for cell in line.split(",")]
         names = columns or (list(QUERY_FIELDS) if len(cells) == len(QUERY_FIELDS) else _classify(cells))
-        row = dict(zip(names, cells))
+        row = dict(zip(names, cells, strict=False))
         gpu = _gpu_from_row(row)
         if gpu:
             found.gpus.append(gpu)
@@ -170,8 +173,12 @@ def _gpu_from_row(row: dict[str, str]) -> Gpu | None:
     name = row.get("name") or None
     if not name and not row.get("pci.bus_id") and not row.get("uuid"):
         return None
-    gpu = Gpu(vendor="nvidia", name=name, bus_id=bus_id(row.get("pci.bus_id")),
-              uuid=row.get("uuid") if (row.get("uuid") or "").startswith("GPU-") else None)
+    gpu = Gpu(
+        vendor="nvidia",
+        name=name,
+        bus_id=bus_id(row.get("pci.bus_id")),
+        uuid=row.get("uuid") if (row.get("uuid") or "").startswith("GPU-") else None,
+    )
     if (index := row.get("index", "")).isdigit():
         gpu.index = int(index)
     if (device := to_int(row.get("pci.device_id"))) is not None and device > 0xFFFF:

@@ -57,10 +57,8 @@ def _gpu(index: int, values: dict[str, str]) -> Gpu:
     gpu = Gpu(vendor="amd", index=index, name=name if name and not name.startswith("0x") else None)
     if (arch := first("gfx version")) and re.fullmatch(r"gfx[0-9a-f]{3,4}", arch):
         gpu.arch = arch
-    gpu.pci_id = pci_id(0x1002, to_int(first("device id", "gpu id")))
+    gpu.pci_id = pci_id(0x1002, to_int(first("device id", "gpu id", "card model")))
     gpu.bus_id = bus_id(first("pci bus"))
     if (total := to_int(first("vram total memory (b)"))) is not None and total > 0:
         gpu.vram_bytes = total
-    if (uuid := first("unique id")) and uuid.startswith("0x"):
-        gpu.uuid = None  # rocm-smi's unique id is not rocminfo's uuid form; don't match on it
     return gpu

@@ -17,8 +17,8 @@ def parse(text: str) -> Findings:
     found = Findings()
     if re.search(r"ROCk module is NOT loaded|HSA_STATUS_ERROR|Unable to open /dev/kfd", text):
         found.facts["_rocm_runtime_error"] = next(
-            line.strip() for line in text.splitlines()
-            if re.search(r"NOT loaded|HSA_STATUS_ERROR|Unable to open", line))
+            line.strip() for line in text.splitlines() if re.search(r"NOT loaded|HSA_STATUS_ERROR|Unable to open", line)
+        )
     if re.search(r"HSA Agents|HSA System Attributes|ROCk module|Device Type:\s*(GPU|CPU)", text):
         found.facts["os"] = "linux"  # rocminfo exists only on Linux (Windows ships hipInfo)
     agents = blocks(text, _AGENT_HEADER) or blocks(text, _TOP_LEVEL_NAME)
@@ -38,8 +38,7 @@ def _gpu(agent: str) -> Gpu | None:
     arch_match = _GFX.match(name) or _GFX.search(agent)
     if not device_type and not _GFX.match(name):
         return None  # a headless fragment or a CPU agent cut before its type
-    gpu = Gpu(vendor="amd", arch=arch_match.group(0) if arch_match else None,
-              name=values.get("marketing name") or None)
+    gpu = Gpu(vendor="amd", arch=arch_match.group(0) if arch_match else None, name=values.get("marketing name") or None)
     if uuid := values.get("uuid"):
         gpu.uuid = uuid if uuid.startswith("GPU-") and uuid != "GPU-XX" else None
     gpu.pci_id = pci_id(0x1002, to_int(values.get("chip id")))

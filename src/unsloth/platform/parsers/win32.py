@@ -58,10 +58,10 @@ def _list_records(text: str) -> list[dict[str, str]]:
         match = re.match(r"^([A-Za-z][A-Za-z0-9_]*)\s*(?::|=)\s?(.*?)\s*$", line)
         if match and not line.startswith(" "):
             key = match.group(1).lower()
-            if key in current and key == "name" or (key in current and key in _KNOWN and "name" not in current):
+            if key in current:  # a repeated property starts the next adapter
                 records.append(current)
                 current = {}
-            current.setdefault(key, match.group(2))
+            current[key] = match.group(2)
         elif not line.strip() and current:
             records.append(current)
             current = {}
@@ -77,10 +77,10 @@ def _table_records(text: str) -> list[dict[str, str]]:
         below = lines[number + 1] if number + 1 < len(lines) else ""
         if re.fullmatch(r"[\s-]+", below) and "-" in below:  # Format-Table: dashes mark each column
             starts = [m.start() for m in re.finditer(r"-+", below)]
-            body = lines[number + 2:]
+            body = lines[number + 2 :]
         else:  # wmic: columns start where the header words do
             starts = [m.start() for m in re.finditer(r"\S+", line)]
-            body = lines[number + 1:]
+            body = lines[number + 1 :]
         names = [m.group(0).lower() for m in re.finditer(r"\S+", line)]
         if len(names) != len(starts):
             return []
@@ -88,8 +88,8 @@ def _table_records(text: str) -> list[dict[str, str]]:
         for row in body:
             if not row.strip():
                 continue
-            cells = [row[start:end].strip() for start, end in zip(starts, starts[1:] + [len(row)])]
-            records.append(dict(zip(names, cells)))
+            cells = [row[start:end].strip() for start, end in zip(starts, starts[1:] + [len(row)], strict=True)]
+            records.append(dict(zip(names, cells, strict=True)))
         return records
     return []
 
