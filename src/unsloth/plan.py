@@ -431,35 +431,38 @@ class _Resolver:
         return TorchChoice(backend, leaf, url, torch.version_spec if backend == torch.backend else None, torch.packages)
 
     def check_user_env(self, vendor: str | None) -> None:
-        """An HSA override the user set would make ROCm load another GPU's kernels: say so."""
+        """An HSA override the user set makes ROCm load another GPU's kernels: say so, plan for the real GPU."""
         value = self.platform.hsa_override or self.platform.env.get("HSA_OVERRIDE_GFX_VERSION")
-        if not value and self.platform.hsa_override_spoofs and self.os != "windows":
-            spoofed = next((g for g in self.platform.gpus if g.reported_arch and g.reported_arch != g.arch), None)
-            seen = f"reports {spoofed.reported_arch} for the real {spoofed.arch}" if spoofed else "reports another GPU"
-            self.warn(
-                f"The ROCm runtime {seen}: an HSA_OVERRIDE_GFX_VERSION is set somewhere (a service, "
-                "/etc/environment or a shell profile). The plan follows the real GPU.",
-                "Find and remove it: grep -rs HSA_OVERRIDE_GFX_VERSION /etc/environment /etc/profile.d ~/.bashrc ~/.profile",
-            )
-            return
-        if not value or value == self.env.get("HSA_OVERRIDE_GFX_VERSION"):
-            return
-        if self.os != "windows" and (self.platform.hsa_override_spoofs is False or vendor != "amd"):
-            return  # it changes nothing the runtime reports, or there is no AMD GPU to mislead
-        if self.os != "windows" and self.platform.hsa_override_spoofs is None and _gfx_of(value) == self.effective_arch:
-            return
         if self.os == "windows":
-            self.warn(
-                f"HSA_OVERRIDE_GFX_VERSION={value} is set but has no effect on Windows.",
-                "Remove it from your user environment variables.",
-            )
-        else:
-            self.warn(
-                f"HSA_OVERRIDE_GFX_VERSION={value} makes ROCm report {_gfx_of(value) or 'another GPU'} instead of the real "
-                f"{self.effective_arch or 'GPU'}, which loads the wrong kernels (crashes, wrong results). "
-                "The plan follows the real GPU.",
-                "unset HSA_OVERRIDE_GFX_VERSION, and remove it from ~/.bashrc or ~/.profile",
-            )
+            if value:
+                self.warn(
+                    f"HSA_OVERRIDE_GFX_VERSION={value} is set but has no effect on Windows.",
+                    "Remove it from your user environment variables.",
+                )
+            return
+        if vendor != "amd":
+            return  # no AMD GPU to mislead
+        if value is None:
+            if self.platform.hsa_override_spoofs:  # detection saw the effect, not the variable
+                spoofed = next((g for g in self.platform.gpus if g.reported_arch and g.reported_arch != g.arch), None)
+                seen = f"reports {spoofed.reported_arch} for the real {spoofed.arch}" if spoofed else "reports another GPU"
+                self.warn(
+                    f"The ROCm runtime {seen}: an HSA_OVERRIDE_GFX_VERSION is set somewhere (a service, "
+                    "/etc/environment or a shell profile). The plan follows the real GPU.",
+                    "Find and remove it: grep -rs HSA_OVERRIDE_GFX_VERSION /etc/environment /etc/profile.d ~/.bashrc ~/.profile",
+                )
+            return
+        spoofs = self.platform.hsa_override_spoofs
+        if value == self.env.get("HSA_OVERRIDE_GFX_VERSION"):
+            return  # exactly the override the plan sets
+        if spoofs is False or (spoofs is None and _gfx_of(value) == self.effective_arch):
+            return  # it names the GPU's own target: harmless
+        self.warn(
+            f"HSA_OVERRIDE_GFX_VERSION={value} makes ROCm report {_gfx_of(value) or 'another GPU'} instead of the real "
+            f"{self.effective_arch or 'GPU'}, which loads the wrong kernels (crashes, wrong results). "
+            "The plan follows the real GPU.",
+            "unset HSA_OVERRIDE_GFX_VERSION, and remove it from ~/.bashrc or ~/.profile",
+        )
 
     # --- bitsandbytes, llama.cpp, fits ----------------------------------------------------------
 
