@@ -21,6 +21,7 @@ def render(matrix: Matrix) -> str:
         _header(),
         _support_table(matrix),
         _reasons(matrix),
+        _several_gpus(),
         _cuda_table(matrix),
         _rocm_table(matrix),
         _overrides(matrix),
@@ -87,6 +88,20 @@ def _reasons(matrix: Matrix) -> str:
     for (level, reason, source), cells in grouped.items():
         lines.append(f"- **{level}**, {reason}. _{', '.join(cells)}._ Source: {source}")
     return "\n".join(lines)
+
+
+def _several_gpus() -> str:
+    return (
+        "## Several GPUs, pins and mirrors\n\n"
+        "One GPU becomes the compute device (torch has one backend). The planner ranks GPUs by: support on this OS\n"
+        "(full, then limited; unsupported last), discrete before integrated (a laptop's dGPU over its iGPU), NVIDIA\n"
+        "before AMD before others, more VRAM, then the tool's order. `device_reason` in the plan says why. A same-vendor\n"
+        "GPU that is not used and differs from the device (an iGPU, an unsupported card) is hidden with\n"
+        "`HIP_VISIBLE_DEVICES` / `CUDA_VISIBLE_DEVICES` on Linux and WSL.\n\n"
+        "`UNSLOTH_TORCH_INDEX_URL` pins the torch index verbatim (the plan warns if it names another backend);\n"
+        "`UNSLOTH_PYTORCH_MIRROR` replaces `https://download.pytorch.org/whl` and `UNSLOTH_AMD_ROCM_MIRROR` replaces\n"
+        "`https://repo.amd.com/rocm/whl`. An AMD GPU whose gfx target cannot be read gets a CPU plan and the fix."
+    )
 
 
 def _cuda_table(matrix: Matrix) -> str:
