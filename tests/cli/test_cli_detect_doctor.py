@@ -113,10 +113,16 @@ def test_a_required_failure_exits_1_and_is_named(capsys, tmp_path):
     assert code == 1 and report["summary"]["failed_required"] == ["driver"]
 
 
-def test_conflicting_options_are_usage_errors(capsys, tmp_path):
+def test_conflicting_options_and_bad_dumps_are_usage_errors(capsys, tmp_path):
     assert main(["doctor", "--from", str(WSL_4090), "--dump", str(tmp_path / "d")]) == 2
     assert main(["doctor", "--from", str(tmp_path / "nope")]) == 2
     assert "not a dump directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["doctor", "--from", str(tmp_path / "empty")]) == 2
+    assert "no probe outputs here" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["doctor", "--timeout", "0"])
+    assert exit_info.value.code == 2 and "above 0" in capsys.readouterr().err
 
 
 # --- doctor on this machine ---------------------------------------------------------------------------

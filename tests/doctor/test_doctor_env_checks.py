@@ -7,6 +7,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import shutil
 import stat
 import sys
 from pathlib import Path
@@ -198,3 +199,23 @@ def test_the_probe_runs_under_the_plans_env_vars_from_a_clean_folder(tmp_path, m
                                     '"$HSA_OVERRIDE_GFX_VERSION" "${PYTHONPATH:-unset}" "$(ls)"')
     run = run_env_probe(python, "rocm", timeout_s=10, plan_env={"HSA_OVERRIDE_GFX_VERSION": "11.0.0"})
     assert run.results["torch"]["message"] == "11.0.0|unset|env_probe.py"
+
+
+GPU_BACKEND = "rocm" if os.path.exists("/dev/kfd") else "cuda" if shutil.which("nvidia-smi") else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GPU_BACKEND is None, reason="needs an NVIDIA or AMD GPU (run on the GPU machine)")
+def test_the_probe_on_a_real_gpu():
+    """This interpreter on a GPU machine: the matmul and the Triton kernel run on the GPU itself."""
+    run = run_env_probe(Path(sys.executable), GPU_BACKEND, timeout_s=300)
+    assert not run.timed_out, run.stderr
+    results = run.results
+    assert results["torch"]["ok"] and results["torch"]["backend"] == GPU_BACKEND
+    assert results["gpu"]["ok"] and results["gpu"]["count"] >= 1
+    device = results["gpu"]["devices"][0]
+    assert device["arch"].startswith("gfx" if GPU_BACKEND == "rocm" else "sm_") and device["vram_bytes"] > 2**30
+    assert results["matmul"]["ok"] and results["matmul"]["device"] == "cuda:0"
+    assert results["triton"]["ok"] and results["triton"]["mode"] == "cuda:0", results["triton"]
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        assert results["bitsandbytes"]["ok"], results["bitsandbytes"]

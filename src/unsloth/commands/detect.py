@@ -18,7 +18,13 @@ def detect_platform(from_dir: Path | None):
     """(Platform, probe results) from the live machine or a dump; OSError when the dump cannot be read."""
     from unsloth.platform.detect import detect_from_dump, detect_live
 
-    return detect_from_dump(from_dir) if from_dir is not None else detect_live()
+    if from_dir is None:
+        return detect_live()
+    platform, results = detect_from_dump(from_dir)
+    if not results:  # an empty or wrong folder would otherwise read as "a machine with nothing"
+        raise FileNotFoundError(f"{from_dir}: no probe outputs here (a dump holds <probe>.txt files and "
+                                "probes.json; make one with `unsloth doctor --dump DIR`)")
+    return platform, results
 
 
 def register(subparsers) -> None:

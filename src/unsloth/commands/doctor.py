@@ -12,6 +12,13 @@ from unsloth.doctor.env_checks import DEFAULT_TIMEOUT_S
 from unsloth.doctor.findings import EXIT_USAGE
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text}: give a number of seconds above 0")
+    return value
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "doctor", help="check the GPU, drivers and environment; print a fix for each problem",
@@ -28,7 +35,7 @@ def register(subparsers) -> None:
                         "instead of the managed environment's")
     parser.add_argument("--quick", action="store_true",
                         help="skip the environment checks, the slow part (they start the environment's Python)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+    parser.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help=f"give the environment checks this long before calling them hung (default {DEFAULT_TIMEOUT_S})")
     parser.set_defaults(func=run)
 
