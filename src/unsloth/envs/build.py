@@ -59,9 +59,11 @@ def default_python() -> str:
     return getattr(sys, "_base_executable", None) or sys.executable
 
 
-def request_hash(request: Request, plan_json: dict[str, Any], source_id: str) -> str:
+def request_hash(request: Request, plan_json: dict[str, Any], source_id: str, fingerprint: str) -> str:
     """Same hash, same environment: a re-run with nothing new has nothing to do."""
-    return digest({"request": request.to_json(), "plan": plan_json, "source_id": source_id, "unsloth": __version__})
+    return digest(
+        {"request": request.to_json(), "plan": plan_json, "source_id": source_id, "fingerprint": fingerprint, "unsloth": __version__}
+    )
 
 
 def source_identity(source: str) -> str:
@@ -102,7 +104,7 @@ def build(
     root: Path,
     request: Request,
     plan,
-    platform_json: dict[str, Any],
+    platform,
     console: Console,
     *,
     use_pip: bool = False,
@@ -111,13 +113,33 @@ def build(
     env = envs_dir(root) / new_env_name()
     started = utc_now()
     try:
-        return _build(env, request, plan, platform_json, console, use_pip, started)
-    except BaseException:
+        return _build(env, request, plan, platform, console, use_pip, started)
+    except BaseException as exc:
+        kept = keep_logs(root, env)
+        if kept and isinstance(exc, (StepFailed, BuildFailed)):
+            exc.log = kept / exc.log.name if exc.log else kept
         shutil.rmtree(env, ignore_errors=True)
         raise
 
 
-def _build(env: Path, request: Request, plan, platform_json, console: Console, use_pip: bool, started: str) -> Path:
+FAILED_LOGS_KEPT = 3
+
+
+def keep_logs(root: Path, env: Path) -> Path | None:
+    """Move a failed build's logs to <home>/logs/<name> (the build itself is deleted); keep the last few."""
+    logs = env / "logs"
+    if not logs.is_dir():
+        return None
+    target = root / "logs" / env.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(logs), str(target))
+    for old in sorted(target.parent.iterdir())[:-FAILED_LOGS_KEPT]:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def _build(env: Path, request: Request, plan, platform, console: Console, use_pip: bool, started: str) -> Path:
+    platform_json = platform.to_json()
     logs = env / "logs"
     python = env_python(env)
     base_python = request.python or default_python()
@@ -164,13 +186,16 @@ def _build(env: Path, request: Request, plan, platform_json, console: Console, u
             optional_failed["llama-cpp"] = str(exc.log)
 
     probe = _verify(run, python, plan, request, optional_failed)
+    _doctor_checks(python, plan, platform, request, logs, console)
     receipt = {
         "name": env.name,
         "created": started,
         "finished": utc_now(),
         "unsloth": {"version": probe["packages"].get(plan_steps.DIST_NAME), "source": request.source},
         "request": request.to_json(),
-        "request_hash": request_hash(request, plan.to_json(), source_identity(request.source)),
+        "request_hash": request_hash(
+            request, plan.to_json(), source_identity(request.source), hardware_fingerprint(platform_json)
+        ),
         "fingerprint": hardware_fingerprint(platform_json),
         "platform": platform_json,
         "plan": plan.to_json(),
@@ -198,6 +223,20 @@ def _verify(run, python: Path, plan, request: Request, optional_failed: dict[str
     if found:
         raise BuildFailed("the new environment does not match the plan", found)
     return probe
+
+
+def _doctor_checks(python: Path, plan, platform, request: Request, logs: Path, console: Console) -> None:
+    """doctor's environment checks (a real matmul, bitsandbytes, Triton, llama.cpp) must not fail."""
+    from unsloth.doctor.env_checks import probe_findings, run_env_probe
+
+    with console.status("Doctor's environment checks"):
+        run = run_env_probe(python, plan.torch.backend)
+    findings = probe_findings(run, platform, plan, request.without)
+    (logs / "doctor.json").write_text(json.dumps([f.to_json() for f in findings], indent=2), encoding="utf-8")
+    failed = [f"{f.title}: {f.message}" for f in findings if f.fails]
+    if failed:
+        raise BuildFailed("doctor's environment checks failed in the new environment", failed)
+    console.print(f"[green]✓[/] Doctor's environment checks [dim]({run.seconds:.1f}s)[/]")
 
 
 def _tool_version(tool: Tool) -> str:

@@ -23,7 +23,7 @@ from unsloth.envs import launcher, state
 from unsloth.envs.build import BuildFailed, build, request_hash, source_identity
 from unsloth.envs.lock import InstallLock
 from unsloth.envs.paths import CURRENT, LOCK_NAME, PREVIOUS, active_env, bin_dir, envs_dir
-from unsloth.envs.receipt import read_receipt
+from unsloth.envs.receipt import hardware_fingerprint, read_receipt
 from unsloth.envs.runner import StepFailed
 from unsloth.envs.sources import Sources, parse_pip_config
 from unsloth.envs.steps import DIST_NAME, Request
@@ -93,7 +93,7 @@ def locked(root: Path, console: Console) -> InstallLock:
     return InstallLock(root / LOCK_NAME, on_wait=waiting)
 
 
-def install(options: Options, plan, platform_json: dict, console: Console) -> int:
+def install(options: Options, plan, platform, console: Console) -> int:
     root, request = options.root, options.request
     with locked(root, console), signals_as_interrupt():
         swept = state.sweep(root)
@@ -101,14 +101,16 @@ def install(options: Options, plan, platform_json: dict, console: Console) -> in
             console.print(f"Removed unfinished builds left by an interrupted run: {', '.join(swept)}")
         current = active_env(root)
         receipt = read_receipt(current) if current else None
-        wanted = request_hash(request, plan.to_json(), source_identity(request.source))
+        wanted = request_hash(
+            request, plan.to_json(), source_identity(request.source), hardware_fingerprint(platform.to_json())
+        )
         if receipt and receipt.get("request_hash") == wanted and not (options.force or options.upgrade):
             _expose(options, console)
             console.print(f"[green]Up to date[/]: {current.name} already matches this plan ({plan.torch.backend}). Nothing to do.")
             return 0
         console.print(f"Building a new environment beside {'the current one' if current else 'nothing'} …")
         try:
-            env = build(root, request, plan, platform_json, console, use_pip=options.use_pip)
+            env = build(root, request, plan, platform, console, use_pip=options.use_pip)
         except StepFailed as exc:
             console.print(f"[red]✗ {exc.step.title} failed[/]\n{exc.tail}\n")
             console.print(f"Full log: {exc.log}  (that build was removed)")
@@ -118,6 +120,7 @@ def install(options: Options, plan, platform_json: dict, console: Console) -> in
             console.print(f"[red]✗ {exc}[/]")
             for problem in exc.found:
                 console.print(f"  - {problem}")
+            console.print(f"Logs: {exc.log}  (that build was removed)")
             console.print(f"Likely fix: unsloth install --torch-index-url {plan.torch.index_url}  (the plan's own index)")
             return _kept(current, console)
         except KeyboardInterrupt:

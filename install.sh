@@ -1,0 +1,351 @@
+#!/bin/sh
+# unsloth installer for Linux, WSL and macOS (CPU-only there).
+#
+#   curl -fsSL <release>/install.sh | sh              the released package (UNSLOTH_VERSION picks one)
+#   sh install.sh [--yes] [--dry-run] [--help]         from a clone: installs that clone
+#
+# This script only finds a Python, gets uv, and creates a small bootstrap environment holding this
+# package; `unsloth install` then makes every hardware decision and builds the managed environment
+# transactionally. Options are flags or UNSLOTH_* variables (docs/install.md); a piped run takes
+# the variables, e.g. `curl -fsSL <url>/install.sh | UNSLOTH_YES=1 sh`.
+#
+# Everything is inside functions and `main "$@"` is the last line: a partial download runs nothing.
+
+set -eu
+
+UV_VERSION=0.13.9   # the standalone uv fetched when neither uv nor a usable Python with pip is found
+UV_MIN=0.8
+PYTHON_MIN=3.10
+PYTHON_MAX=3.13
+PYTHON_DEFAULT=3.12 # what uv installs when the system has no usable Python
+RELEASES=${UNSLOTH_RELEASE_URL:-https://github.com/unsloth-installer/unsloth/releases}
+
+say() { printf '%s\n' "==> $*"; }
+warn() { printf '%s\n' "warning: $*" >&2; }
+die() {
+  printf '%s\n' "error: $*" >&2
+  exit 1
+}
+
+usage() {
+  cat <<'EOF'
+Install unsloth: a managed environment matched to this machine's GPU, and the `unsloth` command.
+
+Usage: sh install.sh [options] [-- options for `unsloth install`]
+       curl -fsSL <release>/install.sh | [UNSLOTH_...=value] sh
+
+  -y, --yes               do not ask (also UNSLOTH_YES=1; implied without a terminal)
+  -n, --dry-run           show what would happen and the plan; change nothing
+      --version V         install release V instead of the latest (UNSLOTH_VERSION)
+      --source PATH|URL   install this source tree or archive (UNSLOTH_SOURCE)
+      --home DIR          install home (UNSLOTH_HOME; default ~/.local/share/unsloth)
+      --bin-dir DIR       where the `unsloth` launcher goes (UNSLOTH_BIN_DIR; default ~/.local/bin)
+      --python PY         use this Python (UNSLOTH_PYTHON)
+      --index-url URL     package index / mirror for everything but PyTorch (UNSLOTH_INDEX_URL)
+      --extra-index-url U another index (UNSLOTH_EXTRA_INDEX_URL)
+      --find-links DIR    a wheelhouse, for offline installs (UNSLOTH_FIND_LINKS)
+      --torch-index-url U take PyTorch from this index, e.g. a mirror (UNSLOTH_TORCH_INDEX_URL)
+      --without PART      leave out llama-cpp, export or bitsandbytes (UNSLOTH_WITHOUT)
+      --pip               install with pip instead of uv (UNSLOTH_INSTALLER=pip)
+      --no-modify-path    do not add the launcher's folder to PATH (UNSLOTH_NO_MODIFY_PATH=1)
+  -h, --help              this help
+
+Your pip configuration (indexes, find-links, constraints) is honoured. Nothing here uses sudo:
+anything that needs root is printed for you to run. See docs/install.md.
+EOF
+}
+
+# Flags become the UNSLOTH_* variables that `unsloth install` reads too: one set of names.
+parse_args() {
+  DRY_RUN=0
+  while [ $# -gt 0 ]; do
+    case $1 in
+      -y | --yes) UNSLOTH_YES=1 ;;
+      -n | --dry-run) DRY_RUN=1 ;;
+      -h | --help) usage; exit 0 ;;
+      --pip) UNSLOTH_INSTALLER=pip ;;
+      --no-modify-path) UNSLOTH_NO_MODIFY_PATH=1 ;;
+      --version | --source | --home | --bin-dir | --python | --index-url | --extra-index-url | --find-links | --torch-index-url | --without)
+        [ $# -ge 2 ] || die "$1 needs a value (see --help)"
+        set_option "$1" "$2"
+        shift
+        ;;
+      --) shift; break ;;
+      *) die "unknown option: $1 (see --help)" ;;
+    esac
+    shift
+  done
+  PASSTHROUGH_COUNT=$#
+  export UNSLOTH_YES UNSLOTH_INSTALLER UNSLOTH_NO_MODIFY_PATH
+}
+
+set_option() {
+  case $1 in
+    --version) UNSLOTH_VERSION=$2 ;;
+    --source) UNSLOTH_SOURCE=$2 ;;
+    --home) UNSLOTH_HOME=$2 ;;
+    --bin-dir) UNSLOTH_BIN_DIR=$2; export UNSLOTH_BIN_DIR ;;
+    --python) UNSLOTH_PYTHON=$2 ;;
+    --index-url) UNSLOTH_INDEX_URL=$2; export UNSLOTH_INDEX_URL ;;
+    --extra-index-url) UNSLOTH_EXTRA_INDEX_URL="${UNSLOTH_EXTRA_INDEX_URL:-} $2"; export UNSLOTH_EXTRA_INDEX_URL ;;
+    --find-links) UNSLOTH_FIND_LINKS="${UNSLOTH_FIND_LINKS:-} $2"; export UNSLOTH_FIND_LINKS ;;
+    --torch-index-url) UNSLOTH_TORCH_INDEX_URL=$2; export UNSLOTH_TORCH_INDEX_URL ;;
+    --without) UNSLOTH_WITHOUT="${UNSLOTH_WITHOUT:-} $2"; export UNSLOTH_WITHOUT ;;
+  esac
+}
+
+detect_os() {
+  case $(uname -s) in
+    Linux)
+      OS=linux
+      if grep -qi microsoft /proc/version 2>/dev/null; then OS=wsl; fi
+      ;;
+    Darwin)
+      OS=macos
+      say "macOS: PyTorch has no CUDA or ROCm here, so this installs a CPU (Apple MPS) environment."
+      ;;
+    *) die "$(uname -s) is not supported by install.sh; on Windows use install.ps1 (see docs/install.md)" ;;
+  esac
+  ARCH=$(uname -m)
+}
+
+default_home() {
+  if [ "$OS" = macos ]; then
+    printf '%s' "$HOME/Library/Application Support/unsloth"
+  else
+    printf '%s' "${XDG_DATA_HOME:-$HOME/.local/share}/unsloth"
+  fi
+}
+
+have() { command -v "$1" >/dev/null 2>&1; }
+
+# The command that installs packages here, for messages (we never run it ourselves).
+root_install_hint() {
+  if have apt-get; then echo "sudo apt-get install -y $*"
+  elif have dnf; then echo "sudo dnf install -y $*"
+  elif have pacman; then echo "sudo pacman -S --needed $*"
+  elif have zypper; then echo "sudo zypper install -y $*"
+  elif have apk; then echo "sudo apk add $*"
+  elif have brew; then echo "brew install $*"
+  else echo "install with your package manager: $*"
+  fi
+}
+
+# All missing tools at once, each with the command that provides it.
+check_tools() {
+  missing=""
+  for tool in uname mkdir rm grep awk; do
+    have "$tool" || missing="$missing $tool"
+  done
+  if [ "${NEED_DOWNLOAD:-0}" = 1 ]; then
+    have curl || have wget || missing="$missing curl"
+    have tar || missing="$missing tar"
+    have sha256sum || have shasum || missing="$missing coreutils"
+  fi
+  if [ -n "$missing" ]; then
+    die "missing tools:$missing. Install them, then run this again:
+  $(root_install_hint "$missing")"
+  fi
+}
+
+python_ok() {
+  "$1" -c "import sys; v = sys.version_info[:2]; sys.exit(not ((${PYTHON_MIN%.*}, ${PYTHON_MIN#*.}) <= v <= (${PYTHON_MAX%.*}, ${PYTHON_MAX#*.})))" 2>/dev/null
+}
+
+# A system Python between PYTHON_MIN and PYTHON_MAX, or nothing (then uv provides one).
+find_python() {
+  PY=""
+  if [ -n "${UNSLOTH_PYTHON:-}" ]; then
+    python_ok "$UNSLOTH_PYTHON" || die "UNSLOTH_PYTHON=$UNSLOTH_PYTHON is not a Python $PYTHON_MIN to $PYTHON_MAX"
+    PY=$UNSLOTH_PYTHON
+    return
+  fi
+  for candidate in python3 python3.13 python3.12 python3.11 python3.10 python; do
+    if have "$candidate" && python_ok "$candidate"; then
+      PY=$(command -v "$candidate")
+      return
+    fi
+  done
+  say "No Python $PYTHON_MIN to $PYTHON_MAX found: uv will provide Python $PYTHON_DEFAULT."
+}
+
+# A Python that can make a venv with pip gets uv from the package index (your pip configuration).
+python_has_pip_venv() {
+  [ -n "$PY" ] && "$PY" -c "import venv, ensurepip" 2>/dev/null
+}
+
+uv_ok() {
+  version=$("$1" --version 2>/dev/null | awk '{print $2}') || return 1
+  [ -n "$version" ] || return 1
+  major=${version%%.*}
+  rest=${version#*.}
+  minor=${rest%%.*}
+  [ "$major" -gt "${UV_MIN%.*}" ] || { [ "$major" -eq "${UV_MIN%.*}" ] && [ "$minor" -ge "${UV_MIN#*.}" ]; }
+}
+
+find_uv() {
+  UV=""
+  for candidate in "${UNSLOTH_UV:-}" "$BOOT/bin/uv" uv; do
+    if [ -n "$candidate" ] && have "$candidate" && uv_ok "$candidate"; then
+      UV=$(command -v "$candidate")
+      return
+    fi
+  done
+}
+
+download() {
+  if have curl; then curl -fsSL --retry 3 -o "$2" "$1"
+  else wget -q -O "$2" "$1"
+  fi
+}
+
+sha256_of() {
+  if have sha256sum; then sha256sum "$1" | awk '{print $1}'
+  else shasum -a 256 "$1" | awk '{print $1}'
+  fi
+}
+
+uv_target() {
+  case "$OS/$ARCH" in
+    linux/x86_64 | wsl/x86_64) echo x86_64-unknown-linux-gnu ;;
+    linux/aarch64 | wsl/aarch64 | linux/arm64) echo aarch64-unknown-linux-gnu ;;
+    macos/arm64) echo aarch64-apple-darwin ;;
+    macos/x86_64) echo x86_64-apple-darwin ;;
+    *) die "no uv build for $OS/$ARCH: install Python $PYTHON_MIN+ with venv and pip, then run this again" ;;
+  esac
+}
+
+# The standalone uv, checked against the checksum published with the release.
+download_uv() {
+  target=$(uv_target)
+  asset="uv-$target.tar.gz"
+  url="${UNSLOTH_UV_DOWNLOAD_URL:-https://github.com/astral-sh/uv/releases/download/$UV_VERSION}/$asset"
+  tmp=$(mktemp -d)
+  say "Downloading uv $UV_VERSION ($target)"
+  download "$url" "$tmp/$asset" || { rm -rf "$tmp"; die "could not download $url (network or proxy?)"; }
+  expected=${UNSLOTH_UV_SHA256:-}
+  if [ -z "$expected" ]; then
+    download "$url.sha256" "$tmp/$asset.sha256" || { rm -rf "$tmp"; die "could not download $url.sha256"; }
+    expected=$(awk '{print $1}' "$tmp/$asset.sha256")
+  fi
+  actual=$(sha256_of "$tmp/$asset")
+  if [ "$actual" != "$expected" ]; then
+    rm -rf "$tmp"
+    die "uv download is corrupt or tampered with (sha256 $actual, expected $expected); nothing was installed"
+  fi
+  mkdir -p "$UNSLOTH_HOME/uv"
+  tar -xzf "$tmp/$asset" -C "$tmp"
+  mv "$tmp/uv-$target/uv" "$UNSLOTH_HOME/uv/uv"
+  rm -rf "$tmp"
+  UV="$UNSLOTH_HOME/uv/uv"
+}
+
+# Where this package comes from: this clone, an explicit source, or the release archive.
+resolve_source() {
+  if [ -n "${UNSLOTH_SOURCE:-}" ]; then
+    SOURCE=$UNSLOTH_SOURCE
+    return
+  fi
+  here=""
+  case $0 in
+    */install.sh | install.sh) here=$(cd "$(dirname "$0")" && pwd) ;;
+  esac
+  if [ -n "$here" ] && [ -f "$here/pyproject.toml" ] && grep -q '^name = "unsloth-installer"' "$here/pyproject.toml"; then
+    SOURCE=$here
+  elif [ -n "${UNSLOTH_VERSION:-}" ] && [ "$UNSLOTH_VERSION" != latest ]; then
+    SOURCE="$RELEASES/download/v$UNSLOTH_VERSION/unsloth_installer-$UNSLOTH_VERSION.tar.gz"
+  else
+    SOURCE="$RELEASES/latest/download/unsloth_installer.tar.gz"
+  fi
+  export UNSLOTH_SOURCE="$SOURCE"
+}
+
+confirm() {
+  if [ "${UNSLOTH_YES:-0}" = 1 ] || ! [ -t 1 ] || ! { : </dev/tty; } 2>/dev/null; then
+    return 0
+  fi
+  printf '%s' "Install unsloth into $UNSLOTH_HOME (launcher in ${UNSLOTH_BIN_DIR:-$HOME/.local/bin})? [Y/n] "
+  read -r answer </dev/tty || answer=n
+  case $answer in
+    "" | y | Y | yes) return 0 ;;
+    *) say "Nothing changed."; exit 1 ;;
+  esac
+}
+
+# The bootstrap environment: uv and this package, enough to run `unsloth install`.
+ensure_bootstrap() {
+  if [ -x "$BOOT/bin/python" ] && "$BOOT/bin/python" -c "" 2>/dev/null; then
+    :
+  elif python_has_pip_venv; then
+    say "Creating the bootstrap environment with $PY"
+    rm -rf "$BOOT"
+    "$PY" -m venv "$BOOT" || { rm -rf "$BOOT"; die "$PY could not create a venv. $(root_install_hint python3-venv)"; }
+  else
+    find_uv
+    [ -n "$UV" ] || download_uv
+    say "Creating the bootstrap environment with uv"
+    rm -rf "$BOOT"
+    "$UV" venv --quiet --python "${PY:-$PYTHON_DEFAULT}" "$BOOT" || { rm -rf "$BOOT"; die "uv could not provide a Python"; }
+  fi
+  say "Installing unsloth into the bootstrap environment from $SOURCE"
+  if "$BOOT/bin/python" -m pip --version >/dev/null 2>&1; then
+    # pip reads your pip configuration itself; UNSLOTH_* overrides go on top.
+    # shellcheck disable=SC2046 # one word per flag and value: URLs and paths have no spaces here
+    "$BOOT/bin/python" -m pip install --quiet --disable-pip-version-check $(index_args) uv "$SOURCE" ||
+      die "installing unsloth into $BOOT failed (output above). Check the network or UNSLOTH_INDEX_URL; your environment is unchanged."
+  else
+    find_uv
+    # shellcheck disable=SC2046 # as above
+    "$UV" pip install --quiet --python "$BOOT/bin/python" $(index_args) --reinstall-package unsloth-installer uv "$SOURCE" ||
+      die "installing unsloth into $BOOT failed (output above); your environment is unchanged."
+  fi
+}
+
+# UNSLOTH_* index overrides as flags that pip and uv both read.
+index_args() {
+  if [ -n "${UNSLOTH_INDEX_URL:-}" ]; then printf ' --index-url %s' "$UNSLOTH_INDEX_URL"; fi
+  for url in ${UNSLOTH_EXTRA_INDEX_URL:-}; do printf ' --extra-index-url %s' "$url"; done
+  for link in ${UNSLOTH_FIND_LINKS:-}; do printf ' --find-links %s' "$link"; done
+}
+
+main() {
+  parse_args "$@"
+  shift $(($# - PASSTHROUGH_COUNT))
+  detect_os
+  UNSLOTH_HOME=${UNSLOTH_HOME:-$(default_home)}
+  export UNSLOTH_HOME
+  BOOT="$UNSLOTH_HOME/bootstrap"
+  find_python
+  find_uv
+  NEED_DOWNLOAD=0
+  if ! python_has_pip_venv && [ -z "$UV" ] && ! [ -x "$BOOT/bin/python" ]; then NEED_DOWNLOAD=1; fi
+  check_tools
+  resolve_source
+
+  if [ "$DRY_RUN" = 1 ]; then
+    say "Dry run: nothing will change."
+    say "install home: $UNSLOTH_HOME"
+    say "package source: $SOURCE"
+    if [ -n "$PY" ]; then say "Python: $PY"; else say "Python: $PYTHON_DEFAULT, provided by uv"; fi
+    if [ -n "$UV" ]; then say "uv: $UV"; elif python_has_pip_venv; then say "uv: from the package index, through pip"; else say "uv: standalone download $UV_VERSION"; fi
+    if [ -x "$BOOT/bin/unsloth" ]; then
+      say "The plan for this machine:"
+      "$BOOT/bin/unsloth" install --dry-run "$@"
+    else
+      say "The plan for this machine is shown by \`unsloth install --dry-run\` once the bootstrap exists."
+    fi
+    return 0
+  fi
+
+  confirm
+  mkdir -p "$UNSLOTH_HOME"
+  ensure_bootstrap
+  say "Handing over to \`unsloth install\` for the hardware-aware rest"
+  "$BOOT/bin/unsloth" install --yes "$@" || die "unsloth install failed (see above); anything already installed is unchanged."
+  launcher="${UNSLOTH_BIN_DIR:-$HOME/.local/bin}/unsloth"
+  say "Checking the result with \`unsloth doctor\`"
+  "$launcher" doctor || die "unsloth doctor found a problem (see above); fix it, then run \`$launcher doctor\` again."
+  say "Done. Run: $launcher train --demo"
+}
+
+main "$@"
