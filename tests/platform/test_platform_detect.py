@@ -121,6 +121,18 @@ def test_disagreements_are_noted_and_the_preferred_probe_wins():
     assert any(n.startswith("nvidia_driver:") and "550.54.14" in n for n in platform.notes)
 
 
+def test_tool_failures_become_notes():
+    platform = run(
+        rocminfo="ROCk module is NOT loaded, possibly no GPU devices\n",
+        nvidia_smi="Failed to initialize NVML: Driver/library version mismatch\n",
+    )
+    assert platform.gpus == []
+    assert platform.notes == [
+        "nvidia-smi failed: Failed to initialize NVML: Driver/library version mismatch",
+        "rocminfo failed: ROCk module is NOT loaded, possibly no GPU devices",
+    ]
+
+
 def test_statuses_and_env_are_recorded():
     results = {
         "rocminfo": ProbeResult("rocminfo", "timeout"),

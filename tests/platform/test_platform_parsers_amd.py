@@ -39,7 +39,7 @@ def test_rocminfo_placeholder_uuid_is_not_an_identity():
 def test_rocminfo_failure_is_a_fact_not_a_gpu():
     found = rocminfo.parse("ROCk module is NOT loaded, possibly no GPU devices\n")
     assert found.gpus == []
-    assert found.facts["_rocm_runtime_error"] == "ROCk module is NOT loaded, possibly no GPU devices"
+    assert found.facts["_error"] == "ROCk module is NOT loaded, possibly no GPU devices"
 
 
 def test_rocminfo_headless_fragment_is_not_a_gpu():

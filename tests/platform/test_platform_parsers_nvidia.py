@@ -155,4 +155,8 @@ def test_driver_failure_message_yields_nothing():
         "Make sure that the latest NVIDIA driver is installed and running.\n"
     )
     found = nvidia_smi.parse(text)
-    assert found.gpus == [] and "nvidia_driver" not in found.facts
+    assert found.gpus == [] and found.facts == {"_error": text.strip()}
+    mismatch = nvidia_smi.parse(
+        "Failed to initialize NVML: Driver/library version mismatch\nNVML library version: 570.86\n"
+    )
+    assert mismatch.facts == {"_error": "Failed to initialize NVML: Driver/library version mismatch"}

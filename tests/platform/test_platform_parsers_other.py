@@ -42,6 +42,15 @@ def test_lspci_without_numeric_ids_and_with_domain():
     ]
 
 
+def test_lspci_vvv_vga_line_with_prog_if():
+    text = (
+        "0000:01:00.0 VGA compatible controller [0300]: NVIDIA Corporation AD102 [GeForce RTX 4090] [10de:2684]"
+        " (rev a1) (prog-if 00 [VGA controller])\n\tSubsystem: Gigabyte Technology Co., Ltd Device [1458:40bf]\n"
+    )
+    (gpu,) = lspci.parse(text).gpus
+    assert (gpu.name, gpu.chip, gpu.pci_id) == ("GeForce RTX 4090", "AD102", "10de:2684")
+
+
 def test_lspci_unresolved_device_has_no_name():
     (gpu,) = lspci.parse((DUMPS / "lspci__device_7550_unresolved" / "lspci.txt").read_text()).gpus
     assert (gpu.name, gpu.chip, gpu.pci_id) == (None, None, "1002:7550")

@@ -13,7 +13,8 @@ import pytest
 from unsloth.platform.detect import detect, detect_from_dump, detect_live
 from unsloth.platform.dump import read_dump, write_dump
 from unsloth.platform.facts import ProbeResult
-from unsloth.platform.probes import run_command, run_probes
+from unsloth.platform.parsers import drm, kfd
+from unsloth.platform.probes import drm_cards, kfd_nodes, run_command, run_probes
 
 pytestmark = pytest.mark.skipif(os.name == "nt", reason="fake tools are POSIX shell scripts")
 
@@ -117,3 +118,35 @@ def test_damaged_index_loses_only_statuses(tmp_path):
 def test_missing_dump_directory_says_how_to_make_one(tmp_path):
     with pytest.raises(NotADirectoryError, match="unsloth doctor --dump"):
         read_dump(tmp_path / "nope")
+
+
+def test_sysfs_probes_gather_cards_and_nodes(tmp_path):
+    pci = tmp_path / "devices" / "pci0000:00" / "0000:03:00.0"
+    pci.mkdir(parents=True)
+    for name, value in {
+        "vendor": "0x1002",
+        "device": "0x744c",
+        "class": "0x030000",
+        "boot_vga": "1",
+        "mem_info_vram_total": "25753026560",
+    }.items():
+        (pci / name).write_text(value + "\n")
+    drm_dir = tmp_path / "class" / "drm"
+    for card in ("card1", "card1-DP-1"):  # a card and one of its connectors
+        (drm_dir / card).mkdir(parents=True)
+        (drm_dir / card / "device").symlink_to(pci)
+    (drm_dir / "renderD128").mkdir()
+    text = drm_cards(str(tmp_path))
+    assert text.count("== ") == 1 and "pci_address: 0000:03:00.0" in text
+    (gpu,) = drm.parse(text).gpus
+    assert (gpu.pci_id, gpu.bus_id, gpu.vram_bytes) == ("1002:744c", "0000:03:00.0", 25753026560)
+
+    nodes = tmp_path / "class" / "kfd" / "kfd" / "topology" / "nodes"
+    for node, props in {
+        "0": "cpu_cores_count 16\nsimd_count 0\n",
+        "1": "simd_count 192\ngfx_target_version 110000\n",
+    }.items():
+        (nodes / node).mkdir(parents=True)
+        (nodes / node / "properties").write_text(props)
+    assert [g.arch for g in kfd.parse(kfd_nodes(str(tmp_path))).gpus] == ["gfx1100"]
+    assert kfd_nodes(str(tmp_path / "nowhere")) is None and drm_cards(str(tmp_path / "nowhere")) is None

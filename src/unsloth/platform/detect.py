@@ -146,9 +146,9 @@ def _platform_facts(platform: Platform, findings: dict[str, Findings]) -> None:
     if not platform.wsl:
         platform.wsl_version = None
     _rocm_version(platform, findings)
-    for name, found in findings.items():
-        if error := found.facts.get("_rocm_runtime_error"):
-            platform.notes.append(f"{name}: the ROCm runtime failed: {error}")
+    for name, found in sorted(findings.items()):
+        if error := found.facts.get("_error"):
+            platform.notes.append(f"{name} failed: {error}")
 
 
 def _rocm_version(platform: Platform, findings: dict[str, Findings]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 import platform as host_platform
+import re
 import shutil
 import signal
 import subprocess
@@ -48,23 +49,26 @@ def _file(path: str) -> Callable[[], str | None]:
     return read
 
 
-def _sysfs_blocks(pattern: str, files: tuple[str, ...] | None = None) -> Callable[[], str | None]:
-    """Concatenate sysfs files under '== <dir> ==' headers: one readable dump file for many nodes."""
+# sysfs spreads one fact per file over many directories; these gather them into one dump file,
+# with a '== <path> ==' line before each node or card.
 
-    def read() -> str | None:
-        out = []
-        for directory in sorted(glob.glob(pattern)):
-            out.append(f"== {directory} ==")
-            if files is None:  # a single 'properties' file per node
-                out.append(_file(directory)() or "")
-                continue
-            out.append(f"pci_address: {Path(os.path.realpath(directory)).name}")
-            for name in files:
-                if (text := _file(f"{directory}/{name}")()) is not None:
-                    out.append(f"{name}: {text.strip()}")
-        return "\n".join(out) if out else None
 
-    return read
+def kfd_nodes(sys_root: str = "/sys") -> str | None:
+    paths = sorted(glob.glob(f"{sys_root}/class/kfd/kfd/topology/nodes/*/properties"))
+    return "\n".join(f"== {path} ==\n{_file(path)() or ''}" for path in paths) or None
+
+
+def drm_cards(sys_root: str = "/sys") -> str | None:
+    out = []
+    for card in sorted(glob.glob(f"{sys_root}/class/drm/card*")):
+        device = Path(card, "device")
+        if not re.fullmatch(r"card\d+", Path(card).name) or not device.exists():
+            continue  # connectors (card0-DP-1) and render nodes are not cards
+        out += [f"== {device} ==", f"pci_address: {device.resolve().name}"]
+        for name in ("vendor", "device", "class", "boot_vga", "mem_info_vram_total"):
+            if (text := _file(f"{device}/{name}")()) is not None:
+                out.append(f"{name}: {text.strip()}")
+    return "\n".join(out) or None
 
 
 def _device_nodes() -> str:
@@ -123,14 +127,8 @@ PROBES: tuple[Probe, ...] = (
     Probe("amd-smi-version", LINUX, ("amd-smi", "version")),
     Probe("hipconfig", LINUX + WINDOWS, ("hipconfig", "--version")),
     Probe("rocm-version", LINUX, read=_file("/opt/rocm/.info/version")),
-    Probe("kfd-topology", LINUX, read=_sysfs_blocks("/sys/class/kfd/kfd/topology/nodes/*/properties")),
-    Probe(
-        "drm",
-        LINUX,
-        read=_sysfs_blocks(
-            "/sys/class/drm/card[0-9]*/device", ("vendor", "device", "class", "boot_vga", "mem_info_vram_total")
-        ),
-    ),
+    Probe("kfd-topology", LINUX, read=kfd_nodes),
+    Probe("drm", LINUX, read=drm_cards),
     Probe("lspci", LINUX, ("lspci", "-D", "-nn")),
     Probe("proc-version", LINUX, read=_file("/proc/version")),
     Probe("uname", LINUX + MAC, ("uname", "-a")),
@@ -180,7 +178,7 @@ def run_command(name: str, command: tuple[str, ...], timeout: float, env: dict[s
     line = " ".join(command)
     if executable is None:
         return ProbeResult(name, "absent", detail=f"{command[0]} not found on PATH")
-    # Own process group/session, so a timeout kills the tool and anything it started.
+    # Its own session (POSIX), so a timeout kills the tool and anything it started with it.
     group = {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP} if os.name == "nt" else {"start_new_session": True}
     try:
         process = subprocess.Popen(

@@ -20,7 +20,7 @@ class Findings:
     """What one tool's output shows: its GPUs, and platform-level facts keyed by Platform field.
 
     ``facts`` may also hold hints detect uses but Platform does not store directly, named with a
-    leading underscore (e.g. ``_nvidia_smi_version``).
+    leading underscore (``_error``: the tool's own failure message, which detect notes).
     """
 
     gpus: list[Gpu] = field(default_factory=list)

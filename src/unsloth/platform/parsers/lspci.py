@@ -12,7 +12,8 @@ from unsloth.platform.parsers import VENDOR_IDS, Findings, bus_id, pci_id, vendo
 _LINE = re.compile(
     r"^\s*(?P<bus>(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7])\s+"
     r"(?P<cls>VGA compatible controller|3D controller|Display controller)(?:\s*\[03[0-9a-fA-F]{2}\])?:\s*"
-    r"(?P<desc>.*?)\s*(?:\[(?P<ven>[0-9a-fA-F]{4}):(?P<dev>[0-9a-fA-F]{4})\])?\s*(?:\(rev [0-9a-fA-F]+\))?\s*$"
+    r"(?P<desc>.*?)\s*(?:\[(?P<ven>[0-9a-fA-F]{4}):(?P<dev>[0-9a-fA-F]{4})\])?"
+    r"\s*(?:\(rev [0-9a-fA-F]+\))?\s*(?:\(prog-if [^)]*\))?\s*$"
 )
 _VENDOR_PREFIX = re.compile(
     r"^(Advanced Micro Devices, Inc\.\s*\[AMD(?:/ATI)?\]|ATI Technologies Inc|NVIDIA Corporation|"

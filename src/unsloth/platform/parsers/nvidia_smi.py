@@ -23,7 +23,12 @@ _LIST_ROW = re.compile(r"^GPU\s+(\d+):\s*(.+?)\s*(?:\(UUID:\s*(GPU-[^)\s]+)\s*\)
 _MIB = 2**20
 
 
+_FAILURE = re.compile(r"^.*(?:NVIDIA-SMI has failed|Failed to initialize NVML|No devices were found).*$", re.M)
+
+
 def parse(text: str) -> Findings:
+    if failure := _FAILURE.search(text):
+        return Findings(facts={"_error": failure.group(0).strip()})
     if "NVSMI LOG" in text or re.search(r"^\s*Product Name\s*:", text, re.M):
         return _parse_query_log(text)
     if _HEADER_SMI.search(text) or _TABLE_ROW.search(text) or re.search(r"Persistence-M|TCC/WDDM", text):

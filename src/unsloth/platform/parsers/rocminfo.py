@@ -15,10 +15,8 @@ _GFX = re.compile(r"gfx[0-9a-f]{3,4}")
 
 def parse(text: str) -> Findings:
     found = Findings()
-    if re.search(r"ROCk module is NOT loaded|HSA_STATUS_ERROR|Unable to open /dev/kfd", text):
-        found.facts["_rocm_runtime_error"] = next(
-            line.strip() for line in text.splitlines() if re.search(r"NOT loaded|HSA_STATUS_ERROR|Unable to open", line)
-        )
+    if error := re.search(r"^.*(?:ROCk module is NOT loaded|HSA_STATUS_ERROR|Unable to open /dev/kfd).*$", text, re.M):
+        found.facts["_error"] = error.group(0).strip()
     if re.search(r"HSA Agents|HSA System Attributes|ROCk module|Device Type:\s*(GPU|CPU)", text):
         found.facts["os"] = "linux"  # rocminfo exists only on Linux (Windows ships hipInfo)
     agents = blocks(text, _AGENT_HEADER) or blocks(text, _TOP_LEVEL_NAME)
