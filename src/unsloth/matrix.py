@@ -203,7 +203,9 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
 def _families(data: dict[str, Any], path: str) -> dict[str, Family]:
     families: dict[str, Family] = {}
     owner: dict[str, str] = {}  # arch -> family
-    for entry in _rows(data, "family", path, "name", "vendor", "archs", "products", "source", "hsa_override", "amd_index"):
+    for entry in _rows(
+        data, "family", path, "name", "vendor", "archs", "products", "source", "hsa_override", "amd_index"
+    ):
         name = entry.text("name")
         if name in families:
             raise entry.error("duplicate family")
@@ -219,14 +221,18 @@ def _families(data: dict[str, Any], path: str) -> dict[str, Family]:
                 raise entry.error(f"arch {arch!r} is not in its archs {list(archs)}")
         for arch, value in overrides.items():
             _version(entry, f"hsa_override.{arch}", value)
-        families[name] = Family(name, entry.choice("vendor", VENDORS), archs, entry.text("products"), entry.source(), overrides, amd_index)
+        families[name] = Family(
+            name, entry.choice("vendor", VENDORS), archs, entry.text("products"), entry.source(), overrides, amd_index
+        )
     for name in REQUIRED_FAMILIES:  # what the planner falls back to without a usable GPU
         if name not in families:
             raise MatrixError(f"{path}: missing family {name!r} (the plan without a usable GPU)")
     return families
 
 
-def _support(data: dict[str, Any], path: str, families: dict[str, Family], oses: tuple[str, ...]) -> dict[tuple[str, str], SupportCell]:
+def _support(
+    data: dict[str, Any], path: str, families: dict[str, Family], oses: tuple[str, ...]
+) -> dict[tuple[str, str], SupportCell]:
     support: dict[tuple[str, str], SupportCell] = {}
     for entry in _rows(data, "support", path, "family", "os", "level", "reason", "source"):
         names = entry.str_or_list("family")
@@ -253,7 +259,16 @@ def _cuda_indexes(data: dict[str, Any], path: str) -> tuple[CudaIndex, ...]:
         if set(drivers) != {"linux", "windows"}:
             raise entry.error(f"driver must give exactly 'linux' and 'windows', got {sorted(drivers)}")
         driver = {key: _version(entry, f"driver.{key}", value) for key, value in drivers.items()}
-        indexes.append(CudaIndex(variant, entry.version("cuda"), driver, entry.version_range("sm"), entry.specifier("torch"), entry.source()))
+        indexes.append(
+            CudaIndex(
+                variant,
+                entry.version("cuda"),
+                driver,
+                entry.version_range("sm"),
+                entry.specifier("torch"),
+                entry.source(),
+            )
+        )
     _unique(path, "cuda_index", [index.variant for index in indexes])
     return tuple(indexes)
 
@@ -268,7 +283,9 @@ def _rocm_indexes(data: dict[str, Any], path: str, archs: dict[str, str]) -> tup
     return tuple(indexes)
 
 
-def _bitsandbytes(data: dict[str, Any], path: str, oses: tuple[str, ...], archs: dict[str, str]) -> tuple[BitsandbytesRow, ...]:
+def _bitsandbytes(
+    data: dict[str, Any], path: str, oses: tuple[str, ...], archs: dict[str, str]
+) -> tuple[BitsandbytesRow, ...]:
     rows = []
     for entry in _rows(data, "bitsandbytes", path, "backend", "os", "spec", "sm", "archs", "source"):
         spec = entry.text("spec")
@@ -289,7 +306,9 @@ def _bitsandbytes(data: dict[str, Any], path: str, oses: tuple[str, ...], archs:
     return tuple(rows)
 
 
-def _llama_cpp(data: dict[str, Any], path: str, oses: tuple[str, ...], archs: dict[str, str]) -> tuple[LlamaCppRow, ...]:
+def _llama_cpp(
+    data: dict[str, Any], path: str, oses: tuple[str, ...], archs: dict[str, str]
+) -> tuple[LlamaCppRow, ...]:
     rows = []
     for entry in _rows(data, "llama_cpp", path, "backend", "os", "wheel", "wheel_archs", "cmake_args", "source"):
         rows.append(

@@ -49,7 +49,11 @@ def channel(matrix: Matrix, family: Family, os_name: str) -> str:
         parts = [" / ".join(variants)] if variants else []
         if family.hsa_override:
             parts.append("override for " + _arch_list(family.hsa_override))
-        unshipped = [a for a in family.amd_index if a not in family.hsa_override and not any(a in i.archs for i in matrix.rocm_indexes)]
+        unshipped = [
+            a
+            for a in family.amd_index
+            if a not in family.hsa_override and not any(a in i.archs for i in matrix.rocm_indexes)
+        ]
         if unshipped:
             parts.append("AMD wheels for " + _arch_list(unshipped))
         return "; ".join(parts)
@@ -72,7 +76,14 @@ def _header() -> str:
 
 def _support_table(matrix: Matrix) -> str:
     head = "| Family | Vendor | Archs | Products | " + " | ".join(OS_TITLES.get(o, o) for o in matrix.oses) + " |"
-    lines = ["## Support by family and OS", "", "Each cell: support level, then where PyTorch comes from.", "", head, "|" + "---|" * (4 + len(matrix.oses))]
+    lines = [
+        "## Support by family and OS",
+        "",
+        "Each cell: support level, then where PyTorch comes from.",
+        "",
+        head,
+        "|" + "---|" * (4 + len(matrix.oses)),
+    ]
     for family in matrix.families.values():
         cells = [f"**{matrix.cell(family.name, o).level}** · {channel(matrix, family, o)}" for o in matrix.oses]
         archs = _arch_list(family.archs) if family.archs else "—"
@@ -83,7 +94,9 @@ def _support_table(matrix: Matrix) -> str:
 def _reasons(matrix: Matrix) -> str:
     grouped: dict[tuple[str, str, str], list[str]] = {}
     for (family, os_name), cell in matrix.support.items():
-        grouped.setdefault((cell.level, cell.reason, cell.source), []).append(f"{family} × {OS_TITLES.get(os_name, os_name)}")
+        grouped.setdefault((cell.level, cell.reason, cell.source), []).append(
+            f"{family} × {OS_TITLES.get(os_name, os_name)}"
+        )
     lines = ["## Why", ""]
     for (level, reason, source), cells in grouped.items():
         lines.append(f"- **{level}**, {reason}. _{', '.join(cells)}._ Source: {source}")
@@ -95,8 +108,8 @@ def _several_gpus() -> str:
         "## Several GPUs, pins and mirrors\n\n"
         "One GPU becomes the compute device (torch has one backend). The planner ranks GPUs by: support on this OS\n"
         "(full, then limited; unsupported last), discrete before integrated (a laptop's dGPU over its iGPU), NVIDIA\n"
-        "before AMD before others, more VRAM, then the tool's order. `device_reason` in the plan says why. A same-vendor\n"
-        "GPU that is not used and differs from the device (an iGPU, an unsupported card) is hidden with\n"
+        "before AMD before others, more VRAM, then the tool's order. `device_reason` in the plan says why.\n"
+        "A same-vendor GPU that is not used and differs from the device (an iGPU, an unsupported card) is hidden with\n"
         "`HIP_VISIBLE_DEVICES` / `CUDA_VISIBLE_DEVICES` on Linux and WSL.\n\n"
         "`UNSLOTH_TORCH_INDEX_URL` pins the torch index verbatim (the plan warns if it names another backend);\n"
         "`UNSLOTH_PYTORCH_MIRROR` replaces `https://download.pytorch.org/whl` and `UNSLOTH_AMD_ROCM_MIRROR` replaces\n"
@@ -135,7 +148,9 @@ def _rocm_table(matrix: Matrix) -> str:
         "|---|---|---|---|---|",
     ]
     for index in matrix.rocm_indexes:
-        lines.append(f"| `{index.variant}` | {index.rocm} | {_arch_list(index.archs)} | `{index.torch}` | {index.source} |")
+        lines.append(
+            f"| `{index.variant}` | {index.rocm} | {_arch_list(index.archs)} | `{index.torch}` | {index.source} |"
+        )
     return "\n".join(lines)
 
 
@@ -157,7 +172,14 @@ def _overrides(matrix: Matrix) -> str:
 
 
 def _bitsandbytes(matrix: Matrix) -> str:
-    lines = ["## bitsandbytes (QLoRA)", "", "No matching row: no QLoRA on that device (LoRA 16-bit still works).", "", "| Backend | OS | Package | Covers | Source |", "|---|---|---|---|---|"]
+    lines = [
+        "## bitsandbytes (QLoRA)",
+        "",
+        "No matching row: no QLoRA on that device (LoRA 16-bit still works).",
+        "",
+        "| Backend | OS | Package | Covers | Source |",
+        "|---|---|---|---|---|",
+    ]
     for row in matrix.bitsandbytes:
         covers = f"sm {row.sm[0]}–{row.sm[1]}" if row.sm else _arch_list(row.archs or ())
         lines.append(f"| {row.backend} | {', '.join(row.oses)} | `{row.spec}` | {covers} | {row.source} |")
@@ -168,8 +190,8 @@ def _llama_cpp(matrix: Matrix) -> str:
     lines = [
         "## llama.cpp (llama-cpp-python)",
         "",
-        f"A prebuilt wheel from `{matrix.urls['llama_cpp_wheels']}/<tag>` when one covers the device, else a source build",
-        "with `CMAKE_ARGS`. A GPU that cannot train (unsupported) still chats through Vulkan.",
+        f"A prebuilt wheel from `{matrix.urls['llama_cpp_wheels']}/<tag>` when one covers the device,",
+        "else a source build with `CMAKE_ARGS`. A GPU that cannot train (unsupported) still chats through Vulkan.",
         "",
         "| Backend | OS | Wheel tags | Wheel gfx targets | CMAKE_ARGS | Source |",
         "|---|---|---|---|---|---|",
@@ -177,7 +199,10 @@ def _llama_cpp(matrix: Matrix) -> str:
     for row in matrix.llama_cpp:
         tags = ", ".join(f"{key} → `{tag}`" for key, tag in row.wheel.items())
         archs = _arch_list(row.wheel_archs) if row.wheel_archs else "—"
-        lines.append(f"| {row.backend} | {', '.join(row.oses)} | {tags} | {archs} | `{row.cmake_args or '(none)'}` | {row.source} |")
+        lines.append(
+            f"| {row.backend} | {', '.join(row.oses)} | {tags} | {archs} "
+            f"| `{row.cmake_args or '(none)'}` | {row.source} |"
+        )
     return "\n".join(lines)
 
 
@@ -186,8 +211,11 @@ def _env(matrix: Matrix) -> str:
     for row in matrix.env:
         variables = ", ".join(f"`{key}={value}`" for key, value in row.vars.items())
         lines.append(f"| {row.backend} | {', '.join(row.oses)} | {variables} | {row.source} |")
-    lines += ["", "Also: `HSA_OVERRIDE_GFX_VERSION` (above); `HIP_VISIBLE_DEVICES` or `CUDA_VISIBLE_DEVICES` (with",
-              "`CUDA_DEVICE_ORDER=PCI_BUS_ID`) when a same-vendor GPU that is not the compute device must be hidden."]
+    lines += [
+        "",
+        "Also: `HSA_OVERRIDE_GFX_VERSION` (above); `HIP_VISIBLE_DEVICES` or `CUDA_VISIBLE_DEVICES` (with",
+        "`CUDA_DEVICE_ORDER=PCI_BUS_ID`) when a same-vendor GPU that is not the compute device must be hidden.",
+    ]
     return "\n".join(lines)
 
 
@@ -197,9 +225,10 @@ def _fits(matrix: Matrix) -> str:
         "## Which models fit",
         "",
         f"Memory needed ≈ parameters × bytes per parameter × (1 + {rule.overhead}) + {rule.fixed_gib} GiB, with",
-        f"{rule.qlora_bytes_per_param} bytes per parameter for QLoRA (4-bit NF4 and its scales) and {rule.lora16_bytes_per_param}",
-        "for LoRA 16-bit. The overhead stands for LoRA weights, optimizer state and activations at a short context;",
-        "the constant for the runtime context. A rule of thumb, not a promise. Source: " + rule.source + ".",
+        f"{rule.qlora_bytes_per_param} bytes per parameter for QLoRA (4-bit NF4 and its scales)",
+        f"and {rule.lora16_bytes_per_param} for LoRA 16-bit. The overhead stands for LoRA weights, optimizer state",
+        "and activations at a short context; the constant for the runtime context. A rule of thumb, not a promise.",
+        f"Source: {rule.source}.",
         "",
         "| Parameters | QLoRA (GiB) | LoRA 16-bit (GiB) |",
         "|---|---|---|",

@@ -13,8 +13,9 @@ Choosing the compute device when there are several GPUs (one device, one torch b
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 from packaging.version import InvalidVersion, Version
 
@@ -25,7 +26,17 @@ GIB = 2**30
 _LEVEL_RANK = {"full": 2, "limited": 1, "unsupported": 0}
 _VENDOR_RANK = {"nvidia": 2, "amd": 1}
 # Probes (detection's dump names) that only answer when ROCm is installed.
-ROCM_TOOLS = ("rocminfo", "rocminfo-no-override", "amd-smi", "amd-smi-list", "amd-smi-version", "rocm-smi", "rocm-smi-json", "hipconfig", "rocm-version")
+ROCM_TOOLS = (
+    "rocminfo",
+    "rocminfo-no-override",
+    "amd-smi",
+    "amd-smi-list",
+    "amd-smi-version",
+    "rocm-smi",
+    "rocm-smi-json",
+    "hipconfig",
+    "rocm-version",
+)
 _LLAMA_BACKEND = {"cuda": "cuda", "rocm": "hip", "mps": "metal", "cpu": "cpu"}
 
 
@@ -101,7 +112,13 @@ class _Candidate:
 
     def rank(self) -> tuple:
         level = _LEVEL_RANK[self.cell.level] if self.cell else -1
-        return (level, not self.gpu.integrated, _VENDOR_RANK.get(self.gpu.vendor, 0), self.gpu.vram_bytes or 0, -self.position)
+        return (
+            level,
+            not self.gpu.integrated,
+            _VENDOR_RANK.get(self.gpu.vendor, 0),
+            self.gpu.vram_bytes or 0,
+            -self.position,
+        )
 
 
 def os_cell(platform: Platform) -> str:
@@ -139,7 +156,10 @@ class _Resolver:
 
     def plan(self) -> Plan:
         if self.platform.os not in self.matrix.oses:
-            self.warn("The operating system was not detected; planning for Linux.", "Run `unsloth detect` to see what the probes found.")
+            self.warn(
+                "The operating system was not detected; planning for Linux.",
+                "Run `unsloth detect` to see what the probes found.",
+            )
         chosen, device_reason = self.choose_device()
         torch = self.torch_choice(chosen) if chosen else None
         if torch is not None:
@@ -192,7 +212,8 @@ class _Resolver:
         for candidate in candidates:
             if candidate.family is None and candidate.gpu.vendor == "amd":
                 self.warn(
-                    f"{candidate.label}: the AMD GPU's gfx target could not be read, so no ROCm build can be chosen for it.",
+                    f"{candidate.label}: the AMD GPU's gfx target could not be read, "
+                    "so no ROCm build can be chosen for it.",
                     f"Install ROCm ({self.matrix.urls['rocm_install']}) so `rocminfo` can name the gfx target, "
                     "then re-run `unsloth install`.",
                 )
@@ -230,11 +251,13 @@ class _Resolver:
             family="NVIDIA (unidentified)",
             os=self.os,
             level="limited",
-            reason=f"the GPU generation could not be identified from {candidate.gpu.name!r}; planned from the driver alone",
+            reason=f"the GPU generation could not be identified from {candidate.gpu.name!r}; "
+            "planned from the driver alone",
             source="nvidia-smi driver version",
         )
         self.warn(
-            f"Could not tell which NVIDIA generation {candidate.gpu.name!r} is; GPUs older than Turing need the cu126 build.",
+            f"Could not tell which NVIDIA generation {candidate.gpu.name!r} is; "
+            "GPUs older than Turing need the cu126 build.",
             "Check with `nvidia-smi --query-gpu=name,compute_cap --format=csv`; for compute capability below 7.5 set "
             f"UNSLOTH_TORCH_INDEX_URL={self.pytorch}/cu126 and re-run `unsloth install`.",
         )
@@ -256,7 +279,8 @@ class _Resolver:
     def host_fallback(self) -> tuple[Family, SupportCell]:
         """What runs without a usable GPU: MPS on Apple silicon, else the CPU."""
         apple = self.os == "macos" and (
-            (self.platform.machine or "").lower() in ("arm64", "aarch64") or any(g.vendor == "apple" for g in self.platform.gpus)
+            (self.platform.machine or "").lower() in ("arm64", "aarch64")
+            or any(g.vendor == "apple" for g in self.platform.gpus)
         )
         family = self.matrix.families["Apple" if apple else "CPU"]
         return family, self.matrix.cell(family.name, self.os)
@@ -301,7 +325,8 @@ class _Resolver:
             index = fitting[0]
             self.warn(
                 f"No NVIDIA driver was detected; the planned CUDA build ({index.variant}) needs one.",
-                f"Install NVIDIA driver {index.driver[column]} or newer ({self.matrix.urls['nvidia_driver']}), then run `unsloth doctor`.",
+                f"Install NVIDIA driver {index.driver[column]} or newer ({self.matrix.urls['nvidia_driver']}), "
+                "then run `unsloth doctor`.",
             )
             return self.cuda_torch(index)
         usable = [index for index in fitting if driver >= index.driver[column]]
@@ -310,7 +335,8 @@ class _Resolver:
             self.warn(
                 f"NVIDIA driver {self.platform.nvidia_driver} is too old for every PyTorch CUDA build for this GPU "
                 f"(the minimum is {oldest} on {column}); installing CPU PyTorch instead.",
-                f"Update the NVIDIA driver to {oldest} or newer ({self.matrix.urls['nvidia_driver']}), then re-run `unsloth install`.",
+                f"Update the NVIDIA driver to {oldest} or newer ({self.matrix.urls['nvidia_driver']}), "
+                "then re-run `unsloth install`.",
             )
             return None
         # Prefer a CUDA release the driver itself reports; minor-version compatibility runs the
@@ -324,7 +350,8 @@ class _Resolver:
             self.warn(
                 f"The driver reports CUDA {cuda_driver}, older than {index.variant}'s CUDA {index.cuda}; "
                 "it runs through CUDA minor-version compatibility.",
-                f"Update the NVIDIA driver to one that reports CUDA {index.cuda} or newer ({self.matrix.urls['nvidia_driver']}).",
+                f"Update the NVIDIA driver to one that reports CUDA {index.cuda} or newer "
+                f"({self.matrix.urls['nvidia_driver']}).",
             )
         return self.cuda_torch(index)
 
@@ -408,7 +435,8 @@ class _Resolver:
         if self.platform.dev_kfd is False:
             self.warn(
                 "/dev/kfd is missing or not accessible: the amdgpu kernel driver is not loaded or you lack access.",
-                "Install the amdgpu driver (amdgpu-install --usecase=rocm), then `sudo usermod -aG render,video $USER` and log in again.",
+                "Install the amdgpu driver (amdgpu-install --usecase=rocm), "
+                "then `sudo usermod -aG render,video $USER` and log in again.",
             )
 
     def rocm_present(self) -> bool:
@@ -425,7 +453,8 @@ class _Resolver:
         backend = _backend_of_leaf(leaf) or torch.backend
         if backend != torch.backend:
             self.warn(
-                f"UNSLOTH_TORCH_INDEX_URL pins a {backend} build, but this machine's plan is {torch.backend} ({torch.variant}).",
+                f"UNSLOTH_TORCH_INDEX_URL pins a {backend} build, "
+                f"but this machine's plan is {torch.backend} ({torch.variant}).",
                 f"Unset UNSLOTH_TORCH_INDEX_URL to install the {torch.variant or torch.backend} build.",
             )
         return TorchChoice(backend, leaf, url, torch.version_spec if backend == torch.backend else None, torch.packages)
@@ -445,11 +474,14 @@ class _Resolver:
         if value is None:
             if self.platform.hsa_override_spoofs:  # detection saw the effect, not the variable
                 spoofed = next((g for g in self.platform.gpus if g.reported_arch and g.reported_arch != g.arch), None)
-                seen = f"reports {spoofed.reported_arch} for the real {spoofed.arch}" if spoofed else "reports another GPU"
+                seen = (
+                    f"reports {spoofed.reported_arch} for the real {spoofed.arch}" if spoofed else "reports another GPU"
+                )
                 self.warn(
                     f"The ROCm runtime {seen}: an HSA_OVERRIDE_GFX_VERSION is set somewhere (a service, "
                     "/etc/environment or a shell profile). The plan follows the real GPU.",
-                    "Find and remove it: grep -rs HSA_OVERRIDE_GFX_VERSION /etc/environment /etc/profile.d ~/.bashrc ~/.profile",
+                    "Find and remove it: "
+                    "grep -rs HSA_OVERRIDE_GFX_VERSION /etc/environment /etc/profile.d ~/.bashrc ~/.profile",
                 )
             return
         spoofs = self.platform.hsa_override_spoofs
@@ -497,7 +529,9 @@ class _Resolver:
         if tag and row.wheel_archs is not None and arch not in row.wheel_archs:
             tag = None  # the prebuilt wheel lacks this gfx target: build from source for it
         # "{arch}" names the gfx target; without one, drop that flag and let cmake build for the host's GPUs.
-        cmake_args = row.cmake_args.replace("{arch}", arch) if arch else re.sub(r"\s*\S*\{arch\}\S*", "", row.cmake_args)
+        cmake_args = (
+            row.cmake_args.replace("{arch}", arch) if arch else re.sub(r"\s*\S*\{arch\}\S*", "", row.cmake_args)
+        )
         return {
             "backend": row.backend,
             "how": "wheel" if tag else "source",
@@ -518,13 +552,19 @@ class _Resolver:
 
         gib = memory / GIB
         table = [
-            {"params_b": size, "qlora_gib": need_gib(size, rule.qlora_bytes_per_param), "lora16_gib": need_gib(size, rule.lora16_bytes_per_param)}
+            {
+                "params_b": size,
+                "qlora_gib": need_gib(size, rule.qlora_bytes_per_param),
+                "lora16_gib": need_gib(size, rule.lora16_bytes_per_param),
+            }
             for size in rule.model_sizes_b
         ]
         return {
             "memory": kind,
             "memory_gib": round(gib, 1),
-            "qlora_max_b": max((r["params_b"] for r in table if r["qlora_gib"] <= gib), default=None) if qlora else None,
+            "qlora_max_b": max((r["params_b"] for r in table if r["qlora_gib"] <= gib), default=None)
+            if qlora
+            else None,
             "lora16_max_b": max((r["params_b"] for r in table if r["lora16_gib"] <= gib), default=None),
             "table": table,
         }
@@ -543,7 +583,7 @@ def _version_or_none(text: str | None) -> Version | None:
 
 
 def _compute_capability(gpu: Gpu) -> Version | None:
-    """"8.9" from compute_capability, else from arch "sm_89" (the last digit is the minor)."""
+    """ "8.9" from compute_capability, else from arch "sm_89" (the last digit is the minor)."""
     if gpu.compute_capability:
         return _version_or_none(gpu.compute_capability)
     match = re.fullmatch(r"sm_(\d+)(\d)", gpu.arch or "")

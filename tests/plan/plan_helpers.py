@@ -11,12 +11,30 @@ NEW_LINUX_DRIVER = ("580.65.06", "13.0")
 NEW_WINDOWS_DRIVER = ("581.57", "13.0")
 
 
-def nvidia(arch: str, *, name: str | None = None, vram_gib: float = 24, integrated: bool = False, index: int | None = None) -> Gpu:
-    return Gpu("nvidia", name=name or f"NVIDIA {arch}", arch=arch, vram_bytes=int(vram_gib * GIB), integrated=integrated, index=index)
+def nvidia(
+    arch: str, *, name: str | None = None, vram_gib: float = 24, integrated: bool = False, index: int | None = None
+) -> Gpu:
+    return Gpu(
+        "nvidia",
+        name=name or f"NVIDIA {arch}",
+        arch=arch,
+        vram_bytes=int(vram_gib * GIB),
+        integrated=integrated,
+        index=index,
+    )
 
 
-def amd(arch: str | None, *, name: str | None = None, vram_gib: float = 16, integrated: bool = False, index: int | None = None) -> Gpu:
-    return Gpu("amd", name=name or f"AMD {arch}", arch=arch, vram_bytes=int(vram_gib * GIB), integrated=integrated, index=index)
+def amd(
+    arch: str | None,
+    *,
+    name: str | None = None,
+    vram_gib: float = 16,
+    integrated: bool = False,
+    index: int | None = None,
+) -> Gpu:
+    return Gpu(
+        "amd", name=name or f"AMD {arch}", arch=arch, vram_bytes=int(vram_gib * GIB), integrated=integrated, index=index
+    )
 
 
 def machine(os_cell: str, *gpus: Gpu, **facts) -> Platform:

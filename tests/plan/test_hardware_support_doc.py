@@ -18,7 +18,9 @@ def test_committed_doc_matches_the_matrix(matrix):
 
 def test_doc_follows_a_matrix_change(matrix):
     cell = matrix.cell("Pascal", "linux")
-    changed = dataclasses.replace(matrix, support={**matrix.support, ("Pascal", "linux"): dataclasses.replace(cell, level="full")})
+    changed = dataclasses.replace(
+        matrix, support={**matrix.support, ("Pascal", "linux"): dataclasses.replace(cell, level="full")}
+    )
     row = next(line for line in render(changed).splitlines() if line.startswith("| Pascal |"))
     assert row.split(" | ")[4] == "**full** · cu126 (by driver)"
 

@@ -27,38 +27,92 @@ def test_the_shipped_matrix_is_valid():
 
 BAD_ENTRIES = [
     ('family = "RDNA2"\nos = "linux"', 'family = "RDNA9"\nos = "linux"', "support for RDNA9: unknown family 'RDNA9'"),
-    ('level = "limited"\nreason = "only gfx1030', 'level = "partial"\nreason = "only gfx1030', "support for RDNA2: bad level 'partial'; expected one of full, limited, unsupported"),
-    ('family = "RDNA2"\nos = "linux"', 'family = "RDNA2"\nos = "linux-gnu"', "support for RDNA2: unknown os 'linux-gnu'"),
-    ('variant = "cu130"\ncuda = "13.0"\ndriver = { linux = "580"', 'variant = "cu130"\ncuda = "13.0"\ndriver = { linux = "58x"', "cuda_index 'cu130': 'driver.linux' = '58x' is not a version"),
-    ('sm = ["7.5", "12.1"]\ntorch = ">=2.9,<2.14"', 'sm = ["12.1", "7.5"]\ntorch = ">=2.9,<2.14"', "cuda_index 'cu130': 'sm' range ['12.1', '7.5'] is reversed"),
-    ('[amd_wheels]\ntorch = ">=2.11,<2.14"', '[amd_wheels]\ntorch = "2.11+"', "amd_wheels: 'torch' '2.11+' is not a version specifier"),
-    ('variant = "cu126"\ncuda = "12.6"', 'variant = "cu126"\ncuda = "12.6"\nsouce = "typo"', "cuda_index 'cu126': unknown key 'souce'"),
-    ('pytorch = "https://download.pytorch.org/whl"', 'pytorch = "download.pytorch.org/whl"', "urls: 'pytorch' = 'download.pytorch.org/whl' is not an http(s) URL"),
+    (
+        'level = "limited"\nreason = "only gfx1030',
+        'level = "partial"\nreason = "only gfx1030',
+        "support for RDNA2: bad level 'partial'; expected one of full, limited, unsupported",
+    ),
+    (
+        'family = "RDNA2"\nos = "linux"',
+        'family = "RDNA2"\nos = "linux-gnu"',
+        "support for RDNA2: unknown os 'linux-gnu'",
+    ),
+    (
+        'variant = "cu130"\ncuda = "13.0"\ndriver = { linux = "580"',
+        'variant = "cu130"\ncuda = "13.0"\ndriver = { linux = "58x"',
+        "cuda_index 'cu130': 'driver.linux' = '58x' is not a version",
+    ),
+    (
+        'sm = ["7.5", "12.1"]\ntorch = ">=2.9,<2.14"',
+        'sm = ["12.1", "7.5"]\ntorch = ">=2.9,<2.14"',
+        "cuda_index 'cu130': 'sm' range ['12.1', '7.5'] is reversed",
+    ),
+    (
+        '[amd_wheels]\ntorch = ">=2.11,<2.14"',
+        '[amd_wheels]\ntorch = "2.11+"',
+        "amd_wheels: 'torch' '2.11+' is not a version specifier",
+    ),
+    (
+        'variant = "cu126"\ncuda = "12.6"',
+        'variant = "cu126"\ncuda = "12.6"\nsouce = "typo"',
+        "cuda_index 'cu126': unknown key 'souce'",
+    ),
+    (
+        'pytorch = "https://download.pytorch.org/whl"',
+        'pytorch = "download.pytorch.org/whl"',
+        "urls: 'pytorch' = 'download.pytorch.org/whl' is not an http(s) URL",
+    ),
     ('variant = "cu128"', 'variant = "cu130"', "cuda_index 'cu130': duplicate row"),
     ('name = "CDNA4"', 'name = "CDNA3"', "family 'CDNA3': duplicate family"),
     ('archs = ["gfx950"]', 'archs = ["gfx942"]', "family 'CDNA4': arch 'gfx942' is also in family 'CDNA3'"),
-    ('hsa_override = { gfx1103 = "11.0.0" }', 'hsa_override = { gfx1103 = "eleven" }', "family 'RDNA3': 'hsa_override.gfx1103' = 'eleven' is not a version"),
-    ('hsa_override = { gfx1103 = "11.0.0" }', 'hsa_override = { gfx1199 = "11.0.0" }', "family 'RDNA3': arch 'gfx1199' is not in its archs"),
-    ('spec = "bitsandbytes>=0.46"', 'spec = "bitsandbytes>=>0.46"', "bitsandbytes[0]: spec 'bitsandbytes>=>0.46' is not a requirement"),
+    (
+        'hsa_override = { gfx1103 = "11.0.0" }',
+        'hsa_override = { gfx1103 = "eleven" }',
+        "family 'RDNA3': 'hsa_override.gfx1103' = 'eleven' is not a version",
+    ),
+    (
+        'hsa_override = { gfx1103 = "11.0.0" }',
+        'hsa_override = { gfx1199 = "11.0.0" }',
+        "family 'RDNA3': arch 'gfx1199' is not in its archs",
+    ),
+    (
+        'spec = "bitsandbytes>=0.46"',
+        'spec = "bitsandbytes>=>0.46"',
+        "bitsandbytes[0]: spec 'bitsandbytes>=>0.46' is not a requirement",
+    ),
     ('backend = "metal"', 'backend = "opencl"', "llama_cpp[3]: bad backend 'opencl'"),
-    ('"gfx1151", "gfx1200", "gfx1201"]\ntorch = ">=2.11', '"gfx1151", "gfx1200", "gfx9999"]\ntorch = ">=2.11', "rocm_index 'rocm7.2': 'archs' names arch 'gfx9999', which no family lists"),
+    (
+        '"gfx1151", "gfx1200", "gfx1201"]\ntorch = ">=2.11',
+        '"gfx1151", "gfx1200", "gfx9999"]\ntorch = ">=2.11',
+        "rocm_index 'rocm7.2': 'archs' names arch 'gfx9999', which no family lists",
+    ),
     ("overhead = 0.2", "overhead = -0.2", "fits: 'overhead' must be a non-negative number, got -0.2"),
     ("schema = 1", "schema = 2", "schema = 2, this unsloth reads schema = 1"),
-    ('oses = ["linux", "wsl", "windows", "macos"]', 'oses = ["linux", "wsl", "windows"]', "the planner needs exactly ['linux', 'wsl', 'windows', 'macos']"),
+    (
+        'oses = ["linux", "wsl", "windows", "macos"]',
+        'oses = ["linux", "wsl", "windows"]',
+        "the planner needs exactly ['linux', 'wsl', 'windows', 'macos']",
+    ),
     ('name = "CPU"', 'name = "NoGPU"', "missing family 'CPU' (the plan without a usable GPU)"),
-    ('backend = "cpu"\nos = ["linux", "wsl", "windows", "macos"]', 'backend = "cpu"\nos = ["linux"]', "llama_cpp needs a 'cpu' row for every OS"),
+    (
+        'backend = "cpu"\nos = ["linux", "wsl", "windows", "macos"]',
+        'backend = "cpu"\nos = ["linux"]',
+        "llama_cpp needs a 'cpu' row for every OS",
+    ),
     ('[attention]\ncuda = "sdpa"', '[attention]\ncuda = "sdpa"\nrocm6 = "sdpa"', "attention: unknown key 'rocm6'"),
 ]
 
 
-@pytest.mark.parametrize(("old", "new", "expected"), BAD_ENTRIES, ids=[case[2].split(":")[-1].strip()[:40] for case in BAD_ENTRIES])
+@pytest.mark.parametrize(
+    ("old", "new", "expected"), BAD_ENTRIES, ids=[case[2].split(":")[-1].strip()[:40] for case in BAD_ENTRIES]
+)
 def test_bad_entry_is_named(tmp_path, old, new, expected):
     assert expected in broken(tmp_path, old, new)
 
 
 def test_duplicate_cell(tmp_path):
     row = '[[support]]\nfamily = "Ada"\nos = "linux"\nlevel = "full"\nreason = "again"\nsource = "x"\n\n'
-    message = broken(tmp_path, "[[support]]\nfamily = \"Kepler\"", row + "[[support]]\nfamily = \"Kepler\"")
+    message = broken(tmp_path, '[[support]]\nfamily = "Kepler"', row + '[[support]]\nfamily = "Kepler"')
     assert "duplicate row: Ada x linux is already covered" in message
 
 
@@ -73,7 +127,11 @@ def test_missing_source(tmp_path):
 
 
 def test_missing_cell(tmp_path):
-    message = broken(tmp_path, 'family = "CPU"\nos = ["linux", "wsl", "windows", "macos"]', 'family = "CPU"\nos = ["linux", "wsl", "windows"]')
+    message = broken(
+        tmp_path,
+        'family = "CPU"\nos = ["linux", "wsl", "windows", "macos"]',
+        'family = "CPU"\nos = ["linux", "wsl", "windows"]',
+    )
     assert "support has no row for CPU x macos" in message
 
 
@@ -84,7 +142,13 @@ def test_not_toml(tmp_path):
 
 def test_environment_variable_points_at_the_matrix(tmp_path, monkeypatch):
     custom = tmp_path / "mine.toml"
-    custom.write_text(REAL.replace('level = "limited"\nreason = "CUDA 13 wheels dropped Pascal', 'level = "full"\nreason = "CUDA 13 wheels dropped Pascal'), encoding="utf-8")
+    custom.write_text(
+        REAL.replace(
+            'level = "limited"\nreason = "CUDA 13 wheels dropped Pascal',
+            'level = "full"\nreason = "CUDA 13 wheels dropped Pascal',
+        ),
+        encoding="utf-8",
+    )
     monkeypatch.setenv("UNSLOTH_MATRIX", str(custom))
     matrix = load_matrix()
     assert matrix.path == str(custom)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from plan_helpers import amd, machine, nvidia
 
-from unsloth.platform.facts import Gpu
 from unsloth.plan import resolve
+from unsloth.platform.facts import Gpu
 
 
 def test_laptop_discrete_nvidia_beats_intel_igpu(matrix):

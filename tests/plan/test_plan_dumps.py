@@ -11,15 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from unsloth.platform.detect import detect_from_dump
 from unsloth.plan import resolve
+from unsloth.platform.detect import detect_from_dump
 
 DUMPS = Path(__file__).resolve().parents[1] / "fixtures" / "dumps"
 _spec = importlib.util.spec_from_file_location("expect_compare", DUMPS.parent / "expect_compare.py")
 expect_compare = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(expect_compare)
 
-WITH_PLAN = sorted(d.name for d in DUMPS.iterdir() if (d / "expect.json").is_file() and "plan" in json.loads((d / "expect.json").read_text()))
+WITH_PLAN = sorted(
+    d.name
+    for d in DUMPS.iterdir()
+    if (d / "expect.json").is_file() and "plan" in json.loads((d / "expect.json").read_text())
+)
 
 # dump -> (support, torch backend, torch variant, env the plan sets, a phrase a warning must contain)
 OURS = {

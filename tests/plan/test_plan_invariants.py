@@ -7,21 +7,51 @@ from urllib.parse import urlparse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from unsloth.platform.facts import Gpu, Platform
 from unsloth.plan import resolve
+from unsloth.platform.facts import Gpu, Platform
 
 NVIDIA_ARCHS = ["sm_37", "sm_52", "sm_61", "sm_70", "sm_75", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120", None]
-AMD_ARCHS = ["gfx906", "gfx908", "gfx90a", "gfx942", "gfx950", "gfx1012", "gfx1030", "gfx1031", "gfx1036", "gfx1100",
-             "gfx1103", "gfx1151", "gfx1152", "gfx1201", "gfx9999", None]
+AMD_ARCHS = [
+    "gfx906",
+    "gfx908",
+    "gfx90a",
+    "gfx942",
+    "gfx950",
+    "gfx1012",
+    "gfx1030",
+    "gfx1031",
+    "gfx1036",
+    "gfx1100",
+    "gfx1103",
+    "gfx1151",
+    "gfx1152",
+    "gfx1201",
+    "gfx9999",
+    None,
+]
 
 gpus = st.one_of(
-    st.builds(Gpu, vendor=st.just("nvidia"), arch=st.sampled_from(NVIDIA_ARCHS), integrated=st.booleans() | st.none(),
-              vram_bytes=st.integers(0, 200 * 2**30) | st.none(), index=st.integers(0, 7) | st.none()),
-    st.builds(Gpu, vendor=st.just("amd"), arch=st.sampled_from(AMD_ARCHS), integrated=st.booleans() | st.none(),
-              vram_bytes=st.integers(0, 200 * 2**30) | st.none(), index=st.integers(0, 7) | st.none()),
+    st.builds(
+        Gpu,
+        vendor=st.just("nvidia"),
+        arch=st.sampled_from(NVIDIA_ARCHS),
+        integrated=st.booleans() | st.none(),
+        vram_bytes=st.integers(0, 200 * 2**30) | st.none(),
+        index=st.integers(0, 7) | st.none(),
+    ),
+    st.builds(
+        Gpu,
+        vendor=st.just("amd"),
+        arch=st.sampled_from(AMD_ARCHS),
+        integrated=st.booleans() | st.none(),
+        vram_bytes=st.integers(0, 200 * 2**30) | st.none(),
+        index=st.integers(0, 7) | st.none(),
+    ),
     st.builds(Gpu, vendor=st.sampled_from(["intel", "apple"]), integrated=st.booleans() | st.none()),
 )
-versions = st.sampled_from([None, "470.182.03", "525.60.13", "531.29", "560.35.03", "580.65.06", "610.43.02", "garbage"])
+versions = st.sampled_from(
+    [None, "470.182.03", "525.60.13", "531.29", "560.35.03", "580.65.06", "610.43.02", "garbage"]
+)
 platforms = st.builds(
     Platform,
     os=st.sampled_from(["linux", "windows", "macos", None]),

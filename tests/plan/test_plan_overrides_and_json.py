@@ -7,8 +7,8 @@ import json
 import pytest
 from plan_helpers import GIB, amd, machine, nvidia
 
-from unsloth.platform.facts import Gpu
 from unsloth.plan import Overrides, resolve
+from unsloth.platform.facts import Gpu
 
 
 def test_torch_index_pin_is_used_verbatim(matrix):
@@ -19,7 +19,11 @@ def test_torch_index_pin_is_used_verbatim(matrix):
 
 
 def test_pin_for_another_backend_warns(matrix):
-    plan = resolve(machine("linux", nvidia("sm_89")), matrix, overrides=Overrides(torch_index_url="https://download.pytorch.org/whl/cpu"))
+    plan = resolve(
+        machine("linux", nvidia("sm_89")),
+        matrix,
+        overrides=Overrides(torch_index_url="https://download.pytorch.org/whl/cpu"),
+    )
     assert plan.torch.backend == "cpu"
     [advice] = plan.warnings
     assert "pins a cpu build" in advice.message and "Unset UNSLOTH_TORCH_INDEX_URL" in advice.fix
@@ -27,8 +31,14 @@ def test_pin_for_another_backend_warns(matrix):
 
 def test_pytorch_mirror_replaces_the_base(matrix):
     pins = Overrides(pytorch_mirror="https://mirror.example.org/pytorch/whl/")
-    assert resolve(machine("linux", nvidia("sm_89")), matrix, overrides=pins).torch.index_url == "https://mirror.example.org/pytorch/whl/cu130"
-    assert resolve(machine("linux"), matrix, overrides=pins).torch.index_url == "https://mirror.example.org/pytorch/whl/cpu"
+    assert (
+        resolve(machine("linux", nvidia("sm_89")), matrix, overrides=pins).torch.index_url
+        == "https://mirror.example.org/pytorch/whl/cu130"
+    )
+    assert (
+        resolve(machine("linux"), matrix, overrides=pins).torch.index_url
+        == "https://mirror.example.org/pytorch/whl/cpu"
+    )
 
 
 def test_amd_mirror_replaces_repo_amd_com(matrix):
@@ -38,7 +48,9 @@ def test_amd_mirror_replaces_repo_amd_com(matrix):
 
 
 def test_overrides_from_env():
-    pins = Overrides.from_env({"UNSLOTH_TORCH_INDEX_URL": " https://x.example/whl/cu130 ", "UNSLOTH_PYTORCH_MIRROR": "", "HOME": "/root"})
+    pins = Overrides.from_env(
+        {"UNSLOTH_TORCH_INDEX_URL": " https://x.example/whl/cu130 ", "UNSLOTH_PYTORCH_MIRROR": "", "HOME": "/root"}
+    )
     assert pins == Overrides(torch_index_url="https://x.example/whl/cu130")
 
 

@@ -18,7 +18,14 @@ def plan_for(matrix, arch="gfx1100", os_name="linux", rocm="7.2.1", **facts):
 
 @pytest.mark.parametrize(
     ("rocm", "variant"),
-    [("7.2.1", "rocm7.2"), ("7.2", "rocm7.2"), ("7.1.0", "rocm7.1"), ("6.4.1", "rocm6.4"), ("10.0.0", "rocm7.2"), ("7.14.0", "rocm7.2")],
+    [
+        ("7.2.1", "rocm7.2"),
+        ("7.2", "rocm7.2"),
+        ("7.1.0", "rocm7.1"),
+        ("6.4.1", "rocm6.4"),
+        ("10.0.0", "rocm7.2"),
+        ("7.14.0", "rocm7.2"),
+    ],
 )
 def test_host_rocm_picks_the_newest_index_not_newer_than_it(matrix, rocm, variant):
     plan = plan_for(matrix, rocm=rocm)
@@ -35,7 +42,14 @@ def test_host_rocm_older_than_every_index_asks_for_an_upgrade(matrix):
     assert advice.fix.startswith("Upgrade ROCm to 6.4") and "rocm.docs.amd.com" in advice.fix
 
 
-@pytest.mark.parametrize(("arch", "rocm", "variant", "needs"), [("gfx1151", "7.1.0", "rocm7.2", "7.2"), ("gfx1151", "6.4.0", "rocm7.2", "7.2"), ("gfx950", "6.4.1", "rocm7.1", "7.1")])
+@pytest.mark.parametrize(
+    ("arch", "rocm", "variant", "needs"),
+    [
+        ("gfx1151", "7.1.0", "rocm7.2", "7.2"),
+        ("gfx1151", "6.4.0", "rocm7.2", "7.2"),
+        ("gfx950", "6.4.1", "rocm7.1", "7.1"),
+    ],
+)
 def test_arch_only_in_newer_index_takes_that_index(matrix, arch, rocm, variant, needs):
     plan = plan_for(matrix, arch=arch, rocm=rocm)
     assert plan.torch.variant == variant
@@ -65,7 +79,13 @@ def test_wsl_without_dxg_or_rocm(matrix):
 
 @pytest.mark.parametrize(
     ("arch", "override", "effective"),
-    [("gfx1031", "10.3.0", "gfx1030"), ("gfx1032", "10.3.0", "gfx1030"), ("gfx1035", "10.3.0", "gfx1030"), ("gfx1036", "10.3.0", "gfx1030"), ("gfx1103", "11.0.0", "gfx1100")],
+    [
+        ("gfx1031", "10.3.0", "gfx1030"),
+        ("gfx1032", "10.3.0", "gfx1030"),
+        ("gfx1035", "10.3.0", "gfx1030"),
+        ("gfx1036", "10.3.0", "gfx1030"),
+        ("gfx1103", "11.0.0", "gfx1100"),
+    ],
 )
 def test_arch_no_index_ships_gets_the_override_on_linux_only(matrix, arch, override, effective):
     linux = plan_for(matrix, arch=arch)
@@ -106,7 +126,13 @@ def test_amd_gpu_without_gfx_target_gets_cpu_and_a_fix(matrix):
 
 def test_user_override_that_spoofs_is_flagged_and_ignored(matrix):
     # Strix Halo with the common 11.0.0 "fix": ROCm would load gfx1100 kernels on gfx1151.
-    plan = plan_for(matrix, arch="gfx1151", hsa_override="11.0.0", hsa_override_spoofs=True, env={"HSA_OVERRIDE_GFX_VERSION": "11.0.0"})
+    plan = plan_for(
+        matrix,
+        arch="gfx1151",
+        hsa_override="11.0.0",
+        hsa_override_spoofs=True,
+        env={"HSA_OVERRIDE_GFX_VERSION": "11.0.0"},
+    )
     assert plan.torch.variant == "rocm7.2" and plan.device.arch == "gfx1151"
     assert "HSA_OVERRIDE_GFX_VERSION" not in plan.env
     [advice] = plan.warnings

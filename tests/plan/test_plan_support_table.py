@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from plan_helpers import amd, machine, nvidia
 
-from unsloth.platform.facts import Gpu
 from unsloth.plan import resolve
+from unsloth.platform.facts import Gpu
 
 GPU_OSES = ("linux", "wsl", "windows")
 NO_ENV: dict[str, str] = {}
