@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from unsloth.doctor import checks
@@ -60,6 +62,16 @@ def test_each_plan_warning_becomes_a_finding_with_its_fix(make_plan):
     found = checks.check_plan_advice(plan)
     assert [(f.id, f.message, f.fix) for f in found] == [("plan-advice-1", "a", "do a"), ("plan-advice-2", "b", None)]
     assert checks.check_plan_advice(None) == []
+
+
+def test_advice_about_a_fact_doctor_judged_itself_is_said_once(make_plan):
+    # Advice.check names the doctor check covering the same fact (plan.py sets it where one does).
+    about_driver = SimpleNamespace(message="No NVIDIA driver was detected", fix="install it", check="driver")
+    other = SimpleNamespace(message="UNSLOTH_TORCH_INDEX_URL pins a rocm build", fix="unset it", check=None)
+    plan = make_plan(warnings=[about_driver, other])
+    assert [f.message for f in checks.check_plan_advice(plan, {"driver", "gpu"})] == [other.message]
+    # On a dump the check may be skipped; then the plan's advice is all there is, and it stays.
+    assert len(checks.check_plan_advice(plan, {"gpu"})) == 2
 
 
 # --- driver and runtime ------------------------------------------------------------------------

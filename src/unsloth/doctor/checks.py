@@ -109,13 +109,16 @@ def check_support(plan: Plan | None, plan_error: str | None = None) -> Finding:
     return Finding("support", title, "warning", f"{plan.support.capitalize()} support: {plan.reason}", fix=fix)
 
 
-def check_plan_advice(plan: Plan | None) -> list[Finding]:
-    """The plan's own warnings (a wheel that lacks this arch, a needed env var), as findings."""
+def check_plan_advice(plan: Plan | None, covered: set[str] | frozenset[str] = frozenset()) -> list[Finding]:
+    """The plan's own warnings (a wheel that lacks this arch, a pinned index), as findings. Advice
+    about a fact one of doctor's checks judged itself (``covered``: their ids) is left out, so the
+    report says each thing once; ``Advice.check`` names that check where the plan sets it."""
     if plan is None:
         return []
     return [
         Finding(f"plan-advice-{n}", "Install plan", "warning", advice.message, fix=advice.fix)
         for n, advice in enumerate(plan.warnings, 1)
+        if getattr(advice, "check", None) not in covered
     ]
 
 

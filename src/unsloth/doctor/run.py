@@ -62,7 +62,6 @@ def machine_findings(platform: Platform, plan: Plan | None, plan_error: str | No
     found = [
         checks.check_gpu(platform, plan),
         checks.check_support(plan, plan_error),
-        *checks.check_plan_advice(plan),
         checks.check_driver(platform, plan, needs),
         checks.check_runtime(platform, plan, needs),
         checks.check_wsl_bridge(platform, plan, host),
@@ -72,7 +71,9 @@ def machine_findings(platform: Platform, plan: Plan | None, plan_error: str | No
         checks.check_ram(platform),
         checks.check_disk(plan, host, env_installed),
     ]
-    return [finding for finding in found if finding is not None]
+    found = [finding for finding in found if finding is not None]
+    judged = {finding.id for finding in found if finding.status != "skipped"}
+    return found[:2] + checks.check_plan_advice(plan, judged) + found[2:]
 
 
 def find_env_target(python: Path | None) -> EnvTarget | None:
