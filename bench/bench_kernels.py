@@ -1,0 +1,328 @@
+"""Benchmark of every unsloth_kernels kernel, forward + backward, at Llama-3.1-8B shapes (bf16).
+
+Measured the way the project's anchor harness measures PyTorch eager, torch.compile and Liger, in
+the same process, so the numbers line up with the published anchors: 16,384 tokens (8 x 2048),
+hidden 4096, 32 q / 8 kv heads of 128, MLP 14336, vocab 128256; time = median of
+triton.testing.do_bench(warmup=25, rep=100); peak = extra device memory over the inputs (GiB);
+GB/s and the floor use the fewest bytes the op must move, against a device-to-device copy
+roofline measured in this run.
+
+    python bench/bench_kernels.py                 # everything
+    python bench/bench_kernels.py --only rmsnorm,rope --no-compile
+
+Prints one progress line per row to stderr, then a markdown table and one JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import unsloth_kernels as uk
+
+DEV, DT = "cuda", torch.bfloat16
+B, S = 8, 2048
+T, H, I, V, NH, NKV, HD = B * S, 4096, 14336, 128256, 32, 8, 128
+RANK = 16
+ROWS: list[dict] = []
+
+
+def bench(fn, op, impl, *, bytes_moved=None, flops=None):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    row = {"op": op, "impl": impl, "ms": round(ms, 4), "peak_gib": round(peak, 3)}
+    if bytes_moved:
+        row["bytes"] = bytes_moved
+        row["GBps"] = round(bytes_moved / ms / 1e6, 1)
+    if flops:
+        row["TFLOPs"] = round(flops / ms / 1e9, 1)
+    ROWS.append(row)
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return ms
+
+
+def implementations(eager, ours, liger=None, compile_=True):
+    impls = [("eager", eager)]
+    if compile_:
+        impls.append(("compile", torch.compile(eager)))
+    if liger is not None:
+        impls.append(("liger", liger))
+    impls.append(("unsloth_kernels", ours))
+    return impls
+
+
+def liger_ops():
+    try:
+        from liger_kernel.ops import fused_linear_cross_entropy, rms_norm, rope, swiglu
+    except Exception as e:  # noqa: BLE001 - optional comparison
+        print(json.dumps({"liger": f"unavailable: {e}"}), file=sys.stderr)
+        return None
+    return {
+        "rmsnorm": lambda x, w: rms_norm.LigerRMSNormFunction.apply(x, w, 1e-5, 0.0, "llama", False),
+        "rope": lambda q, k, cos, sin: rope.LigerRopeFunction.apply(q, k, cos, sin),
+        "swiglu": lambda a, b: swiglu.LigerSiLUMulFunction.apply(a, b),
+        "linear_ce": lambda h, W, y: fused_linear_cross_entropy.LigerFusedLinearCrossEntropyFunction.apply(h, W, y)[0],
+    }
+
+
+# --- single kernels ---------------------------------------------------------------------------
+
+def bench_copy():
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    bench(lambda: dst.copy_(src), "copy_2GiB", "torch", bytes_moved=2 * src.numel())
+
+
+def bench_rmsnorm(liger, compile_):
+    x = torch.randn(T, H, device=DEV, dtype=DT, requires_grad=True)
+    w = torch.ones(H, device=DEV, dtype=DT, requires_grad=True)
+    dy = torch.randn(T, H, device=DEV, dtype=DT)
+
+    def eager(x, w):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(DT) * w
+
+    ours = lambda x, w: uk.rms_norm(x, w, 1e-5)  # noqa: E731
+    for impl, f in implementations(eager, ours, liger and liger["rmsnorm"], compile_):
+        def step(f=f):
+            x.grad = w.grad = None
+            f(x, w).backward(dy)
+        # read x, dy, x again; write y, dx (weight and rstd are negligible)
+        bench(step, "rmsnorm_fwd_bwd", impl, bytes_moved=5 * T * H * 2)
+
+    # the fused residual add: read x, r, dy, ds, s; write s, y, dx (dx doubles as d residual)
+    r = torch.randn_like(x, requires_grad=True)
+    ds = torch.randn_like(dy)
+
+    def eager_res(x, r, w):
+        s = x + r
+        return eager(s, w), s
+
+    def ours_res(x, r, w):
+        return uk.rms_norm(x, w, 1e-5, residual=r)
+
+    impls = [("eager", eager_res)] + ([("compile", torch.compile(eager_res))] if compile_ else [])
+    for impl, f in impls + [("unsloth_kernels", ours_res)]:
+        def step(f=f):
+            x.grad = r.grad = w.grad = None
+            torch.autograd.backward(f(x, r, w), (dy, ds))
+        bench(step, "add_rmsnorm_fwd_bwd", impl, bytes_moved=8 * T * H * 2)
+
+
+def bench_layernorm(compile_):
+    x = torch.randn(T, H, device=DEV, dtype=DT, requires_grad=True)
+    w = torch.ones(H, device=DEV, dtype=DT, requires_grad=True)
+    b = torch.zeros(H, device=DEV, dtype=DT, requires_grad=True)
+    dy = torch.randn(T, H, device=DEV, dtype=DT)
+    eager = lambda x, w, b: F.layer_norm(x, (H,), w, b, 1e-5)  # noqa: E731
+    for impl, f in implementations(eager, uk.layer_norm, None, compile_):
+        def step(f=f):
+            x.grad = w.grad = b.grad = None
+            f(x, w, b).backward(dy)
+        bench(step, "layernorm_fwd_bwd", impl, bytes_moved=5 * T * H * 2)
+
+
+def bench_rope(liger, compile_):
+    q = torch.randn(B, NH, S, HD, device=DEV, dtype=DT, requires_grad=True)
+    k = torch.randn(B, NKV, S, HD, device=DEV, dtype=DT, requires_grad=True)
+    inv = 1.0 / (500000 ** (torch.arange(0, HD, 2, device=DEV).float() / HD))
+    freqs = torch.outer(torch.arange(S, device=DEV).float(), inv)
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().to(DT)[None], emb.sin().to(DT)[None]
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+
+    def rotate_half(t):
+        return torch.cat([-t[..., HD // 2:], t[..., : HD // 2]], -1)
+
+    def eager(q, k, cos, sin):
+        c, s = cos[:, None], sin[:, None]
+        return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+    for impl, f in implementations(eager, uk.apply_rope, liger and liger["rope"], compile_):
+        def step(f=f):
+            q.grad = k.grad = None
+            oq, ok = f(q, k, cos, sin)
+            torch.autograd.backward([oq, ok], [dq, dk])
+        # read q, k and write them, forward and backward
+        bench(step, "rope_fwd_bwd", impl, bytes_moved=4 * (q.numel() + k.numel()) * 2)
+
+
+def bench_gated(liger, compile_):
+    a = torch.randn(T, I, device=DEV, dtype=DT, requires_grad=True)
+    b = torch.randn(T, I, device=DEV, dtype=DT, requires_grad=True)
+    dy = torch.randn(T, I, device=DEV, dtype=DT)
+    nbytes = 8 * T * I * 2  # read a, b (fwd), dy, a, b (bwd); write y, da, db
+    sw_eager = lambda a, b: F.silu(a) * b  # noqa: E731
+    for impl, f in implementations(sw_eager, uk.swiglu, liger and liger["swiglu"], compile_):
+        def step(f=f):
+            a.grad = b.grad = None
+            f(a, b).backward(dy)
+        bench(step, "swiglu_fwd_bwd", impl, bytes_moved=nbytes)
+
+    # In a model gate/up are activations, and backward reuses their buffers for the gradients
+    # (Liger above does the same to these leaves). A view makes them non-leaf at no GPU cost.
+    def step_activations():
+        a.grad = b.grad = None
+        uk.swiglu(a.view_as(a), b.view_as(b)).backward(dy)
+    bench(step_activations, "swiglu_fwd_bwd", "unsloth_kernels_inplace", bytes_moved=nbytes)
+
+    ge_eager = lambda a, b: F.gelu(a, approximate="tanh") * b  # noqa: E731
+    ge_ours = lambda a, b: uk.geglu(a.view_as(a), b.view_as(b), approximate="tanh")  # noqa: E731
+    for impl, f in implementations(ge_eager, ge_ours, None, compile_):
+        def step(f=f):
+            a.grad = b.grad = None
+            f(a, b).backward(dy)
+        bench(step, "geglu_tanh_fwd_bwd", impl, bytes_moved=nbytes)
+
+
+# --- helper F's kernels: each section runs when its function exists ---------------------------
+
+def bench_linear_ce(liger, compile_):
+    h = torch.randn(T, H, device=DEV, dtype=DT, requires_grad=True)
+    W = torch.randn(V, H, device=DEV, dtype=DT) * 0.02
+    y = torch.randint(0, V, (T,), device=DEV)
+    y[::7] = -100
+    eager = lambda h, W, y: F.cross_entropy((h @ W.t()).float(), y, ignore_index=-100)  # noqa: E731
+    ours = getattr(uk, "fused_linear_cross_entropy", None)
+    impls = [("eager", eager)] + ([("compile", torch.compile(eager))] if compile_ else [])
+    impls += [("liger_flce", liger["linear_ce"])] if liger else []
+    impls += [("unsloth_kernels", ours)] if ours else []
+    for impl, f in impls:
+        def step(f=f):
+            h.grad = None
+            f(h, W, y).backward()
+        bench(step, "linear_ce_fwd_bwd", impl, flops=2 * 2 * T * H * V)  # forward logits + dX
+
+
+def bench_nf4():
+    dequantize = getattr(uk, "dequantize_nf4", None)
+    if dequantize is None:
+        return
+    from unsloth_kernels.nf4 import NestedAbsmax
+
+    try:
+        import bitsandbytes.functional as bnbf  # the reference, when the bench machine has it
+    except ImportError:
+        bnbf = None
+    for rows, cols in [(I, H), (H, H)]:
+        n = rows * cols
+        # Random bytes and scales are as good as a real weight for timing; nested (double) quant.
+        packed = torch.randint(0, 256, (n // 2,), dtype=torch.uint8, device=DEV)
+        absmax = torch.randint(0, 256, (n // 64,), dtype=torch.uint8, device=DEV)
+        nested = NestedAbsmax(absmax=torch.rand(triton.cdiv(n // 64, 256), device=DEV),
+                              code=torch.linspace(-1, 1, 256, device=DEV), blocksize=256, offset=0.1)
+        out = torch.empty(rows, cols, dtype=DT, device=DEV)
+        nbytes = n // 2 + n // 64 + 2 * n  # packed + absmax read, bf16 written
+        bench(lambda: dequantize(packed, absmax, (rows, cols), DT, nested=nested, out=out),
+              f"nf4_dequant_{rows}x{cols}", "unsloth_kernels", bytes_moved=nbytes)
+        if bnbf is None:
+            continue
+        w = torch.randn(rows, cols, device=DEV, dtype=DT)
+        q, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+        bench(lambda: bnbf.dequantize_4bit(q, state, out=out), f"nf4_dequant_{rows}x{cols}", "bitsandbytes",
+              bytes_moved=nbytes)
+
+
+def bench_lora_mlp():
+    lora_mlp = getattr(uk, "lora_mlp", None)
+    if lora_mlp is None:
+        return
+    from unsloth_kernels import LoraWeights
+
+    def adapter(out_f, in_f):
+        W = torch.randn(out_f, in_f, device=DEV, dtype=DT) * 0.02
+        A = (torch.randn(RANK, in_f, device=DEV, dtype=DT) * 0.02).requires_grad_()
+        Bm = (torch.randn(out_f, RANK, device=DEV, dtype=DT) * 0.02).requires_grad_()
+        return LoraWeights(W, A, Bm, 2.0)
+
+    gate, up, down = adapter(I, H), adapter(I, H), adapter(H, I)
+    x = torch.randn(T, H, device=DEV, dtype=DT, requires_grad=True)
+    dy = torch.randn(T, H, device=DEV, dtype=DT)
+
+    def lin(x, p):
+        return x @ p.weight.t() + p.scaling * ((x @ p.A.t()) @ p.B.t())
+
+    def eager(x):  # what PEFT computes for a LoRA LlamaMLP
+        return lin(F.silu(lin(x, gate)) * lin(x, up), down)
+
+    params = [p for a in (gate, up, down) for p in (a.A, a.B)]
+    flops = 6 * 2 * T * H * I  # base GEMMs: 3 forward + 3 for dX (frozen base); LoRA side is ~1%
+    for impl, f in [("eager", eager), ("unsloth_kernels", lambda x: lora_mlp(x, gate, up, down))]:
+        def step(f=f):
+            x.grad = None
+            for p in params:
+                p.grad = None
+            f(x).backward(dy)
+        bench(step, "lora_mlp_fwd_bwd", impl, flops=flops)
+
+
+# --- report -------------------------------------------------------------------------------------
+
+SECTIONS = ("rmsnorm", "layernorm", "rope", "swiglu", "linear_ce", "nf4", "lora_mlp")
+
+
+def report():
+    copy_gbps = next((r["GBps"] for r in ROWS if r["op"] == "copy_2GiB"), None)
+    lines = ["| op | impl | ms | peak GiB | GB/s | % of copy | floor ms | x floor | TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in ROWS:
+        if copy_gbps and "bytes" in r:
+            floor = r["bytes"] / copy_gbps / 1e6
+            r["floor_ms"], r["x_floor"] = round(floor, 4), round(r["ms"] / floor, 2)
+            r["pct_copy"] = round(100 * r["GBps"] / copy_gbps, 1)
+        cells = [r["op"], r["impl"], r["ms"], r["peak_gib"], r.get("GBps", ""), r.get("pct_copy", ""),
+                 r.get("floor_ms", ""), r.get("x_floor", ""), r.get("TFLOPs", "")]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    print("\n".join(lines))
+    print(json.dumps({"bench": "unsloth_kernels", "device": torch.cuda.get_device_name(),
+                      "torch": torch.__version__, "triton": triton.__version__, "copy_GBps": copy_gbps,
+                      "rows": ROWS}))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows (saves minutes)")
+    parser.add_argument("--no-liger", action="store_true", help="skip Liger even when it is installed")
+    args = parser.parse_args(argv)
+    only = set(args.only.split(","))
+    unknown = only - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    if not torch.cuda.is_available():
+        print("bench_kernels: needs a GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    liger = None if args.no_liger else liger_ops()
+    compile_ = not args.no_compile
+    bench_copy()
+    runs = {
+        "rmsnorm": lambda: bench_rmsnorm(liger, compile_),
+        "layernorm": lambda: bench_layernorm(compile_),
+        "rope": lambda: bench_rope(liger, compile_),
+        "swiglu": lambda: bench_gated(liger, compile_),
+        "linear_ce": lambda: bench_linear_ce(liger, compile_),
+        "nf4": bench_nf4,
+        "lora_mlp": bench_lora_mlp,
+    }
+    for name in SECTIONS:
+        if name in only:
+            runs[name]()
+            torch.cuda.empty_cache()
+    report()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
