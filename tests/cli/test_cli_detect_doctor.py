@@ -177,13 +177,15 @@ def test_a_managed_environment_without_torch_fails_doctor(capsys, empty_home):
     assert "env-torch" in report["summary"]["failed_required"] and code == 1
 
 
-@pytest.mark.slow
-def test_doctor_with_python_checks_this_venv(capsys):
-    code, report, _ = run_json(capsys, "doctor", "--json", "--python", sys.executable)
+@pytest.mark.skipif(os.name != "posix", reason="POSIX venv layout")
+def test_doctor_python_runs_the_checks_in_that_interpreter(capsys, tmp_path):
+    """--python points the environment checks at any interpreter: here one without torch.
+    (tests/doctor runs them in this very .venv, where torch, bitsandbytes and Triton pass.)"""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    code, report, _ = run_json(capsys, "doctor", "--json", "--python", str(bare / "bin" / "python"))
     found = findings(report)
-    assert code == 0, report["summary"]
-    assert found["env"]["message"] == f"Checking {sys.executable} (given with --python)"
-    assert found["env-torch"]["status"] == "ok" and "cpu build" in found["env-torch"]["message"]
-    assert found["env-matmul"]["status"] == "ok"
-    assert found["env-triton"]["status"] == "ok" and "interpreter" in found["env-triton"]["message"]
-    assert "environment checks" in report["timings"]
+    assert found["env"]["message"] == f"Checking {bare / 'bin' / 'python'} (given with --python)"
+    assert found["env-torch"]["status"] == "error" and "No module named 'torch'" in found["env-torch"]["message"]
+    assert found["env-matmul"]["message"] == "torch did not import"  # the probe ran on and said why
+    assert code == 1 and "environment checks" in report["timings"]
