@@ -133,6 +133,13 @@ def test_tool_failures_become_notes():
     ]
 
 
+def test_an_unknown_from_one_probe_does_not_hide_another_probes_value():
+    query_log = "==============NVSMI LOG==============\nDriver Version : 550.54.14\nCUDA Version : 12.4\n"
+    platform = run(nvidia_smi=TABLE.replace("12.8", "ERR!"), nvidia_smi_query=query_log)
+    assert (platform.cuda_driver, platform.provenance["cuda_driver"]) == ("12.4", "nvidia-smi-query")
+    assert run(nvidia_smi=TABLE.replace("12.8", "ERR!")).cuda_driver is None
+
+
 def test_statuses_and_env_are_recorded():
     results = {
         "rocminfo": ProbeResult("rocminfo", "timeout"),

@@ -132,11 +132,12 @@ def _platform_facts(platform: Platform, findings: dict[str, Findings]) -> None:
         said = [(s, findings[s].facts[fact]) for s in sources if s in findings and fact in findings[s].facts]
         if not said:
             continue
-        source, value = said[0]
+        # None is a probe saying "unknown" (CUDA Version: ERR!): a later probe's value still counts.
+        source, value = next(((s, v) for s, v in said if v is not None), said[0])
         setattr(platform, fact, value)
         platform.provenance[fact] = source
-        others = {f"{s}={v}" for s, v in said[1:] if v != value and v is not None}
-        if others and fact not in ("env",):
+        others = {f"{s}={v}" for s, v in said if v != value and v is not None}
+        if others and fact != "env":
             platform.notes.append(f"{fact}: {source} says {value}; also {', '.join(sorted(others))}")
     if platform.os in ("windows", "macos"):
         platform.wsl = False
@@ -279,7 +280,8 @@ def _identify(gpu: Gpu, platform: Platform) -> None:
 
 
 def _apply_registry_memory(platform: Platform, findings: dict[str, Findings]) -> None:
-    """Windows: give each adapter its registry qwMemorySize, matched by name, else by order."""
+    """Windows: give each adapter whose size no tool printed its registry qwMemorySize, matched by
+    name, else by order."""
     memory = findings.get("win-registry-video", Findings()).facts.get("_registry_memory") or []
     windows_gpus = [g for g in platform.gpus if "win32-videocontroller" in g.sources]
     unmatched = list(memory)
@@ -289,5 +291,6 @@ def _apply_registry_memory(platform: Platform, findings: dict[str, Findings]) ->
             pick = unmatched[0]
         if pick is not None:
             unmatched.remove(pick)
-            gpu.vram_bytes = pick[1]
-            gpu.sources.append("win-registry-video")
+            if gpu.vram_bytes is None:
+                gpu.vram_bytes = pick[1]
+                gpu.sources.append("win-registry-video")
