@@ -23,6 +23,7 @@ trained here; a trainable bias gets its gradient.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,7 +181,22 @@ def _grad_params(dy, dy_b, x, xa, p: LoraWeights, A, B, bias, needs):
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
+    """Rows of x, in the autocast dtype when autocast is on (as nn.Linear would compute)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        x = x.to(torch.get_autocast_dtype(device))
     return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _no_autocast(method):
+    """Run a forward/backward with autocast off: the dtypes are chosen explicitly inside."""
+
+    @functools.wraps(method)
+    def wrapper(ctx, first, *args):
+        with torch.autocast(first.device.type, enabled=False):
+            return method(ctx, first, *args)
+
+    return wrapper
 
 
 def _params(projections) -> list:
@@ -191,6 +207,7 @@ class _LoraProjections(torch.autograd.Function):
     """Several LoRA projections of one input (1 for a linear, 3 for Q/K/V): one dX in backward."""
 
     @staticmethod
+    @_no_autocast
     def forward(ctx, x, projections, *params):
         outputs, xas = [], []
         for i, p in enumerate(projections):
@@ -203,6 +220,7 @@ class _LoraProjections(torch.autograd.Function):
         return tuple(outputs)
 
     @staticmethod
+    @_no_autocast
     def backward(ctx, *grad_outputs):
         x, *rest = ctx.saved_tensors
         count = len(ctx.projections)
@@ -223,6 +241,7 @@ class _LoraMLP(torch.autograd.Function):
     """down(act(gate(x)) * up(x)) with the activation recomputed in backward."""
 
     @staticmethod
+    @_no_autocast
     def forward(ctx, x, projections, activation, *params):
         gate, up, down = projections
         e, xa_gate = _project(x, gate, *params[0:3])
@@ -234,6 +253,7 @@ class _LoraMLP(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_no_autocast
     def backward(ctx, grad_out):
         if ctx.used:
             raise RuntimeError("lora_mlp: backward reuses its saved buffers and can run only once (no retain_graph)")
