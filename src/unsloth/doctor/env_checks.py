@@ -136,131 +136,147 @@ def check_env(target: EnvTarget | None, platform: Platform | None) -> Finding:
     return Finding("env", title, "ok", f"{name} (built {built})", detail=str(target.env))
 
 
+def finding_id(name: str) -> str:
+    return f"env-{name.replace('_', '-')}"  # "llama_cpp" -> "env-llama-cpp"
+
+
 def skipped_env_findings(reason: str) -> list[Finding]:
-    return [Finding(f"env-{name.replace('_', '-')}", TITLES[name], "skipped", reason) for name in env_probe.CHECKS]
+    return [Finding(finding_id(name), TITLES[name], "skipped", reason) for name in env_probe.CHECKS]
+
+
+@dataclass(frozen=True)
+class _Context:
+    platform: Platform
+    plan: Plan | None
+    without: tuple[str, ...]  # optional parts the environment was installed without
+
+    @property
+    def backend(self) -> str:
+        return backend(self.plan)
+
+    @property
+    def gpu_plan(self) -> bool:
+        return self.backend in ("cuda", "rocm")
+
+
+# What a judge returns: (status, message, fix, required).
+Verdict = tuple[str, str, str | None, bool]
 
 
 def probe_findings(run: ProbeRun, platform: Platform, plan: Plan | None,
                    without: list[str] | tuple[str, ...] = ()) -> list[Finding]:
-    """What the probe printed, judged against the plan. Checks it never reported hung or crashed."""
-    judges = {
-        "torch": _judge_torch,
-        "gpu": _judge_gpu,
-        "matmul": _judge_matmul,
-        "bitsandbytes": _judge_bitsandbytes,
-        "triton": _judge_triton,
-        "llama_cpp": _judge_llama_cpp,
-    }
-    findings, stopped = [], False
+    """What the probe printed, judged against the plan. The first check it never reported hung or
+    crashed; the ones after it were not reached."""
+    context = _Context(platform, plan, tuple(without))
+    findings: list[Finding] = []
+    stopped = False  # the probe prints in order: after the first missing check, nothing ran
     for name in env_probe.CHECKS:
-        check_id = f"env-{name.replace('_', '-')}"
         result = run.results.get(name)
-        if result is None:
-            findings.append(Finding(check_id, TITLES[name], "skipped", "Not reached") if stopped
-                            else _missing(check_id, name, run))
+        if result is not None:
+            status, message, fix, required = JUDGES[name](result, context)
+            findings.append(Finding(finding_id(name), TITLES[name], status, message, fix, required, _detail(result)))
+        elif stopped:
+            findings.append(Finding(finding_id(name), TITLES[name], "skipped", "Not reached"))
+        else:
+            findings.append(_missing(name, run))
             stopped = True
-            continue
-        finding = judges[name](check_id, result, platform, plan, without)
-        findings.append(_with_detail(finding, result))
     return findings
 
 
-def _with_detail(finding: Finding, result: dict[str, Any]) -> Finding:
-    extra = {k: v for k, v in result.items() if k not in ("check", "ok", "message", "traceback")}
-    detail = json.dumps(extra, sort_keys=True) + (("\n" + result["traceback"]) if result.get("traceback") else "")
-    return Finding(**{**finding.to_json(), "detail": detail})
+def _detail(result: dict[str, Any]) -> str:
+    facts = {k: v for k, v in result.items() if k not in ("check", "ok", "message", "traceback")}
+    return json.dumps(facts, sort_keys=True) + (f"\n{result['traceback']}" if result.get("traceback") else "")
 
 
-def _missing(check_id: str, name: str, run: ProbeRun) -> Finding:
-    title = TITLES[name]
+def _missing(name: str, run: ProbeRun) -> Finding:
     tail = "\n".join(run.stderr.strip().splitlines()[-15:])
     if run.timed_out:
-        return Finding(check_id, title, "error", f"Hung: no answer within {run.timeout_s:.0f} s",
+        return Finding(finding_id(name), TITLES[name], "error", f"Hung: no answer within {run.timeout_s:.0f} s",
                        fix="Look for GPU driver errors (`sudo dmesg | tail -50`); if the machine is only slow, "
                        f"run `unsloth doctor --timeout {int(run.timeout_s * 3)}`", required=True, detail=tail)
     how = f"exited with code {run.returncode}" if run.returncode is not None else "did not start"
-    return Finding(check_id, title, "error", f"The environment's Python {how} during this check",
+    return Finding(finding_id(name), TITLES[name], "error", f"The environment's Python {how} during this check",
                    fix=f"See the error with `unsloth doctor --verbose`; then repair with `{REINSTALL}`",
                    required=True, detail=tail)
 
 
-def _judge_torch(check_id, result, platform, plan, without) -> Finding:
-    title, wanted = TITLES["torch"], backend(plan)
-    if not result["ok"]:
-        return Finding(check_id, title, "error", f"torch does not import: {result['message']}", fix=REINSTALL,
-                       required=True)
-    if result.get("backend") != wanted and wanted in ("cuda", "rocm"):
-        return Finding(check_id, title, "error",
-                       f"{result['message']}, but the plan needs a {wanted} build ({plan.torch.variant})",
-                       fix=REINSTALL, required=True)
-    return Finding(check_id, title, "ok", result["message"], required=True)
+def _could_not_run(result: dict[str, Any]) -> Verdict | None:
+    return ("skipped", result["message"], None, False) if result["ok"] is None else None
 
 
-def _judge_gpu(check_id, result, platform, plan, without) -> Finding:
-    title, wanted = TITLES["gpu"], backend(plan)
-    if result["ok"] is None:
-        return Finding(check_id, title, "skipped", result["message"])
-    if wanted not in ("cuda", "rocm"):
-        return Finding(check_id, title, "skipped", f"No GPU in the plan: torch runs on the {wanted.upper()}")
-    expected = target_gpu(platform, plan)
+def _judge_torch(result: dict[str, Any], context: _Context) -> Verdict:
     if not result["ok"]:
-        return Finding(check_id, title, "error",
-                       f"torch sees no GPU; the plan expects {expected.name if expected else 'one'}",
-                       fix="Fix the GPU findings above (driver, device access, HSA override), then run `unsloth doctor` again",
-                       required=True)
+        return "error", f"torch does not import: {result['message']}", REINSTALL, True
+    if context.gpu_plan and result.get("backend") != context.backend:
+        return ("error", f"{result['message']}, but the plan needs a {context.backend} build "
+                f"({context.plan.torch.variant})", REINSTALL, True)
+    return "ok", result["message"], None, True
+
+
+def _judge_gpu(result: dict[str, Any], context: _Context) -> Verdict:
+    if (skipped := _could_not_run(result)) is not None:
+        return skipped
+    if not context.gpu_plan:
+        return "skipped", f"No GPU in the plan: torch runs on the {context.backend.upper()}", None, False
+    expected = target_gpu(context.platform, context.plan)
+    if not result["ok"]:
+        return ("error", f"torch sees no GPU; the plan expects {expected.name if expected else 'one'}",
+                "Fix the GPU findings above (driver, device access, HSA override), then run `unsloth doctor` again",
+                True)
     seen = result["devices"][0]
     if expected is not None and expected.arch and seen.get("arch") and seen["arch"] != expected.arch:
-        return Finding(check_id, title, "warning",
-                       f"torch sees {seen['name']} as {seen['arch']}, but the GPU is {expected.arch}",
-                       fix="unset HSA_OVERRIDE_GFX_VERSION, and check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES")
-    return Finding(check_id, title, "ok", result["message"], required=True)
+        return ("warning", f"torch sees {seen['name']} as {seen['arch']}, but the GPU is {expected.arch}",
+                "unset HSA_OVERRIDE_GFX_VERSION, and check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES", False)
+    return "ok", result["message"], None, True
 
 
-def _judge_matmul(check_id, result, platform, plan, without) -> Finding:
-    title = TITLES["matmul"]
-    if result["ok"] is None:
-        return Finding(check_id, title, "skipped", result["message"])
+def _judge_matmul(result: dict[str, Any], context: _Context) -> Verdict:
+    if (skipped := _could_not_run(result)) is not None:
+        return skipped
     if not result["ok"]:
-        return Finding(check_id, title, "error", f"Wrong or failed: {result['message']}",
-                       fix="Update the GPU driver, then reinstall: unsloth install", required=True)
-    return Finding(check_id, title, "ok", result["message"], required=True)
+        return "error", f"Wrong or failed: {result['message']}", "Update the GPU driver, then reinstall: unsloth install", True
+    return "ok", result["message"], None, True
 
 
-def _judge_bitsandbytes(check_id, result, platform, plan, without) -> Finding:
-    title = TITLES["bitsandbytes"]
-    required = plan is not None and plan.bitsandbytes.get("source", "none") != "none"
-    if result["ok"] is None:
-        return Finding(check_id, title, "skipped", result["message"])
+def _judge_bitsandbytes(result: dict[str, Any], context: _Context) -> Verdict:
+    required = context.plan is not None and context.plan.bitsandbytes.get("source", "none") != "none"
+    if (skipped := _could_not_run(result)) is not None:
+        return skipped
     if not result["ok"]:
         if not required:
-            return Finding(check_id, title, "skipped", f"Not in the plan here ({result['message']}); QLoRA is off")
-        return Finding(check_id, title, "error", f"Failed: {result['message']}", fix=REINSTALL, required=True)
-    return Finding(check_id, title, "ok", result["message"], required=required)
+            return "skipped", f"Not in the plan here ({result['message']}); QLoRA is off", None, False
+        return "error", f"Failed: {result['message']}", REINSTALL, True
+    return "ok", result["message"], None, required
 
 
-def _judge_triton(check_id, result, platform, plan, without) -> Finding:
-    title = TITLES["triton"]
-    required = backend(plan) in ("cuda", "rocm", "xpu")  # our training kernels are Triton
-    if result["ok"] is None:
-        return Finding(check_id, title, "skipped", result["message"])
+def _judge_triton(result: dict[str, Any], context: _Context) -> Verdict:
+    required = context.backend in ("cuda", "rocm", "xpu")  # the training kernels are Triton
+    if (skipped := _could_not_run(result)) is not None:
+        return skipped
     if not result["ok"]:
-        return Finding(check_id, title, "error" if required else "warning", f"Failed: {result['message']}",
-                       fix=REINSTALL if required else "Training falls back to plain PyTorch; reinstall to repair: unsloth install",
-                       required=required)
-    return Finding(check_id, title, "ok", result["message"], required=required)
+        if required:
+            return "error", f"Failed: {result['message']}", REINSTALL, True
+        return ("warning", f"Failed: {result['message']}",
+                "Training falls back to plain PyTorch; to repair: unsloth install", False)
+    return "ok", result["message"], None, required
 
 
-def _judge_llama_cpp(check_id, result, platform, plan, without) -> Finding:
-    title = TITLES["llama_cpp"]
+def _judge_llama_cpp(result: dict[str, Any], context: _Context) -> Verdict:
     if not result["ok"]:
-        if "llama-cpp" in without:
-            return Finding(check_id, title, "skipped", "Left out at install (--without llama-cpp)")
-        return Finding(check_id, title, "warning", f"Does not load: {result['message']}; export and chat need it",
-                       fix=REINSTALL)
-    wants_gpu = plan is not None and plan.llama_cpp.get("backend", "cpu") != "cpu"
+        if "llama-cpp" in context.without:
+            return "skipped", "Left out at install (--without llama-cpp)", None, False
+        return "warning", f"Does not load: {result['message']}; export and chat need it", REINSTALL, False
+    wants_gpu = context.plan is not None and context.plan.llama_cpp.get("backend", "cpu") != "cpu"
     if wants_gpu and not result.get("gpu_offload"):
-        return Finding(check_id, title, "warning", f"{result['message']}: built without GPU offload, chat will be slow",
-                       fix=REINSTALL)
-    return Finding(check_id, title, "ok", result["message"])
+        return "warning", f"{result['message']}: built without GPU offload, chat will be slow", REINSTALL, False
+    return "ok", result["message"], None, False
 
 
+JUDGES = {
+    "torch": _judge_torch,
+    "gpu": _judge_gpu,
+    "matmul": _judge_matmul,
+    "bitsandbytes": _judge_bitsandbytes,
+    "triton": _judge_triton,
+    "llama_cpp": _judge_llama_cpp,
+}
