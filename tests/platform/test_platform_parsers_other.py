@@ -51,6 +51,17 @@ def test_lspci_vvv_vga_line_with_prog_if():
     assert (gpu.name, gpu.chip, gpu.pci_id) == ("GeForce RTX 4090", "AD102", "10de:2684")
 
 
+def test_lspci_instinct_as_processing_accelerator():
+    text = (
+        "0000:0c:00.0 Processing accelerators [1200]: Advanced Micro Devices, Inc. [AMD/ATI] Aqua Vanjaram "
+        "[Instinct MI300X] [1002:74a1]\n"
+        "0000:c1:00.1 Signal processing controller [1180]: Advanced Micro Devices, Inc. [AMD] Strix/Krackan/Strix "
+        "Halo Neural Processing Unit [1022:17f0] (rev 10)\n"
+        "0000:4d:00.0 Processing accelerators [1200]: Intel Corporation Gaudi2 AI Training Accelerator [8086:1020]\n"
+    )
+    assert [(g.name, g.pci_id) for g in lspci.parse(text).gpus] == [("Instinct MI300X", "1002:74a1")]
+
+
 def test_lspci_unresolved_device_has_no_name():
     (gpu,) = lspci.parse((DUMPS / "lspci__device_7550_unresolved" / "lspci.txt").read_text()).gpus
     assert (gpu.name, gpu.chip, gpu.pci_id) == (None, None, "1002:7550")

@@ -1,6 +1,8 @@
 """lspci: -nn, -nnk, -vvv, -D; names resolved from pci.ids or not ('Device 7550').
 
-Only display controllers (class 03xx) are GPUs; the HDMI audio function of a card (0403) is not."""
+Display controllers (class 03xx) are GPUs, and so are AMD and NVIDIA "processing accelerators"
+(12xx: Instinct MI300-class cards list there); the HDMI audio function of a card (0403) is not, nor
+is an NPU (1180)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from unsloth.platform.parsers import VENDOR_IDS, Findings, bus_id, pci_id, vendo
 
 _LINE = re.compile(
     r"^\s*(?P<bus>(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7])\s+"
-    r"(?P<cls>VGA compatible controller|3D controller|Display controller)(?:\s*\[03[0-9a-fA-F]{2}\])?:\s*"
+    r"(?P<cls>VGA compatible controller|3D controller|Display controller|Processing accelerators)"
+    r"(?:\s*\[(?:03|12)[0-9a-fA-F]{2}\])?:\s*"
     r"(?P<desc>.*?)\s*(?:\[(?P<ven>[0-9a-fA-F]{4}):(?P<dev>[0-9a-fA-F]{4})\])?"
     r"\s*(?:\(rev [0-9a-fA-F]+\))?\s*(?:\(prog-if [^)]*\))?\s*$"
 )
@@ -32,6 +35,8 @@ def parse(text: str) -> Findings:
         vendor = VENDOR_IDS.get(vendor_id) if vendor_id is not None else vendor_from_name(match.group("desc"))
         if vendor is None:
             continue  # a virtual or server display chip (ASPEED, Matrox, QXL): not a compute GPU
+        if match.group("cls") == "Processing accelerators" and vendor not in ("amd", "nvidia"):
+            continue  # Gaudi, FPGAs and such are not GPUs
         device_id = int(match.group("dev"), 16) if match.group("dev") else None
         chip, name = _names(match.group("desc"))
         found.gpus.append(
