@@ -16,6 +16,7 @@ Prints one progress line per row to stderr, then a markdown table and one JSON l
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -198,6 +199,14 @@ def bench_linear_ce(liger, compile_):
     impls = [("eager", eager)] + ([("compile", torch.compile(eager))] if compile_ else [])
     impls += [("liger_flce", liger["linear_ce"])] if liger else []
     impls += [("unsloth_kernels", ours)] if ours else []
+    if ours:
+        # Rows per chunk trade GEMM efficiency (small M) against memory; the default keeps one
+        # chunk of bf16 logits <= 128 MiB (512 rows here). The sweep shows what a larger one buys.
+        from unsloth_kernels.cross_entropy import chunk_rows
+
+        default = chunk_rows(T, V, 2)
+        impls += [(f"unsloth_kernels chunk={c}", functools.partial(ours, chunk_size=c))
+                  for c in (256, 1024, 2048) if c != default]  # fmt: skip
     for impl, f in impls:
         def step(f=f):
             h.grad = None
@@ -256,9 +265,25 @@ def bench_lora_mlp():
     def eager(x):  # what PEFT computes for a LoRA LlamaMLP
         return lin(F.silu(lin(x, gate)) * lin(x, up), down)
 
+    def nf4(p):  # QLoRA: the same adapter on a 4-bit base (random bytes time like a real weight)
+        from types import SimpleNamespace
+
+        from unsloth_kernels.nf4 import NF4_CODE
+
+        n = p.weight.numel()
+        state2 = SimpleNamespace(absmax=torch.rand(triton.cdiv(n // 64, 256), device=DEV),
+                                 code=torch.linspace(-1, 1, 256, device=DEV), blocksize=256)
+        state = SimpleNamespace(absmax=torch.randint(0, 256, (n // 64,), dtype=torch.uint8, device=DEV),
+                                shape=p.weight.shape, dtype=DT, blocksize=64, quant_type="nf4",
+                                code=torch.tensor(NF4_CODE, device=DEV), offset=0.0, state2=state2)
+        packed = torch.randint(0, 256, (n // 2, 1), dtype=torch.uint8, device=DEV)
+        return LoraWeights(packed, p.A, p.B, p.scaling, quant_state=state)  # fmt: skip
+
+    q_gate, q_up, q_down = nf4(gate), nf4(up), nf4(down)
     params = [p for a in (gate, up, down) for p in (a.A, a.B)]
     flops = 6 * 2 * T * H * I  # base GEMMs: 3 forward + 3 for dX (frozen base); LoRA side is ~1%
-    for impl, f in [("eager", eager), ("unsloth_kernels", lambda x: lora_mlp(x, gate, up, down))]:
+    for impl, f in [("eager", eager), ("unsloth_kernels", lambda x: lora_mlp(x, gate, up, down)),
+                    ("unsloth_kernels nf4 base", lambda x: lora_mlp(x, q_gate, q_up, q_down))]:  # fmt: skip
         def step(f=f):
             x.grad = None
             for p in params:

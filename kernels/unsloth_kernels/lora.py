@@ -70,7 +70,9 @@ class LoraWeights:
     def validate(self, name: str = "lora") -> None:
         rank = self.A.shape[0]
         if self.A.dim() != 2 or self.B.dim() != 2 or self.B.shape[1] != rank:
-            raise ValueError(f"{name}: A must be (r, in) and B (out, r); got {tuple(self.A.shape)}, {tuple(self.B.shape)}")
+            raise ValueError(
+                f"{name}: A must be (r, in) and B (out, r); got {tuple(self.A.shape)}, {tuple(self.B.shape)}"
+            )
         shape = tuple(self.quant_state.shape) if self.quant_state is not None else tuple(self.weight.shape)
         if shape != (self.out_features, self.in_features):
             raise ValueError(f"{name}: base weight {shape} does not match LoRA (out, in) = "

@@ -212,7 +212,8 @@ def test_autocast_runs_in_the_autocast_dtype():
     # fp32 model and adapters under bf16 autocast: computes as nn.Linear would, in bf16;
     # gradients come back in the parameters' (fp32) dtype.
     x = torch.randn(3, 16, requires_grad=True)
-    gate, up, down = make_lora(24, 16, torch.float32), make_lora(24, 16, torch.float32, seed=1), make_lora(16, 24, torch.float32)
+    gate, up = make_lora(24, 16, torch.float32), make_lora(24, 16, torch.float32, seed=1)
+    down = make_lora(16, 24, torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = lora_mlp(x, gate, up, down)
     dout = torch.randn_like(out)
