@@ -81,7 +81,7 @@ def find_env_target(python: Path | None) -> EnvTarget | None:
     if python is not None:
         # Absolute, so it still names the same file from the probe's own folder; not resolved,
         # because a venv's python is a symlink whose target knows nothing of the venv.
-        found = shutil.which(python) if os.sep not in str(python) else None
+        found = shutil.which(python) if len(python.parts) == 1 else None  # a bare name: look on PATH
         return EnvTarget(python=Path(found or python).absolute(), origin="--python")
     env = active_env()
     if env is None:
@@ -113,8 +113,9 @@ def diagnose(platform: Platform, *, source: str = "live", python: Path | None = 
     host = gather_host_facts(home()) if live else None
     managed = target is not None and target.origin == "managed"
     findings = machine_findings(platform, plan, plan_error, needs, host, env_installed=managed)
-    findings.append(check_env(target, platform) if live else
-                    Finding("env", "Managed environment", "skipped", checks.NOT_LIVE))
+    env_finding = (check_env(target, platform) if live else
+                   Finding("env", "Managed environment", "skipped", checks.NOT_LIVE))
+    findings.append(env_finding)
     timings["machine checks"] = time.monotonic() - start
 
     if not live:
@@ -123,7 +124,7 @@ def diagnose(platform: Platform, *, source: str = "live", python: Path | None = 
         findings += skipped_env_findings("No managed environment to check (run `unsloth install`)")
     elif not env_checks:
         findings += skipped_env_findings("Skipped by --quick")
-    elif findings[-1].fails:
+    elif env_finding.fails:
         findings += skipped_env_findings("The environment is broken (see above)")
     else:
         start = time.monotonic()
