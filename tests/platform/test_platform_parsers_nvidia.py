@@ -26,12 +26,7 @@ def table(
 
 def test_linux_table_gives_gpu_driver_cuda_and_os():
     found = nvidia_smi.parse(table())
-    assert found.facts == {
-        "nvidia_driver": "550.54.14",
-        "cuda_driver": "12.4",
-        "_nvidia_smi_version": "550.54.14",
-        "os": "linux",
-    }
+    assert found.facts == {"nvidia_driver": "550.54.14", "cuda_driver": "12.4", "os": "linux"}
     (gpu,) = found.gpus
     assert (gpu.name, gpu.index, gpu.bus_id, gpu.vram_bytes) == (
         "NVIDIA GeForce RTX 4090",
@@ -39,6 +34,12 @@ def test_linux_table_gives_gpu_driver_cuda_and_os():
         "0000:01:00.0",
         24564 * 2**20,
     )
+
+
+def test_pasted_gpu_rows_without_header():
+    found = nvidia_smi.parse(f"some text first\n{LINUX_ROW}\n{MEMORY_ROW}\n")
+    assert [(g.name, g.vram_bytes) for g in found.gpus] == [("NVIDIA GeForce RTX 4090", 24564 * 2**20)]
+    assert "os" not in found.facts  # the row alone does not show which layout it came from
 
 
 def test_differing_smi_and_driver_versions_in_linux_layout_mean_wsl():

@@ -20,10 +20,8 @@ _TABLE_ROW = re.compile(
 )
 _TABLE_MEMORY = re.compile(r"(\d+)\s*MiB\s*/\s*(\d+)\s*MiB")
 _LIST_ROW = re.compile(r"^GPU\s+(\d+):\s*(.+?)\s*(?:\(UUID:\s*(GPU-[^)\s]+)\s*\))?\s*$")
-_MIB = 2**20
-
-
 _FAILURE = re.compile(r"^.*(?:NVIDIA-SMI has failed|Failed to initialize NVML|No devices were found).*$", re.M)
+_MIB = 2**20
 
 
 def parse(text: str) -> Findings:
@@ -31,7 +29,8 @@ def parse(text: str) -> Findings:
         return Findings(facts={"_error": failure.group(0).strip()})
     if "NVSMI LOG" in text or re.search(r"^\s*Product Name\s*:", text, re.M):
         return _parse_query_log(text)
-    if _HEADER_SMI.search(text) or _TABLE_ROW.search(text) or re.search(r"Persistence-M|TCC/WDDM", text):
+    table_rows = any(_TABLE_ROW.match(line.strip()) for line in text.splitlines())
+    if table_rows or _HEADER_SMI.search(text) or re.search(r"Persistence-M|TCC/WDDM|Driver-Model", text):
         return _parse_table(text)
     if re.search(r"^GPU\s+\d+:", text, re.M):
         return _parse_list(text)
@@ -52,8 +51,6 @@ def _version_facts(text: str) -> dict[str, str | None]:
 def _parse_table(text: str) -> Findings:
     found = Findings(facts=_version_facts(text))
     smi = _HEADER_SMI.search(text)
-    if smi:
-        found.facts["_nvidia_smi_version"] = smi.group(1)
     windows = bool(re.search(r"TCC/WDDM|Driver-Model|nvidia-smi\.exe", text, re.I))
     linux = "Persistence-M" in text
     lines = text.splitlines()

@@ -20,10 +20,9 @@ _KNOWN = {"name", "caption", "description", "videoprocessor", "pnpdeviceid", "ad
 def parse(text: str) -> Findings:
     found = Findings()
     records = _list_records(text) or _table_records(text)
+    if records:
+        found.facts.update(os="windows", wsl=False)
     for record in records:
-        if record:
-            found.facts["os"] = "windows"
-            found.facts["wsl"] = False
         if gpu := _gpu(record):
             gpu.index = len(found.gpus)
             found.gpus.append(gpu)
@@ -39,7 +38,7 @@ def parse_registry(text: str) -> Findings:
         desc = re.match(r"\s*DriverDesc\s+(?:REG_SZ\s+|:\s*)(.+?)\s*$", line)
         if desc:
             name = desc.group(1)
-        size = re.match(r"\s*HardwareInformation\.qwMemorySize\s+(?:REG_QWORD\s+|REG_BINARY\s+|:\s*)(\S+)", line)
+        size = re.match(r"\s*HardwareInformation\.qwMemorySize\s+(?:REG_QWORD\s+|:\s*)(\S+)", line)
         if size and (value := to_int(size.group(1))):
             memory.append((name, value))
             name = None
