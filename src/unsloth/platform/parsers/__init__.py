@@ -20,7 +20,8 @@ class Findings:
     """What one tool's output shows: its GPUs, and platform-level facts keyed by Platform field.
 
     ``facts`` may also hold hints detect uses but Platform does not store directly, named with a
-    leading underscore (``_error``: the tool's own failure message, which detect notes).
+    leading underscore: ``_error`` (the tool's own failure message, which detect notes),
+    ``_registry_memory`` (Windows adapter sizes), ``_usr_lib_wsl`` (WSL's driver folder exists).
     """
 
     gpus: list[Gpu] = field(default_factory=list)
