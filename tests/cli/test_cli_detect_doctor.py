@@ -66,6 +66,14 @@ def test_detect_table_names_each_gpu_and_the_probe_that_saw_it(capsys):
     assert "1002:744c" in out
 
 
+def test_detect_json_on_this_machine(capsys):
+    code, platform, _ = run_json(capsys, "detect", "--json")
+    assert code == 0
+    assert platform["os"] == {"linux": "linux", "win32": "windows", "darwin": "macos"}[sys.platform]
+    assert platform["probes"] and all(status in ("ok", "absent", "failed", "timeout")
+                                      for status in platform["probes"].values())
+
+
 def test_detect_on_a_missing_dump_is_a_usage_error(capsys, tmp_path):
     assert main(["detect", "--from", str(tmp_path / "nope")]) == 2
     assert "unsloth doctor --dump" in capsys.readouterr().err
