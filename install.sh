@@ -288,7 +288,11 @@ ensure_bootstrap() {
     "$UV" venv --quiet --python "${PY:-$PYTHON_DEFAULT}" "$BOOT" || { rm -rf "$BOOT"; die "uv could not provide a Python"; }
   fi
   say "Installing unsloth into the bootstrap environment from $SOURCE"
-  if "$BOOT/bin/python" -m pip --version >/dev/null 2>&1; then
+  # shellcheck disable=SC2046 # one word per flag and value: URLs and paths have no spaces here
+  if [ -x "$BOOT/bin/uv" ] &&
+    "$BOOT/bin/uv" pip install --quiet --python "$BOOT/bin/python" $(index_args) --reinstall-package unsloth-installer "$SOURCE" 2>/dev/null; then
+    : # a re-run: uv refreshes this package in seconds (its build backend is in uv's cache)
+  elif "$BOOT/bin/python" -m pip --version >/dev/null 2>&1; then
     # pip reads your pip configuration itself; UNSLOTH_* overrides go on top.
     # shellcheck disable=SC2046 # one word per flag and value: URLs and paths have no spaces here
     "$BOOT/bin/python" -m pip install --quiet --disable-pip-version-check $(index_args) uv "$SOURCE" ||
@@ -341,8 +345,13 @@ main() {
   mkdir -p "$UNSLOTH_HOME"
   ensure_bootstrap
   say "Handing over to \`unsloth install\` for the hardware-aware rest"
+  before=$(cat "$UNSLOTH_HOME/current" 2>/dev/null || true)
   "$BOOT/bin/unsloth" install --yes "$@" || die "unsloth install failed (see above); anything already installed is unchanged."
   launcher="${UNSLOTH_BIN_DIR:-$HOME/.local/bin}/unsloth"
+  if [ -n "$before" ] && [ "$before" = "$(cat "$UNSLOTH_HOME/current" 2>/dev/null)" ]; then
+    say "Nothing changed. \`$launcher doctor\` checks the environment at any time."
+    return 0
+  fi
   say "Checking the result with \`unsloth doctor\`"
   "$launcher" doctor || die "unsloth doctor found a problem (see above); fix it, then run \`$launcher doctor\` again."
   say "Done. Run: $launcher train --demo"

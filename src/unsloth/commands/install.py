@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 from unsloth.commands.detect import add_from_argument, detect_platform
+from unsloth.envs.steps import OPTIONAL_PARTS
 
 EXIT_USAGE = 2
-OPTIONAL_PARTS = ("llama-cpp", "export", "bitsandbytes")
 
 
 def _env_list(name: str) -> list[str]:

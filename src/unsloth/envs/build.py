@@ -7,6 +7,7 @@ Nothing here touches the active environment.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -28,7 +29,7 @@ from unsloth.envs.sources import TORCH_FAMILY, local_listings, torch_source
 from unsloth.envs.steps import Request, Tool
 from unsloth.envs.verify import problems
 
-REQUIRED_IMPORTS = ["unsloth", "transformers", "peft", "trl", "accelerate", "datasets"]
+TRAIN_IMPORTS = ["transformers", "peft", "trl", "accelerate", "datasets"]
 
 
 class BuildFailed(Exception):
@@ -67,19 +68,18 @@ def request_hash(request: Request, plan_json: dict[str, Any], source_id: str, fi
 
 
 def source_identity(source: str) -> str:
-    """What identifies the package source: an archive's URL, or a directory's relevant files."""
+    """What identifies the package source: an archive's URL, or the content of a directory's package files."""
     if not plan_steps.is_local_source(source):
         return source
     root = Path(source.removeprefix("file://"))
-    entries = []
-    for top in ("pyproject.toml", "src", "kernels"):
-        path = root / top
-        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
-        for file in files:
-            if "__pycache__" in file.parts or file.suffix == ".pyc" or ".egg-info" in str(file):
-                continue
-            stat = file.stat()
-            entries.append((str(file.relative_to(root)), stat.st_size, stat.st_mtime_ns))
+    files = [root / "pyproject.toml"] + sorted(
+        path for top in ("src", "kernels") if (root / top).is_dir() for path in (root / top).rglob("*") if path.is_file()
+    )
+    entries = [
+        (str(path.relative_to(root)), hashlib.sha256(path.read_bytes()).hexdigest())
+        for path in files
+        if path.is_file() and "__pycache__" not in path.parts and not any(p.endswith(".egg-info") for p in path.parts)
+    ]
     return digest(entries)
 
 
@@ -108,12 +108,15 @@ def build(
     console: Console,
     *,
     use_pip: bool = False,
+    doctor_checks: bool = True,
 ) -> Path:
-    """Build, verify and receipt a new environment under ``root``/envs; return its path."""
+    """Build, verify and receipt a new environment under ``root``/envs; return its path.
+
+    ``doctor_checks=False`` skips doctor's live GPU operations (for tests whose torch is a stand-in)."""
     env = envs_dir(root) / new_env_name()
     started = utc_now()
     try:
-        return _build(env, request, plan, platform, console, use_pip, started)
+        return _build(env, request, plan, platform, console, use_pip, started, doctor_checks)
     except BaseException as exc:
         kept = keep_logs(root, env)
         if kept and isinstance(exc, (StepFailed, BuildFailed)):
@@ -138,7 +141,9 @@ def keep_logs(root: Path, env: Path) -> Path | None:
     return target
 
 
-def _build(env: Path, request: Request, plan, platform, console: Console, use_pip: bool, started: str) -> Path:
+def _build(
+    env: Path, request: Request, plan, platform, console: Console, use_pip: bool, started: str, doctor_checks: bool
+) -> Path:
     platform_json = platform.to_json()
     logs = env / "logs"
     python = env_python(env)
@@ -186,7 +191,8 @@ def _build(env: Path, request: Request, plan, platform, console: Console, use_pi
             optional_failed["llama-cpp"] = str(exc.log)
 
     probe = _verify(run, python, plan, request, optional_failed)
-    _doctor_checks(python, plan, platform, request, logs, console)
+    if doctor_checks:
+        _doctor_checks(python, plan, platform, request, logs, console)
     receipt = {
         "name": env.name,
         "created": started,
@@ -212,7 +218,7 @@ def _build(env: Path, request: Request, plan, platform, console: Console, use_pi
 
 
 def _verify(run, python: Path, plan, request: Request, optional_failed: dict[str, str]) -> dict[str, Any]:
-    required = list(REQUIRED_IMPORTS)
+    required = ["unsloth"] + ([] if "train" in request.without else TRAIN_IMPORTS)
     if plan.bitsandbytes.get("source") not in (None, "none") and "bitsandbytes" not in request.without:
         required.append("bitsandbytes")
     if not {"export", "llama-cpp"} & (set(request.without) | set(optional_failed)):

@@ -103,7 +103,10 @@ def remove_from_path(bin_dir: Path, user_home: Path | None = None) -> list[Path]
         text = rc.read_text(encoding="utf-8")
         kept = [line for line in text.splitlines(keepends=True) if MARKER not in line]
         if len(kept) != len(text.splitlines(keepends=True)):
-            rc.write_text("".join(kept), encoding="utf-8")
+            if "".join(kept).strip():
+                rc.write_text("".join(kept), encoding="utf-8")
+            else:  # it held only our line: we created it
+                rc.unlink()
             changed.append(rc)
     fish = fish_file(user_home)
     if fish.exists() and MARKER in fish.read_text(encoding="utf-8"):

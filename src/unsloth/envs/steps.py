@@ -20,7 +20,7 @@ from unsloth.envs.runner import Step
 from unsloth.envs.sources import Sources, TorchSource
 
 DIST_NAME = "unsloth-installer"  # ours; PyPI's `unsloth` is another project and is never asked for
-OPTIONAL_PARTS = ("llama-cpp", "export", "bitsandbytes")
+OPTIONAL_PARTS = ("llama-cpp", "export", "bitsandbytes", "train")
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,8 @@ def bitsandbytes_requirement(plan_bnb: dict[str, Any]) -> str | None:
 
 
 def packages_step(tool: Tool, request: Request, pins: Path, plan_bnb: dict[str, Any]) -> Step:
-    requirements = [f"{DIST_NAME}[train] @ {_as_url(request.source)}"]
+    extras = "" if "train" in request.without else "[train]"
+    requirements = [f"{DIST_NAME}{extras} @ {_as_url(request.source)}"]
     bnb = bitsandbytes_requirement(plan_bnb)
     if bnb and plan_bnb.get("source") == "pypi" and "bitsandbytes" not in request.without:
         requirements.append(bnb)
@@ -134,15 +135,18 @@ def llama_cpp_step(tool: Tool, request: Request, pins: Path, export_requires: li
     req.marker = None
     backend = plan_llama.get("backend", "cpu")
     cmake_args = plan_llama.get("cmake_args") or ""
+    first: list[str] = []
     if plan_llama.get("how") == "wheel" and plan_llama.get("index_url"):
-        where = ["--extra-index-url", plan_llama["index_url"], "--only-binary", "llama-cpp-python"]
+        # First in the list: with uv, the earlier index wins, so no other index can supply it.
+        first = ["--extra-index-url", plan_llama["index_url"]]
+        where = ["--only-binary", "llama-cpp-python"]
         title = f"llama-cpp-python ({backend}, prebuilt) from {plan_llama['index_url']}"
         env = {}
     else:
         where = ["--no-binary", "llama-cpp-python"]
         title = f"llama-cpp-python ({backend}), built from source (minutes)"
         env = {"CMAKE_ARGS": " ".join(cmake_args) if isinstance(cmake_args, list) else str(cmake_args)}
-    argv = [*tool.install, *request.sources.args(), *where, "--constraint", str(pins), str(req)]
+    argv = [*tool.install, *first, *request.sources.args(), *where, "--constraint", str(pins), str(req)]
     return Step("llama-cpp", title, argv, env=env)
 
 

@@ -1,0 +1,89 @@
+"""The install lock serializes processes; a failed step shows its tail, its log and the likely fix."""
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from unsloth.envs.lock import InstallLock
+from unsloth.envs.runner import Step, StepFailed, likely_fix, redact, run_step
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from unsloth.envs.lock import InstallLock
+    with InstallLock(Path(sys.argv[1]), on_wait=lambda who: print("waiting for", who, flush=True)):
+        print("got it", time.monotonic(), flush=True)
+        time.sleep(float(sys.argv[2]))
+        print("released", time.monotonic(), flush=True)
+    """
+)
+
+
+def test_two_processes_never_hold_the_lock_together(tmp_path):
+    lock = tmp_path / "install.lock"
+    first = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock), "1.5"], stdout=subprocess.PIPE, text=True)
+    assert first.stdout.readline().startswith("got it")
+    second = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock), "0"], stdout=subprocess.PIPE, text=True)
+    out_first, _ = first.communicate(timeout=30)
+    out_second, _ = second.communicate(timeout=30)
+    released = float(out_first.split()[-1])
+    assert out_second.startswith(f"waiting for {first.pid}")
+    got = float(out_second.splitlines()[1].split()[-1])
+    assert got >= released
+
+
+def test_the_lock_dies_with_its_holder(tmp_path):
+    lock = tmp_path / "install.lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock), "60"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().startswith("got it")
+    holder.kill()
+    holder.wait()
+    start = time.monotonic()
+    with InstallLock(lock):
+        assert time.monotonic() - start < 5
+
+
+def test_a_failed_step_keeps_its_full_log_and_shows_the_tail(tmp_path):
+    script = "import sys\nfor i in range(100): print('line', i)\nprint('error: No solution found when resolving'); sys.exit(3)"
+    step = Step("packages", "the packages", [sys.executable, "-c", script], env={"TOKEN_URL": "https://u:secret@idx/simple"})
+    console = Console(file=open(tmp_path / "screen", "w"))
+    with pytest.raises(StepFailed) as failed:
+        run_step(step, tmp_path / "logs", console, 3)
+    error = failed.value
+    assert error.log == tmp_path / "logs" / "03-packages.log"
+    log = error.log.read_text()
+    assert "line 0\n" in log and "line 99\n" in log and "secret" not in log  # whole output, credentials hidden
+    assert error.tail.splitlines()[-1] == "error: No solution found when resolving"
+    assert len(error.tail.splitlines()) == 25
+    assert "unsloth install --dry-run" in error.fix
+
+
+def test_a_good_step_returns_its_output(tmp_path):
+    console = Console(file=open(tmp_path / "screen", "w"))
+    out = run_step(Step("ok", "ok", [sys.executable, "-c", "print('hi')"]), tmp_path, console, 1)
+    assert out == "hi\n"
+    assert "✓ ok" in (tmp_path / "screen").read_text()
+
+
+@pytest.mark.parametrize(
+    "output, words",
+    [
+        ("error: failed to lookup address information: Name or service not known", "could not be reached"),
+        ("OSError: [Errno 28] No space left on device", "disk space"),
+        ("CMake Error at CMakeLists.txt: could not find compiler", "--without llama-cpp"),
+        ("something else entirely", "Read the log"),
+    ],
+)
+def test_likely_fix_names_the_cause(output, words):
+    assert words in likely_fix(output)
+
+
+def test_redact_hides_index_credentials_only():
+    assert redact("--index-url https://me:tok@corp.example/simple x") == "--index-url https://***@corp.example/simple x"
+    assert redact("https://download.pytorch.org/whl/cpu") == "https://download.pytorch.org/whl/cpu"

@@ -1,0 +1,93 @@
+"""The install as argv lists: each package family only from the source the plan names."""
+
+from pathlib import Path
+
+from unsloth.envs.sources import Sources, TorchSource
+from unsloth.envs.steps import (
+    Request,
+    Tool,
+    bitsandbytes_index_step,
+    export_step,
+    llama_cpp_step,
+    packages_step,
+    pins_text,
+    torch_step,
+)
+
+TOOL = Tool.uv("uv", Path("/e/bin/python"))
+GENERAL = Sources(extra_index_urls=("https://mirror/simple",), find_links=("/w",), constraints=("/c.txt",))
+PINS = Path("/e/pins.txt")
+EXPORT_REQUIRES = ['gguf>=0.17; extra == "export"', 'llama-cpp-python>=0.3.16; extra == "export"']
+
+
+def flag_values(argv, flag):
+    return [argv[i + 1] for i, arg in enumerate(argv) if arg == flag]
+
+
+def test_torch_from_an_index_sees_no_other_index():
+    step = torch_step(TOOL, TorchSource("index", "https://download.pytorch.org/whl/cu128", ("torch>=2.9",)), GENERAL, "cuda")
+    assert step.argv[:5] == ["uv", "pip", "install", "--python", "/e/bin/python"]
+    assert flag_values(step.argv, "--index-url") == ["https://download.pytorch.org/whl/cu128"]
+    assert flag_values(step.argv, "--extra-index-url") == [] and flag_values(step.argv, "--find-links") == []
+    assert flag_values(step.argv, "--constraint") == ["/c.txt"]  # the user's constraints still hold
+    assert step.argv[-1] == "torch>=2.9"
+
+
+def test_torch_from_a_wheelhouse_asks_for_the_exact_local_build():
+    step = torch_step(TOOL, TorchSource("wheelhouse", "/w", ("torch==2.13.0+cpu",), find_links=("/w",)), GENERAL, "cpu")
+    assert flag_values(step.argv, "--find-links") == ["/w"]  # not repeated
+    assert step.argv[-1] == "torch==2.13.0+cpu"
+
+
+def test_pins_keep_the_installed_torch_family_only():
+    installed = {"torch": "2.13.0+cpu", "numpy": "2.1", "triton": "3.5.0"}
+    assert pins_text(installed, frozenset({"torch", "triton", "torchvision"})) == "torch==2.13.0+cpu\ntriton==3.5.0\n"
+
+
+def test_packages_step_installs_our_source_never_the_pypi_name():
+    request = Request(source="/src/unsloth", sources=GENERAL)
+    step = packages_step(TOOL, request, PINS, {"source": "pypi", "spec": "bitsandbytes>=0.46"})
+    assert "unsloth-installer[train] @ file:///src/unsloth" in step.argv
+    assert "unsloth" not in step.argv and "bitsandbytes>=0.46" in step.argv
+    assert flag_values(step.argv, "--constraint") == ["/c.txt", str(PINS)]
+    assert flag_values(step.argv, "--reinstall-package") == ["unsloth-installer"]  # a directory: rebuild it
+    archive = packages_step(TOOL, Request(source="https://r/unsloth_installer-1.0.tar.gz", without=("train", "bitsandbytes")),
+                            PINS, {"source": "pypi", "spec": "bitsandbytes>=0.46"})
+    assert archive.argv[-1] == "unsloth-installer @ https://r/unsloth_installer-1.0.tar.gz"
+    assert "--reinstall-package" not in archive.argv and "bitsandbytes>=0.46" not in archive.argv
+
+
+def test_bitsandbytes_from_its_own_index_only_when_the_plan_says_so():
+    request = Request(source="/s")
+    assert bitsandbytes_index_step(TOOL, request, PINS, {"source": "pypi", "spec": "bitsandbytes"}) is None
+    step = bitsandbytes_index_step(TOOL, request, PINS, {"source": "index", "spec": "bitsandbytes>=0.50", "index_url": "https://bnb/simple"})
+    assert flag_values(step.argv, "--index-url") == ["https://bnb/simple"] and "--no-deps" in step.argv
+
+
+def test_export_tools_leave_llama_cpp_to_its_own_step():
+    step = export_step(TOOL, Request(source="/s", sources=GENERAL), PINS, EXPORT_REQUIRES)
+    assert step.argv[-1] == "gguf>=0.17" and not any("llama" in arg for arg in step.argv)
+    assert export_step(TOOL, Request(source="/s", without=("export",)), PINS, EXPORT_REQUIRES) is None
+
+
+def test_llama_cpp_prebuilt_wheel_index_comes_first_and_binary_only():
+    plan = {"backend": "cuda", "how": "wheel", "index_url": "https://wheels/cu125", "cmake_args": "-DGGML_CUDA=on"}
+    step = llama_cpp_step(TOOL, Request(source="/s", sources=GENERAL), PINS, EXPORT_REQUIRES, plan)
+    assert flag_values(step.argv, "--extra-index-url") == ["https://wheels/cu125", "https://mirror/simple"]
+    assert flag_values(step.argv, "--only-binary") == ["llama-cpp-python"] and step.env == {}
+    assert step.argv[-1] == "llama-cpp-python>=0.3.16"
+
+
+def test_llama_cpp_source_build_gets_the_plans_cmake_args():
+    plan = {"backend": "hip", "how": "source", "index_url": None, "cmake_args": "-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1151"}
+    step = llama_cpp_step(TOOL, Request(source="/s"), PINS, EXPORT_REQUIRES, plan)
+    assert step.env == {"CMAKE_ARGS": "-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1151"}
+    assert flag_values(step.argv, "--no-binary") == ["llama-cpp-python"]
+    assert llama_cpp_step(TOOL, Request(source="/s", without=("llama-cpp",)), PINS, EXPORT_REQUIRES, plan) is None
+
+
+def test_pip_fallback_uses_the_same_flags():
+    tool = Tool.pip(Path("/e/bin/python"))
+    step = torch_step(tool, TorchSource("index", "https://download.pytorch.org/whl/cpu", ("torch",)), Sources(), "cpu")
+    assert step.argv[:4] == ["/e/bin/python", "-m", "pip", "install"]
+    assert flag_values(step.argv, "--index-url") == ["https://download.pytorch.org/whl/cpu"]
