@@ -142,7 +142,7 @@ def _fused_linear_cross_entropy_forward(
         scale = 1.0 / (labels != ignore_index).sum().to(torch.float32).clamp_min(1.0)
 
     rows = chunk_size or chunk_rows(n_rows, vocab, hidden.element_size())
-    rows = min(rows, n_rows)
+    rows = max(1, min(rows, n_rows))
     logits_buffer = torch.empty(rows, vocab, dtype=hidden.dtype, device=device)
     losses = torch.empty(n_rows, dtype=torch.float32, device=device)
     grad_hidden = torch.empty_like(hidden) if need_dx else None

@@ -137,6 +137,8 @@ def _gated_backward_kernel(e_ptr, g_ptr, dh_ptr, n, ACTIVATION: tl.constexpr, BL
 def _gated_forward(e: torch.Tensor, g: torch.Tensor, activation: str) -> torch.Tensor:
     h = torch.empty_like(e)
     n = e.numel()
+    if n == 0:
+        return h
     _gated_forward_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](
         e, g, h, n, ACTIVATION=activation, BLOCK=_ELEMENTWISE_BLOCK
     )
@@ -145,6 +147,8 @@ def _gated_forward(e: torch.Tensor, g: torch.Tensor, activation: str) -> torch.T
 
 def _gated_backward_(e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, activation: str) -> None:
     n = e.numel()
+    if n == 0:
+        return
     _gated_backward_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](
         e, g, dh, n, ACTIVATION=activation, BLOCK=_ELEMENTWISE_BLOCK
     )

@@ -113,6 +113,13 @@ def test_all_labels_ignored_gives_zero_not_nan(reduction):
     assert not x.grad.any() and not w.grad.any()
 
 
+def test_empty_batch_gives_zero():
+    x = torch.randn(0, 16, requires_grad=True)
+    loss = fused_linear_cross_entropy(x, torch.randn(50, 16), torch.zeros(0, dtype=torch.long))
+    loss.backward()
+    assert loss.item() == 0.0 and x.grad.shape == (0, 16)
+
+
 def test_chunking_does_not_change_the_result():
     x, w, _, labels = make_inputs(7, 16, 300, torch.float32, ignore=(3,))
     results = []
