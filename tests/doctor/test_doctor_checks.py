@@ -84,6 +84,15 @@ def test_old_nvidia_driver_fails_with_the_minimum_in_the_fix(make_plan, rtx4090)
     assert finding.fix == "Update the NVIDIA driver to 580 or newer from https://www.nvidia.com/en-us/drivers/, then reboot"
 
 
+def test_a_driver_too_old_for_any_cuda_build_is_a_warning_when_the_plan_fell_back_to_cpu(make_plan, rtx4090):
+    platform = linux(gpus=[rtx4090], nvidia_driver="470.256.02")
+    needs = checks.needs_from_matrix(load_matrix(), platform, make_plan())  # no CUDA row: the oldest minimum
+    finding = checks.check_driver(platform, make_plan(), needs)
+    assert (finding.status, finding.required) == ("warning", False)
+    assert finding.message == ("NVIDIA driver 470.256.02 is older than 525.60.13, which the oldest PyTorch CUDA "
+                               "build needs: training runs on the CPU")
+
+
 def test_under_wsl_the_driver_fix_points_at_windows(make_plan, rtx4090):
     platform = Platform(os="linux", wsl=True, wsl_version=2, gpus=[rtx4090], nvidia_driver="566.36")
     finding = checks.check_driver(platform, make_plan("cuda", "cu130", rtx4090), Needs("580"))
@@ -149,7 +158,7 @@ def test_needs_come_from_the_matrix_rows(make_plan, rtx4090):
     wsl = checks.needs_from_matrix(matrix, Platform(os="linux", wsl=True), make_plan("cuda", "cu128", rtx4090))
     assert wsl.nvidia_driver == "528.33"
     rocm = checks.needs_from_matrix(matrix, linux(), make_plan("rocm", "rocm7.2"))
-    assert (rocm.rocm, rocm.nvidia_driver) == ("7.2", None)
+    assert (rocm.rocm, rocm.nvidia_driver) == ("7.2", "525.60.13")  # no CUDA build: the oldest one's minimum
     assert rocm.urls["rocm_install"].startswith("https://")
 
 

@@ -31,7 +31,7 @@ NOT_LIVE = "checked only on the live machine, not on a dump"
 class Needs:
     """What the plan needs from the machine, looked up in the hardware matrix (see needs_from_matrix)."""
 
-    nvidia_driver: str | None = None  # minimum driver for the plan's CUDA build on this OS
+    nvidia_driver: str | None = None  # minimum driver for the plan's CUDA build on this OS (else the oldest build's)
     rocm: str | None = None  # the ROCm release the plan's torch wheels bundle
     urls: dict[str, str] = field(default_factory=dict)  # the matrix's [urls]: driver and ROCm install pages
 
@@ -41,13 +41,11 @@ def needs_from_matrix(matrix: Matrix, platform: Platform, plan: Plan | None) -> 
         return Needs(urls=dict(matrix.urls))
     # Under WSL nvidia-smi reports the Windows host driver, so the Windows minimum applies.
     driver_os = "windows" if platform.os == "windows" or platform.wsl else "linux"
-    cuda = next((row for row in matrix.cuda_indexes if row.variant == plan.torch.variant), None)
-    rocm = next((row for row in matrix.rocm_indexes if row.variant == plan.torch.variant), None)
-    return Needs(
-        nvidia_driver=str(cuda.driver[driver_os]) if cuda and driver_os in cuda.driver else None,
-        rocm=str(rocm.rocm) if rocm else None,
-        urls=dict(matrix.urls),
-    )
+    minima = {row.variant: row.driver[driver_os] for row in matrix.cuda_indexes if driver_os in row.driver}
+    # A plan without CUDA (the driver too old for every build, say) is held to the oldest build's minimum.
+    driver = minima.get(plan.torch.variant) or (min(minima.values()) if minima else None)
+    rocm = next((row.rocm for row in matrix.rocm_indexes if row.variant == plan.torch.variant), None)
+    return Needs(nvidia_driver=driver and str(driver), rocm=rocm and str(rocm), urls=dict(matrix.urls))
 
 
 def _v(text: str | None) -> Version | None:
@@ -141,13 +139,16 @@ def check_driver(platform: Platform, plan: Plan | None, needs: Needs) -> Finding
                            fix=f"Install the NVIDIA driver{at_least}{where}{from_page}, reboot, and check that "
                            "`nvidia-smi` works", required=backend(plan) == "cuda")
         have, need = _v(platform.nvidia_driver), _v(minimum)
+        cuda_plan = backend(plan) == "cuda"
+        needer = f"torch {plan.torch.variant}" if cuda_plan else "the oldest PyTorch CUDA build"
         if need is not None and have is not None and have < need:
-            return Finding("driver", title, "error",
-                           f"NVIDIA driver {platform.nvidia_driver} is older than {minimum}, which torch "
-                           f"{plan.torch.variant} needs",
+            consequence = "" if cuda_plan else ": training runs on the CPU"
+            return Finding("driver", title, "error" if cuda_plan else "warning",
+                           f"NVIDIA driver {platform.nvidia_driver} is older than {minimum}, which {needer} "
+                           f"needs{consequence}",
                            fix=f"Update the NVIDIA driver{where} to {minimum} or newer{from_page}, then reboot",
-                           required=True)
-        needed = f" (torch {plan.torch.variant} needs {minimum})" if minimum and plan else ""
+                           required=cuda_plan)
+        needed = f" ({needer} needs {minimum})" if minimum else ""
         return Finding("driver", title, "ok", f"NVIDIA driver {platform.nvidia_driver}{needed}")
     if gpu.vendor == "amd" and platform.os == "linux" and not platform.wsl:
         if platform.dev_kfd is False:
