@@ -97,6 +97,16 @@ def test_doctor_json_on_a_wsl_dump(capsys):
     assert (summary["exit_code"], summary["failed_required"]) == (0, [])
 
 
+@pytest.mark.parametrize("dump", sorted(p for p in DUMPS.iterdir() if p.is_dir()), ids=lambda p: p.name)
+def test_doctor_reads_every_fixture_dump(capsys, dump):
+    """Whatever a dump holds (one tool's output, Windows encodings), doctor reports on it."""
+    code, report, _ = run_json(capsys, "doctor", "--json", "--from", str(dump))
+    assert code == report["summary"]["exit_code"] in (0, 1)
+    assert {f["status"] for f in report["findings"]} <= {"ok", "warning", "error", "skipped"}
+    assert all(f["message"] and "\n" not in f["message"] for f in report["findings"])  # one line each
+    assert all(f["fix"] for f in report["findings"] if f["status"] == "error")
+
+
 def test_doctor_on_a_dump_taken_on_windows(capsys):
     code, report, _ = run_json(capsys, "doctor", "--json", "--from", str(WINDOWS_AMD))
     assert code == 0 and report["platform"]["os"] == "windows"
