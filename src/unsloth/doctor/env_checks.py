@@ -263,8 +263,9 @@ def _judge_triton(result: dict[str, Any], context: _Context) -> Verdict:
 
 def _judge_llama_cpp(result: dict[str, Any], context: _Context) -> Verdict:
     if not result["ok"]:
-        if "llama-cpp" in context.without:
-            return "skipped", "Left out at install (--without llama-cpp)", None, False
+        left_out = [part for part in ("llama-cpp", "export") if part in context.without]
+        if left_out:
+            return "skipped", f"Left out at install (--without {left_out[0]})", None, False
         return "warning", f"Does not load: {result['message']}; export and chat need it", REINSTALL, False
     wants_gpu = context.plan is not None and context.plan.llama_cpp.get("backend", "cpu") != "cpu"
     if wants_gpu and not result.get("gpu_offload"):
