@@ -1,0 +1,93 @@
+"""Per-family patch registry: which of our kernels go into which model families.
+
+Every patch is found and checked by behaviour (the module's own output on a probe input), never
+by copying library source, so it holds across transformers releases: a module that stops
+matching simply stays unpatched. Families outside the registry train unpatched through
+transformers + peft, and we say so.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from unsloth.models.kernels import kernels_available
+from unsloth.models.patches.loss import patch_loss
+from unsloth.models.patches.mlp import patch_mlps
+from unsloth.models.patches.norms import patch_rms_norms
+from unsloth.models.patches.probe import module_device_dtype
+from unsloth.models.patches.rope import patch_rope
+
+log = logging.getLogger("unsloth")
+
+# model_type -> the patches that family gets (all of them for the decoder families we know).
+ALL = ("rms_norm", "rope", "mlp", "loss", "lora")
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "llama": ALL,
+    "mistral": ALL,
+    "qwen2": ALL,
+    "qwen3": ALL,
+    "gemma": ALL,
+    "gemma2": ALL,
+    "gemma3_text": ALL,
+}
+
+
+@dataclass
+class PatchReport:
+    """What was patched in one model (counts of modules), and why not when nothing was."""
+
+    family: str
+    rms_norm: int = 0
+    rope: int = 0
+    mlp: int = 0
+    loss: bool = False
+    lora: dict[str, int] = field(default_factory=dict)
+    skipped: str | None = None
+
+    def summary(self) -> str:
+        if self.skipped:
+            return f"unsloth: {self.family}: unpatched ({self.skipped})"
+        parts = [f"{self.rms_norm} RMSNorm", f"{self.rope} RoPE", f"{self.mlp} MLP",
+                 "fused loss" if self.loss else "stock loss"]
+        parts += [f"{n} LoRA {kind}" for kind, n in self.lora.items()]
+        return f"unsloth: {self.family}: patched " + ", ".join(parts)
+
+
+def patch_model(model: nn.Module) -> PatchReport:
+    """Put our kernels into a loaded causal LM (before LoRA); returns what was done."""
+    family = getattr(model.config, "model_type", type(model).__name__)
+    report = PatchReport(family)
+    wanted = FAMILIES.get(family)
+    device, dtype = module_device_dtype(model)
+    if wanted is None:
+        report.skipped = "no kernels for this family yet; LoRA/QLoRA train through transformers + peft"
+    elif not kernels_available(device):
+        report.skipped = "kernels unavailable on " + device.type
+    else:
+        if "rms_norm" in wanted:
+            report.rms_norm = patch_rms_norms(model)
+        if "rope" in wanted:
+            report.rope = patch_rope(model, device, dtype)
+        if "mlp" in wanted:
+            report.mlp = patch_mlps(model, device, dtype)
+        if "loss" in wanted:
+            report.loss = patch_loss(model, device)
+    model._unsloth_patches = report
+    log.info(report.summary())
+    return report
+
+
+def patch_peft_model(model) -> PatchReport | None:
+    """After get_peft_model: route eligible LoRA layers through our fused LoRA kernels."""
+    from unsloth.models.patches.lora import patch_lora
+
+    base = model.get_base_model()
+    report = getattr(base, "_unsloth_patches", None)
+    if report is None or report.skipped or "lora" not in FAMILIES.get(report.family, ()):
+        return report
+    report.lora = patch_lora(model)
+    log.info(report.summary())
+    return report

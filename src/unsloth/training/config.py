@@ -1,0 +1,227 @@
+"""`unsloth train` configuration: a TOML or YAML file, checked, with command-line overrides.
+
+    [model]    name, max_seq_length, dtype, load_in_4bit, load_in_8bit, full_finetuning, ...
+    [dataset]  name (a hub dataset, or a local .jsonl / .json / .parquet / .csv), split, ...
+    [lora]     r, alpha, dropout, target_modules, ...
+    [training] any TRL SFTConfig field (learning_rate, max_steps, per_device_train_batch_size, ...)
+    output_dir, gradient_checkpointing, packing, resume, save_merged   (top level)
+
+Every error names the key, what was wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A config problem, worded for the user: where, what, and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    name: str
+    max_seq_length: int = 2048
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+    full_finetuning: bool = False
+    trust_remote_code: bool = False
+    revision: str | None = None
+    chat_template: str | None = None  # a Jinja template for tokenizers without one
+
+
+@dataclass
+class DatasetConfig:
+    name: str
+    split: str = "train"
+    subset: str | None = None
+    text_field: str | None = None  # for plain-text datasets whose column is not called "text"
+    limit: int | None = None  # use only the first N rows
+
+
+@dataclass
+class LoraSettings:
+    r: int = 16
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    bias: str = "none"
+    use_rslora: bool = False
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig
+    dataset: DatasetConfig
+    lora: LoraSettings | None = field(default_factory=LoraSettings)
+    training: dict[str, Any] = field(default_factory=dict)  # checked against TRL's SFTConfig by the trainer
+    output_dir: str = "outputs"
+    gradient_checkpointing: Union[bool, str] = "unsloth"  # true | false | "unsloth" (offloaded)
+    packing: bool = False  # padding-free: sequences concatenated, no pad tokens
+    resume: Union[bool, str] = False  # true = the latest checkpoint in output_dir, or a checkpoint path
+    save_merged: bool = False  # also write 16-bit merged weights to output_dir/merged
+    seed: int = 3407
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
+    """Read a TOML or YAML config, apply `key.path=value` overrides, and check it."""
+    raw = read_file(path)
+    for item in overrides:
+        apply_override(raw, item)
+    return from_dict(raw)
+
+
+def read_file(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file (write one, or try `unsloth train --demo`)")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(f"{path}: config files are .toml, .yaml or .yml")
+    except ConfigError:
+        raise
+    except Exception as exc:  # tomllib / yaml syntax errors carry line and column
+        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a table of settings")
+    return data
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value: TOML/JSON-like literals (numbers, true/false, lists, quoted strings), else text."""
+    try:
+        import yaml
+
+        return yaml.safe_load(text)
+    except Exception:
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """Set `a.b.c=value` in a raw config mapping."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r}: write it as key.path=value, e.g. training.learning_rate=1e-4")
+    *parents, leaf = key.strip().split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is a value, not a table")
+    node[leaf] = parse_value(value)
+
+
+def from_dict(raw: dict) -> TrainConfig:
+    """Build and check a TrainConfig from a mapping (as read from TOML/YAML)."""
+    config = _build(TrainConfig, raw, "")
+    if config.lora is None and not config.model.full_finetuning:
+        raise ConfigError("lora: missing; add a [lora] table, or set model.full_finetuning = true")
+    if config.model.load_in_4bit and config.model.load_in_8bit:
+        raise ConfigError("model: load_in_4bit and load_in_8bit are both true; choose one")
+    if config.gradient_checkpointing not in (True, False, "unsloth"):
+        raise ConfigError(f"gradient_checkpointing: {config.gradient_checkpointing!r} is not one of "
+                          "true, false, \"unsloth\"")
+    if config.model.max_seq_length <= 0:
+        raise ConfigError("model.max_seq_length: must be a positive number of tokens")
+    return config
+
+
+def _build(cls, raw: Any, where: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where or 'config'}: expected a table of settings, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; known keys: {', '.join(fields)}"
+            raise ConfigError(f"{_join(where, key)}: unknown key{hint}")
+    values = {}
+    for name, f in fields.items():
+        path = _join(where, name)
+        if name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{path}: required (e.g. {_example(path)})")
+            continue
+        values[name] = _check(hints[name], raw[name], path)
+    return cls(**values)
+
+
+def _check(hint, value, path: str):
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check(option, value, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} does not fit {_name(hint)}")
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        (item,) = typing.get_args(hint)
+        return [_check(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a table, got {value!r}")
+        return dict(value)
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is str and value is not None and not isinstance(value, str):
+        raise ConfigError(f"{path}: expected text, got {value!r} (quote it)")
+    if hint is bool and not isinstance(value, bool):
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{path}: expected a whole number, got {value!r}")
+    if hint is float and not isinstance(value, float):
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    return value
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _name(hint) -> str:
+    return " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(hint) if a is not type(None))
+
+
+def _example(path: str) -> str:
+    return {"model": '[model] name = "unsloth/Llama-3.2-1B-Instruct"',
+            "model.name": 'name = "unsloth/Llama-3.2-1B-Instruct"',
+            "dataset": '[dataset] name = "data/train.jsonl"',
+            "dataset.name": 'name = "data/train.jsonl"'}.get(path, f"{path} = ...")

@@ -1,0 +1,188 @@
+"""Supervised fine-tuning from a TrainConfig: FastLanguageModel + LoRA + TRL's SFTTrainer.
+
+This is what `unsloth train CONFIG` and the demo run. The trainer is TRL's own; we add the
+model, the dataset loading, a compact progress/loss log (also written to loss_log.jsonl),
+checkpoints and resume (the Trainer's), and the saves at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from unsloth.training.config import ConfigError, DatasetConfig, TrainConfig
+
+# Known local data files -> the `datasets` builder that reads them.
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+# Dataset shapes TRL's SFTTrainer understands (one of these column sets must be present).
+_SHAPES = ({"messages"}, {"prompt", "completion"}, {"text"})
+
+
+@dataclass
+class TrainResult:
+    model: Any
+    tokenizer: Any
+    losses: list[float]
+    output_dir: str
+    merged_dir: str | None
+
+
+def load_dataset_from(config: DatasetConfig):
+    """A hub dataset or a local jsonl / json / parquet / csv file, checked to be in a shape SFT reads."""
+    from datasets import load_dataset
+
+    path = Path(config.name).expanduser()
+    if path.suffix.lower() in _BUILDERS or path.exists():
+        if not path.exists():
+            raise ConfigError(f"dataset.name: {path} does not exist (a local .jsonl/.json/.parquet/.csv file, "
+                              "or a Hugging Face dataset name such as 'trl-lib/Capybara')")
+        if path.is_dir():
+            data = load_dataset(str(path), split=config.split)
+        elif path.suffix.lower() not in _BUILDERS:
+            raise ConfigError(f"dataset.name: {path.name}: unknown file type; use .jsonl, .json, .parquet or .csv")
+        else:
+            data = load_dataset(_BUILDERS[path.suffix.lower()], data_files=str(path), split="train")
+    else:
+        data = load_dataset(config.name, config.subset, split=config.split)
+    if config.limit is not None:
+        data = data.select(range(min(config.limit, len(data))))
+    if config.text_field and config.text_field != "text":
+        if config.text_field not in data.column_names:
+            raise ConfigError(f"dataset.text_field: no column {config.text_field!r}; "
+                              f"columns are {', '.join(data.column_names)}")
+        data = data.rename_column(config.text_field, "text")
+    columns = set(data.column_names)
+    if not any(shape <= columns for shape in _SHAPES):
+        raise ConfigError(f"dataset {config.name}: columns {sorted(columns)} are none of the shapes SFT reads: "
+                          "'messages' (chat), 'prompt' + 'completion', or 'text' (set dataset.text_field "
+                          "to use another text column)")
+    return data
+
+
+def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool):
+    """TRL SFTConfig from our defaults plus [training]; unknown keys are named with a suggestion."""
+    from trl import SFTConfig
+
+    known = {f.name for f in dataclasses.fields(SFTConfig)}
+    for key in config.training:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else " (see TRL's SFTConfig for the fields)"
+            raise ConfigError(f"training.{key}: not a training argument{hint}")
+    arguments = {
+        "output_dir": config.output_dir,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 4,
+        "learning_rate": 2e-4,
+        "logging_steps": 1,
+        "max_length": config.model.max_seq_length,
+        "report_to": "none",
+        "seed": config.seed,
+        "bf16": bf16,
+        "fp16": fp16,
+        # Checkpointing is ours (per layer, offloaded); the Trainer's would recompute twice.
+        "gradient_checkpointing": False,
+        "padding_free": config.packing,
+    }
+    arguments.update(config.training)
+    return SFTConfig(**arguments)
+
+
+def _callbacks(output_dir: str, echo: Callable[[str], None], losses: list[float]):
+    from transformers.trainer_callback import ProgressCallback
+
+    class Progress(ProgressCallback):
+        """The Trainer's progress bar, with one compact line per log instead of a dict, and loss_log.jsonl."""
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero or not logs:
+                return
+            if "loss" in logs:
+                losses.append(float(logs["loss"]))
+            record = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
+            Path(output_dir).mkdir(parents=True, exist_ok=True)
+            with open(Path(output_dir) / "loss_log.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if "loss" in logs:
+                line = f"step {state.global_step}/{state.max_steps}  loss {logs['loss']:.4f}"
+                if "learning_rate" in logs:
+                    line += f"  lr {logs['learning_rate']:.2e}"
+                if self.training_bar is not None:
+                    self.training_bar.write(line)
+                else:
+                    echo(line)
+
+    return Progress
+
+
+def load_model(config: TrainConfig):
+    """The model (with LoRA unless full fine-tuning) and tokenizer a config asks for."""
+    from unsloth.models.fast import FastLanguageModel
+
+    m = config.model
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        m.name, max_seq_length=m.max_seq_length, dtype=m.dtype, load_in_4bit=m.load_in_4bit,
+        load_in_8bit=m.load_in_8bit, full_finetuning=m.full_finetuning, trust_remote_code=m.trust_remote_code,
+        revision=m.revision, use_gradient_checkpointing=config.gradient_checkpointing, random_state=config.seed,
+    )
+    if m.chat_template:
+        tokenizer.chat_template = m.chat_template
+    if not m.full_finetuning:
+        lora = config.lora
+        model = FastLanguageModel.get_peft_model(
+            model, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+            bias=lora.bias, use_rslora=lora.use_rslora, use_gradient_checkpointing=config.gradient_checkpointing,
+            random_state=config.seed,
+        )
+    return model, tokenizer
+
+
+def train(config: TrainConfig, echo: Callable[[str], None] = print, callbacks=()) -> TrainResult:
+    """Run supervised fine-tuning as configured; returns the trained model, tokenizer and loss log."""
+    import torch
+    from trl import SFTTrainer
+    from transformers.trainer_callback import ProgressCallback
+
+    dataset = load_dataset_from(config.dataset)
+    model, tokenizer = load_model(config)
+    if ("messages" in dataset.column_names or "prompt" in dataset.column_names) and not tokenizer.chat_template \
+            and isinstance(dataset[0].get("messages", dataset[0].get("prompt")), list):
+        raise ConfigError(f"model {config.model.name}: its tokenizer has no chat template, and the dataset is "
+                          "chat-shaped; set model.chat_template to a Jinja template")
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    compute = getattr(getattr(model.config, "quantization_config", None), "bnb_4bit_compute_dtype", None) or dtype
+    args = sft_arguments(config, bf16=compute == torch.bfloat16, fp16=compute == torch.float16)
+    losses: list[float] = []
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                         callbacks=list(callbacks))
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(_callbacks(config.output_dir, echo, losses))
+    resume = config.resume
+    if resume is True and not _has_checkpoint(config.output_dir):
+        raise ConfigError(f"resume: no checkpoint-* folder in {config.output_dir} to resume from; "
+                          "set resume = false to start over")
+    trainer.train(resume_from_checkpoint=resume or None)
+    model = trainer.model
+    merged_dir = _save(model, tokenizer, trainer, config)
+    return TrainResult(model, tokenizer, losses, config.output_dir, merged_dir)
+
+
+def _has_checkpoint(output_dir: str) -> bool:
+    return any(p.is_dir() for p in Path(output_dir).glob("checkpoint-*"))
+
+
+def _save(model, tokenizer, trainer, config: TrainConfig) -> str | None:
+    output = Path(config.output_dir)
+    if config.model.full_finetuning:
+        trainer.save_model(str(output))
+        tokenizer.save_pretrained(str(output))
+        return str(output)
+    model.save_pretrained(str(output / "lora"))
+    tokenizer.save_pretrained(str(output / "lora"))
+    if config.save_merged:
+        return model.save_pretrained_merged(str(output / "merged"), tokenizer)
+    return None
