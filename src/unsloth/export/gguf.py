@@ -1,0 +1,128 @@
+"""``save_pretrained_gguf``: merged 16-bit weights -> GGUF -> quantized GGUFs -> validated, in one call.
+
+Order of work, cheapest failure first: method names, architecture and tokenizer support, llama.cpp
+presence and free disk space are checked before any file is written. Every file is written under
+a temporary name and appears under its final name only when complete (and, for the f16 reference,
+only when it matches transformers).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unsloth.export.architectures import architecture_for
+from unsloth.export.converter import write_gguf
+from unsloth.export.errors import ExportError
+from unsloth.export.files import atomic_output, ensure_free_space
+from unsloth.export.merge import base_model, merged_tensors
+from unsloth.export.methods import METHODS, Method, estimated_bytes, resolve_all
+from unsloth.export.modelfile import write_modelfile
+from unsloth.export.quantize import quantize
+from unsloth.export.runtime import require_llama_cpp
+from unsloth.export.validate import Validation, validate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExportResult:
+    files: dict[str, Path] = field(default_factory=dict)  # method -> file
+    validations: dict[str, Validation] = field(default_factory=dict)
+    modelfile: Path | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "files": {m: str(p) for m, p in self.files.items()},
+            "validation": {m: v.to_json() for m, v in self.validations.items()},
+            "modelfile": str(self.modelfile) if self.modelfile else None,
+        }
+
+
+def gguf_filename(name: str, method: Method) -> str:
+    return f"{name}.{method.name.upper()}.gguf"
+
+
+def save_pretrained_gguf(
+    model: Any,
+    save_directory: str | os.PathLike[str],
+    tokenizer: Any,
+    quantization_method: str | list[str] = "q8_0",
+    *,
+    name: str = "model",
+    validate_export: bool = True,
+    modelfile: bool = False,
+) -> ExportResult:
+    """Export ``model`` (a transformers model, with or without peft LoRA adapters) to GGUF.
+
+    ``quantization_method``: one name or a list (f16, bf16, q8_0, q4_k_m, q5_k_m, q6_k, ...; see
+    ``unsloth.export.methods``). The unquantized reference (f16, or bf16/f32 when asked for) is
+    always written first and checked against transformers: if it disagrees, nothing is kept and
+    ExportError says so. Quantized files are made from it by llama.cpp, and their agreement is
+    reported. Returns the files written and the validation reports.
+    """
+    out_dir = Path(save_directory)
+    methods = resolve_all(quantization_method)
+    config = base_model(model).config
+    architecture_for(config)  # unsupported architectures fail before any work
+    quantized = [m for m in methods if not m.converted]
+    if quantized or validate_export:
+        require_llama_cpp()
+
+    reference_method = next((m for m in methods if m.converted), METHODS["f16"])
+    sources = merged_tensors(model)
+    n_params = sum(_numel(s.shape) for s in sources.values())
+    keep_reference = reference_method in methods
+    ensure_free_space(out_dir, sum(estimated_bytes(n_params, m) for m in {reference_method, *methods}))
+
+    result = ExportResult()
+    reference_path = out_dir / gguf_filename(name, reference_method)
+    with atomic_output(reference_path) as partial:
+        log.info("writing %s", reference_path)
+        write_gguf(model, tokenizer, sources, partial, reference_method, name=name)
+        if validate_export:
+            report = validate(model, tokenizer, partial, reference_method.name)
+            report.file = str(reference_path)
+            result.validations[reference_method.name] = report
+            if not report.passed:
+                raise ExportError(
+                    f"the {reference_method.name} GGUF does not reproduce the model: {report.summary()}; "
+                    "it was not kept",
+                    fix="this is an exporter bug for this model; please report it with the output of "
+                    "`unsloth export ... --json`",
+                )
+    result.files[reference_method.name] = reference_path
+
+    try:
+        for method in methods:
+            if method.converted and method is not reference_method:
+                path = out_dir / gguf_filename(name, method)
+                with atomic_output(path) as partial:
+                    write_gguf(model, tokenizer, sources, partial, method, name=name)
+                result.files[method.name] = path
+        for method in quantized:
+            path = out_dir / gguf_filename(name, method)
+            log.info("quantizing %s", path)
+            quantize(reference_path, path, method)
+            result.files[method.name] = path
+            if validate_export:
+                result.validations[method.name] = validate(model, tokenizer, path, method.name)
+    finally:
+        if not keep_reference:
+            reference_path.unlink(missing_ok=True)
+            result.files.pop(reference_method.name, None)
+
+    if modelfile:
+        preferred = next(result.files[m.name] for m in methods)
+        result.modelfile = write_modelfile(out_dir, preferred, tokenizer)
+    return result
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count

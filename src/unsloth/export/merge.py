@@ -1,0 +1,127 @@
+"""The 16-bit weights to export: LoRA adapters merged in, 4-bit bases dequantized, the model untouched.
+
+``merged_tensors`` yields each tensor on demand, so a merge never holds a second copy of the model
+in memory, and the user's model keeps its adapters (unlike ``merge_and_unload``). ``load_checkpoint``
+reads a saved model or adapter directory for the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from unsloth.export.errors import ExportError
+
+
+class TensorSource(NamedTuple):
+    shape: tuple[int, ...]  # known without computing the tensor (the header is written first)
+    load: Callable[[], torch.Tensor]
+
+
+def _logical_shape(weight: torch.Tensor) -> tuple[int, ...]:
+    quant_state = getattr(weight, "quant_state", None)  # bitsandbytes 4-bit packs the data
+    return tuple(quant_state.shape) if quant_state is not None else tuple(weight.shape)
+
+
+def _as_is(tensor: torch.Tensor) -> TensorSource:
+    return TensorSource(tuple(tensor.shape), tensor.detach)
+
+
+def base_model(model: Any) -> Any:
+    """The transformers model under a peft wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _lora_weight(module: Any) -> torch.Tensor:
+    from peft.utils.integrations import dequantize_module_weight
+
+    weight = dequantize_module_weight(module.get_base_layer()).detach().to(torch.float32)
+    if module.disable_adapters:
+        return weight
+    for adapter in module.active_adapters:
+        if adapter in module.merged_adapters or adapter not in module.lora_A.keys() | module.lora_embedding_A.keys():
+            continue  # already in the base weight, or not targeting this layer
+        if module.use_dora.get(adapter):
+            raise ExportError(
+                "DoRA adapters cannot be merged on the fly",
+                fix="merge first: model = model.merge_and_unload(), then export the merged model",
+            )
+        weight = weight + module.get_delta_weight(adapter).detach().to(weight.device, torch.float32)
+    return weight
+
+
+def merged_tensors(model: Any) -> dict[str, TensorSource]:
+    """HF state-dict name -> a function returning that tensor with every active adapter merged in."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+    from peft.utils.integrations import dequantize_module_weight
+
+    sources: dict[str, TensorSource] = {}
+    covered: list[str] = []  # prefixes whose parameters are handled by a wrapper above them
+    for name, module in base_model(model).named_modules(remove_duplicate=False):
+        if any(name.startswith(prefix) for prefix in covered):
+            continue
+        prefix = f"{name}." if name else ""
+        if isinstance(module, LoraLayer):
+            covered.append(prefix)
+            shape = _logical_shape(module.get_base_layer().weight)
+            sources[f"{prefix}weight"] = TensorSource(shape, lambda m=module: _lora_weight(m))
+            bias = getattr(module.get_base_layer(), "bias", None)
+            if bias is not None:
+                sources[f"{prefix}bias"] = _as_is(bias)
+            continue
+        if isinstance(module, ModulesToSaveWrapper):  # fully trained copies (e.g. embeddings)
+            covered.append(prefix)
+            module = module.modules_to_save[module.active_adapter] if not module.disable_adapters else module.original_module
+            for pname, param in module.named_parameters():
+                sources[f"{prefix}{pname}"] = _as_is(param)
+            continue
+        if module.__class__.__name__ in ("Linear4bit", "Linear8bitLt"):  # bitsandbytes base layer
+            shape = _logical_shape(module.weight)
+            sources[f"{prefix}weight"] = TensorSource(shape, lambda m=module: dequantize_module_weight(m).detach())
+            if module.bias is not None:
+                sources[f"{prefix}bias"] = _as_is(module.bias)
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            sources[f"{prefix}{pname}"] = _as_is(param)
+        for bname, buf in module.named_buffers(recurse=False):
+            if bname not in module._non_persistent_buffers_set:
+                sources[f"{prefix}{bname}"] = _as_is(buf)
+    return sources
+
+
+def count_parameters(model: Any) -> int:
+    """Parameters of the merged model (4-bit packed weights count as their unpacked size)."""
+    return sum(int(torch.Size(source.shape).numel()) for source in merged_tensors(model).values())
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+    """A merged model directory or a LoRA adapter directory -> (model, tokenizer), on the CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+        raise ExportError(
+            f"{path} is not a model or adapter directory (no config.json or adapter_config.json)",
+            fix="pass the directory written by `unsloth train` or by save_pretrained",
+        )
+    tokenizer_dir = path
+    if (path / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not base:
+            raise ExportError(f"{path}/adapter_config.json names no base model", fix="set base_model_name_or_path to the base model's directory")
+        if not (path / "tokenizer_config.json").is_file():
+            tokenizer_dir = Path(base)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype or "auto")
+        model = PeftModel.from_pretrained(model, path)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return model.eval(), tokenizer

@@ -1,0 +1,89 @@
+"""llama.cpp through llama-cpp-python: find it, load a GGUF, run greedy steps. The only llama_cpp user."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from unsloth.export.errors import ExportError
+
+INSTALL_FIX = (
+    "install llama-cpp-python into this environment: `unsloth install` builds it for your GPU "
+    "(or `pip install llama-cpp-python` for a CPU build)"
+)
+
+
+def require_llama_cpp() -> Any:
+    try:
+        import llama_cpp
+    except ImportError as exc:  # also a build whose shared library will not load
+        raise ExportError(f"llama.cpp is not available here ({exc})", fix=INSTALL_FIX) from exc
+    # llama-cpp-python prints llama.cpp's whole log (model dumps, per-tensor quantize lines) unless
+    # its logger says otherwise; keep errors, and everything when our own logger is at DEBUG.
+    verbose = logging.getLogger("unsloth").isEnabledFor(logging.DEBUG)
+    logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if verbose else logging.ERROR)
+    return llama_cpp
+
+
+def load(path: str | Path, *, n_ctx: int = 2048, gpu: bool = True, logits_all: bool = False) -> Any:
+    """A ``llama_cpp.Llama`` for ``path``; all layers on the GPU when the build has one."""
+    llama_cpp = require_llama_cpp()
+    path = Path(path)
+    if not path.is_file():
+        raise ExportError(f"no GGUF file at {path}", fix="pass a .gguf file, or a directory written by `unsloth export`")
+    try:
+        return llama_cpp.Llama(
+            str(path),
+            n_ctx=n_ctx,
+            n_gpu_layers=-1 if gpu else 0,
+            logits_all=logits_all,
+            n_threads=os.cpu_count(),
+            seed=0,
+            verbose=False,
+        )
+    except (ValueError, RuntimeError) as exc:
+        raise ExportError(
+            f"llama.cpp could not load {path} ({exc})",
+            fix="re-export the model, or update llama-cpp-python if the file comes from a newer llama.cpp",
+        ) from exc
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """A .gguf file, or a directory holding exactly one (or an f16 one) -> the file to run."""
+    path = Path(model)
+    if path.is_dir():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise ExportError(
+                f"{path} holds several GGUF files: " + ", ".join(p.name for p in found),
+                fix="pass the one you want, e.g. " + str(found[0]),
+            )
+        if not found:
+            raise ExportError(f"{path} holds no .gguf file", fix=f"export one first: unsloth export CHECKPOINT --gguf q8_0 --out {path}")
+        return found[0]
+    if not path.is_file():
+        raise ExportError(f"no GGUF file at {path}", fix="pass a .gguf file, or a directory written by `unsloth export`")
+    return path
+
+
+def next_token_logits(llm: Any, tokens: list[int]) -> np.ndarray:
+    """Logits after each position of ``tokens`` (needs ``logits_all=True``), evaluated from scratch."""
+    llm.reset()
+    llm.eval(tokens)
+    return np.array(llm.scores[: len(tokens)], dtype=np.float32)
+
+
+def greedy(llm: Any, prompt: list[int], n_tokens: int) -> list[int]:
+    """The first ``n_tokens`` greedy tokens after ``prompt``, ignoring end-of-sequence (for comparison)."""
+    llm.reset()
+    llm.eval(prompt)
+    out: list[int] = []
+    for _ in range(n_tokens):
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(token)
+        llm.eval([token])
+    return out

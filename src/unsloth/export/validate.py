@@ -1,0 +1,191 @@
+"""Does the GGUF behave like the model it came from? Greedy tokens in llama.cpp vs transformers.
+
+For each prompt, transformers generates the reference greedy tokens; llama.cpp then reads the same
+prompt + reference (teacher forcing) and its top-1 choice at every step is compared. All steps
+agreeing is the same as identical greedy output; a fraction is a fair agreement score for
+quantized files, unaffected by one early divergence. A disagreement where transformers' own top
+two logits are closer than the reference's numerical noise counts as a near tie, not an error.
+The tokenizer is checked too: same ids for the same text, same text back from the ids.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from unsloth.export import runtime
+
+DEFAULT_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village,",
+    "Q: What is 12 times 7?\nA:",
+)
+# Text that stresses the tokenizer: whitespace runs, digits, accents, CJK, emoji, code.
+TOKENIZER_SAMPLES = (
+    "Hello world",
+    "  leading spaces\tand\ttabs\n\nnew lines  ",
+    "numbers 1 12 123 1234 12345 3.14159",
+    "accents: café naïve über, CJK: 我想在工作, emoji: 🦙🚀",
+    "it's we'll they're I'VE",
+    "def f(x):\n    return x ** 2  # square",
+)
+N_TOKENS = 16
+# Agreement a quantized export should reach on a real model; reported, and a warning below it.
+QUANT_THRESHOLDS = {"q8_0": 0.9, "q6_k": 0.8, "q5_k_m": 0.75, "q5_k_s": 0.75, "q5_0": 0.75, "q4_k_m": 0.6, "q4_k_s": 0.6, "q4_0": 0.6}
+# A swap of llama.cpp's and transformers' choices is a near tie when transformers' own logits for
+# the two differ by less than this fraction of that step's logit range. llama.cpp's f16 compute
+# moves logits by about 0.1-0.3% of the range; a bf16/f16 reference adds its own rounding.
+TIE_TOLERANCE = {torch.float32: 0.01, torch.bfloat16: 0.05, torch.float16: 0.03}
+
+
+@dataclass
+class PromptResult:
+    prompt: str
+    reference: list[int]  # transformers' greedy tokens
+    candidate: list[int]  # llama.cpp's top-1 at each step, given the same prefix
+    gaps: list[float]  # reference logit of its choice minus that of llama.cpp's, over the logit range
+
+    def near_ties(self, tolerance: float) -> int:
+        return sum(1 for r, c, g in zip(self.reference, self.candidate, self.gaps) if r != c and g < tolerance)
+
+    @property
+    def matches(self) -> int:
+        return sum(r == c for r, c in zip(self.reference, self.candidate))
+
+
+@dataclass
+class Validation:
+    method: str
+    file: str
+    prompts: list[PromptResult]
+    tie_tolerance: float
+    reference_dtype: str
+    tokenizer_mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def agreement(self) -> float:
+        total = sum(len(p.reference) for p in self.prompts)
+        return sum(p.matches for p in self.prompts) / total if total else 1.0
+
+    @property
+    def identical(self) -> bool:
+        return all(p.matches == len(p.reference) for p in self.prompts)
+
+    @property
+    def threshold(self) -> float | None:
+        return 1.0 if self.method in ("f32", "f16", "bf16") else QUANT_THRESHOLDS.get(self.method)
+
+    @property
+    def passed(self) -> bool:
+        if self.tokenizer_mismatches:
+            return False
+        if self.method in ("f32", "f16", "bf16"):  # exact weights: only near ties may differ
+            return all(p.matches + p.near_ties(self.tie_tolerance) == len(p.reference) for p in self.prompts)
+        return self.threshold is None or self.agreement >= self.threshold
+
+    def summary(self) -> str:
+        verdict = "ok" if self.passed else "FAILED"
+        ties = sum(p.near_ties(self.tie_tolerance) for p in self.prompts)
+        text = (
+            f"{self.method}: greedy agreement with transformers {self.agreement:.1%} over "
+            f"{len(self.prompts)} prompts x {len(self.prompts[0].reference) if self.prompts else 0} tokens"
+        )
+        if ties:
+            text += f" ({ties} near ties)"
+        if self.threshold is not None and self.threshold < 1:
+            text += f", threshold {self.threshold:.0%}"
+        if self.tokenizer_mismatches:
+            text += f"; tokenizer differs on {len(self.tokenizer_mismatches)} samples"
+        return f"{text} -> {verdict}"
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(agreement=self.agreement, identical=self.identical, passed=self.passed, threshold=self.threshold)
+        return data
+
+
+def reference_model(model: Any) -> Any:
+    """The model to compare against: itself if float32, else a float32 CPU copy when that is cheap."""
+    params = list(model.parameters())
+    if all(p.dtype == torch.float32 for p in params):
+        return model
+    on_cpu = all(p.device.type == "cpu" for p in params)
+    packed = any(not p.is_floating_point() for p in params)  # 4-bit weights cannot be upcast
+    if on_cpu and not packed:
+        import psutil
+
+        if sum(p.numel() for p in params) * 4 < psutil.virtual_memory().available * 0.5:
+            return copy.deepcopy(model).to(torch.float32)
+    return model  # compare in the model's own precision (see TIE_TOLERANCE)
+
+
+@torch.no_grad()
+def reference_greedy(model: Any, prompt: list[int], n_tokens: int) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens from transformers and the logits at each step (ignores end-of-sequence)."""
+    device = next(model.parameters()).device
+    tokens: list[int] = []
+    logits = []
+    for _ in range(n_tokens):  # no KV cache: a few short steps, and no cache API to depend on
+        out = model(input_ids=torch.tensor([prompt + tokens], device=device), use_cache=False)
+        step = out.logits[0, -1].float().cpu()
+        tokens.append(int(step.argmax()))
+        logits.append(step.numpy())
+    return tokens, np.stack(logits)
+
+
+def compare_prompt(model: Any, llm: Any, text: str, prompt: list[int], n_tokens: int) -> PromptResult:
+    reference, ref_logits = reference_greedy(model, prompt, n_tokens)
+    llm_logits = runtime.next_token_logits(llm, prompt + reference[:-1])[len(prompt) - 1 :]
+    candidate = [int(i) for i in llm_logits.argmax(axis=-1)]
+    spread = ref_logits.max(axis=-1) - ref_logits.min(axis=-1)
+    gaps = [float((ref_logits[i, r] - ref_logits[i, c]) / spread[i]) for i, (r, c) in enumerate(zip(reference, candidate))]
+    return PromptResult(text, reference, candidate, gaps)
+
+
+def tokenizer_mismatches(tokenizer: Any, llm: Any, samples: tuple[str, ...] = TOKENIZER_SAMPLES) -> list[str]:
+    problems = []
+    for text in samples:
+        ours = tokenizer(text)["input_ids"]
+        theirs = llm.tokenize(text.encode(), add_bos=True, special=True)
+        if ours != theirs:
+            problems.append(f"encode {text!r}: transformers {ours} != llama.cpp {theirs}")
+            continue
+        back = llm.detokenize(theirs, special=True).decode("utf-8", errors="replace")
+        if back != tokenizer.decode(ours):
+            problems.append(f"decode {text!r}: transformers {tokenizer.decode(ours)!r} != llama.cpp {back!r}")
+    return problems
+
+
+def chat_prompt(tokenizer: Any) -> str | None:
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    messages = [{"role": "user", "content": "Write a haiku about the sea."}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def validate(
+    model: Any,
+    tokenizer: Any,
+    path: Path,
+    method: str,
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS,
+    n_tokens: int = N_TOKENS,
+) -> Validation:
+    reference = reference_model(model)
+    reference.eval()
+    dtype = next(reference.parameters()).dtype
+    texts = list(prompts) + [t for t in [chat_prompt(tokenizer)] if t]
+    encoded = [tokenizer(t, add_special_tokens=not t.startswith(tokenizer.bos_token or "\0"))["input_ids"] for t in texts]
+    llm = runtime.load(path, n_ctx=max(len(ids) for ids in encoded) + n_tokens + 8, gpu=False, logits_all=True)
+    try:
+        results = [compare_prompt(reference, llm, t, ids, n_tokens) for t, ids in zip(texts, encoded)]
+        mismatches = tokenizer_mismatches(tokenizer, llm)
+    finally:
+        llm.close()
+    return Validation(method, str(path), results, TIE_TOLERANCE.get(dtype, 0.05), str(dtype).removeprefix("torch."), mismatches)
