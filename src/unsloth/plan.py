@@ -46,6 +46,7 @@ class Advice:
 
     message: str
     fix: str | None = None
+    check: str | None = None  # the doctor check that judges the same fact, so doctor says it once
 
 
 @dataclass
@@ -145,8 +146,8 @@ class _Resolver:
         self.amd = (pins.amd_mirror or matrix.urls["amd"]).rstrip("/")
         self.effective_arch: str | None = None  # the gfx target the ROCm runtime will load kernels for
 
-    def warn(self, message: str, fix: str | None = None) -> None:
-        self.warnings.append(Advice(message, fix))
+    def warn(self, message: str, fix: str | None = None, check: str | None = None) -> None:
+        self.warnings.append(Advice(message, fix, check))
 
     def cite(self, source: str) -> None:
         if source not in self.sources:
@@ -327,6 +328,7 @@ class _Resolver:
                 f"No NVIDIA driver was detected; the planned CUDA build ({index.variant}) needs one.",
                 f"Install NVIDIA driver {index.driver[column]} or newer ({self.matrix.urls['nvidia_driver']}), "
                 "then run `unsloth doctor`.",
+                check="driver",
             )
             return self.cuda_torch(index)
         usable = [index for index in fitting if driver >= index.driver[column]]
@@ -419,11 +421,13 @@ class _Resolver:
                 self.warn(
                     "/dev/dxg is missing: WSL has no GPU paravirtualization, so ROCm cannot see the GPU.",
                     "Install the current AMD Adrenalin driver on Windows, run `wsl --update`, then restart WSL.",
+                    check="wsl-bridge",
                 )
             if not self.rocm_present():
                 self.warn(
                     "ROCm was not found inside WSL; ROCm on WSL needs ROCm and librocdxg.",
                     f"Install ROCm {newest} for WSL: {self.matrix.urls['rocm_wsl']}",
+                    check="runtime",
                 )
             return
         if not self.rocm_present():
@@ -437,6 +441,7 @@ class _Resolver:
                 "/dev/kfd is missing or not accessible: the amdgpu kernel driver is not loaded or you lack access.",
                 "Install the amdgpu driver (amdgpu-install --usecase=rocm), "
                 "then `sudo usermod -aG render,video $USER` and log in again.",
+                check="dev-kfd",
             )
 
     def rocm_present(self) -> bool:
@@ -482,6 +487,7 @@ class _Resolver:
                     "/etc/environment or a shell profile). The plan follows the real GPU.",
                     "Find and remove it: "
                     "grep -rs HSA_OVERRIDE_GFX_VERSION /etc/environment /etc/profile.d ~/.bashrc ~/.profile",
+                    check="hsa-override",
                 )
             return
         spoofs = self.platform.hsa_override_spoofs
@@ -494,6 +500,7 @@ class _Resolver:
             f"{self.effective_arch or 'GPU'}, which loads the wrong kernels (crashes, wrong results). "
             "The plan follows the real GPU.",
             "unset HSA_OVERRIDE_GFX_VERSION, and remove it from ~/.bashrc or ~/.profile",
+            check="hsa-override",
         )
 
     # --- bitsandbytes, llama.cpp, fits ----------------------------------------------------------

@@ -207,3 +207,16 @@ def test_doctor_python_runs_the_checks_in_that_interpreter(capsys, tmp_path):
     assert found["env-torch"]["status"] == "error" and "No module named 'torch'" in found["env-torch"]["message"]
     assert found["env-matmul"]["message"] == "torch did not import"  # the probe ran on and said why
     assert code == 1 and "environment checks" in report["timings"]
+
+
+def test_json_into_a_closed_pipe_ends_quietly():
+    """`unsloth detect --json | head -1`: the reader leaves early; no traceback reaches the user."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        f"{sys.executable} -m unsloth.cli detect --json | head -c 1",
+        shell=True, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.stdout == "{"
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr
