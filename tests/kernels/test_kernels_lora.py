@@ -16,8 +16,13 @@ import torch
 import torch.nn.functional as F
 from reference import assert_close_dtype, f64
 
+import unsloth_kernels._utils as kernel_utils
 from unsloth_kernels.lora import LoraWeights, lora_linear, lora_mlp, lora_o, lora_qkv
 
+# Small shapes run on the GPU when there is one, else on the CPU through TRITON_INTERPRET=1.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not kernel_utils.INTERPRET,
+                                reason="Triton kernels need a GPU or TRITON_INTERPRET=1")  # fmt: skip
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 CHAIN_FACTOR = 4
 ACTIVATION_REF = {
@@ -32,7 +37,7 @@ def _seed():
     torch.manual_seed(0)  # inputs drawn in the tests are the same whatever runs first
 
 
-def make_lora(out_features, in_features, dtype, *, rank=4, alpha=8, bias=False, seed=0, device="cpu"):
+def make_lora(out_features, in_features, dtype, *, rank=4, alpha=8, bias=False, seed=0, device=DEVICE):
     """A LoRA linear with B != 0 (peft starts B at zero, which would hide half the math)."""
     g = torch.Generator().manual_seed(seed)
     weight = (torch.randn(out_features, in_features, generator=g) / in_features**0.5).to(device, dtype)
@@ -63,7 +68,7 @@ def check_grads(p: LoraWeights, ref: LoraWeights, dtype, n_reduce, name, factor=
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 7])
 def test_lora_linear(rows, dtype):
-    x = torch.randn(rows, 24, dtype=dtype).requires_grad_()  # hidden 24: not a power of two
+    x = torch.randn(rows, 24, dtype=dtype, device=DEVICE).requires_grad_()  # hidden 24: not a power of two
     p = make_lora(40, 24, dtype, bias=True)
     y = lora_linear(x, p.weight, p.A, p.B, p.scaling, bias=p.bias)
     dy = torch.randn_like(y)
@@ -83,7 +88,7 @@ def test_lora_linear_with_nf4_base_and_fp32_adapters():
     dense = make_lora(64, 128, torch.float32)
     packed, state = bnb_functional.quantize_4bit(dense.weight, blocksize=64, compress_statistics=True, quant_type="nf4")
     state.dtype = torch.bfloat16
-    x = torch.randn(2, 3, 128, dtype=torch.bfloat16).requires_grad_()
+    x = torch.randn(2, 3, 128, dtype=torch.bfloat16, device=DEVICE).requires_grad_()
     y = lora_linear(x, packed, dense.A, dense.B, dense.scaling, base_quant_state=state)
     assert y.shape == (2, 3, 64) and y.dtype == torch.bfloat16
     dy = torch.randn_like(y)
@@ -104,7 +109,7 @@ def test_lora_linear_with_nf4_base_and_fp32_adapters():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_lora_qkv_accumulates_dx_from_all_three(dtype):
     # GQA widths: Q 48, K/V 16 from hidden 24.
-    x = torch.randn(2, 5, 24, dtype=dtype).requires_grad_()
+    x = torch.randn(2, 5, 24, dtype=dtype, device=DEVICE).requires_grad_()
     q, k, v = (make_lora(n, 24, dtype, seed=s, bias=s == 1) for s, n in enumerate((48, 16, 16)))
     outputs = lora_qkv(x, q, k, v)
     grads = [torch.randn_like(o) for o in outputs]
@@ -129,7 +134,7 @@ def mlp_ref(x, gate, up, down, activation):
 @pytest.mark.parametrize("activation", list(ACTIVATION_REF))
 def test_lora_mlp(activation, dtype):
     hidden, inter = 24, 40
-    x = torch.randn(3, hidden, dtype=dtype).requires_grad_()
+    x = torch.randn(3, hidden, dtype=dtype, device=DEVICE).requires_grad_()
     gate, up = make_lora(inter, hidden, dtype, seed=1), make_lora(inter, hidden, dtype, seed=2, bias=True)
     down = make_lora(hidden, inter, dtype, seed=3)
     out = lora_mlp(x, gate, up, down, activation)
@@ -155,7 +160,7 @@ def test_lora_mlp_with_nf4_bases():
         state.dtype = dtype
         projections.append(LoraWeights(packed, p.A, p.B, p.scaling, quant_state=state))
         dense_weights.append(bnb_functional.dequantize_4bit(packed, state))
-    x = torch.randn(4, hidden, dtype=dtype).requires_grad_()
+    x = torch.randn(4, hidden, dtype=dtype, device=DEVICE).requires_grad_()
     out = lora_mlp(x, *projections)
     dout = torch.randn_like(out)
     out.backward(dout)
@@ -185,12 +190,12 @@ def test_matches_peft_modules():
 
     torch.manual_seed(0)
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["gate_proj", "up_proj", "down_proj"])
-    model = peft.get_peft_model(MLP(), config).base_model.model
+    model = peft.get_peft_model(MLP().to(DEVICE), config).base_model.model
     layers = (model.gate_proj, model.up_proj, model.down_proj)
     for layer in layers:
         torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.3)  # peft starts B at 0
-    x = torch.randn(5, 16)
-    dout = torch.randn(5, 16)
+    x = torch.randn(5, 16, device=DEVICE)
+    dout = torch.randn(5, 16, device=DEVICE)
 
     model(x).backward(dout)
     expected = [(layer.lora_A["default"].weight.grad, layer.lora_B["default"].weight.grad) for layer in layers]
@@ -211,10 +216,10 @@ def test_matches_peft_modules():
 def test_autocast_runs_in_the_autocast_dtype():
     # fp32 model and adapters under bf16 autocast: computes as nn.Linear would, in bf16;
     # gradients come back in the parameters' (fp32) dtype.
-    x = torch.randn(3, 16, requires_grad=True)
+    x = torch.randn(3, 16, device=DEVICE, requires_grad=True)
     gate, up = make_lora(24, 16, torch.float32), make_lora(24, 16, torch.float32, seed=1)
     down = make_lora(16, 24, torch.float32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
         out = lora_mlp(x, gate, up, down)
     dout = torch.randn_like(out)
     out.backward(dout)
@@ -231,7 +236,7 @@ def test_autocast_runs_in_the_autocast_dtype():
 
 
 def test_lora_o_is_the_single_projection():
-    x = torch.randn(3, 24)
+    x = torch.randn(3, 24, device=DEVICE)
     p = make_lora(24, 24, torch.float32)
     torch.testing.assert_close(lora_o(x, p), linear_ref(x, p))
 
@@ -239,7 +244,7 @@ def test_lora_o_is_the_single_projection():
 def test_mlp_backward_twice_is_refused():
     # The backward overwrites its saved buffers; a second call must fail, not return garbage.
     gate, up, down = make_lora(8, 4, torch.float32), make_lora(8, 4, torch.float32), make_lora(4, 8, torch.float32)
-    out = lora_mlp(torch.randn(2, 4, requires_grad=True), gate, up, down).sum()
+    out = lora_mlp(torch.randn(2, 4, device=DEVICE, requires_grad=True), gate, up, down).sum()
     out.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="once"):
         out.backward()
@@ -249,13 +254,14 @@ def test_bad_inputs_are_named():
     p = make_lora(8, 4, torch.float32)
     trainable_base = LoraWeights(p.weight.clone().requires_grad_(), p.A, p.B, p.scaling)
     with pytest.raises(ValueError, match="frozen"):
-        lora_o(torch.randn(2, 4), trainable_base)
+        lora_o(torch.randn(2, 4, device=DEVICE), trainable_base)
     with pytest.raises(ValueError, match="does not match"):
-        lora_o(torch.randn(2, 4), LoraWeights(p.weight.t(), p.A, p.B, p.scaling))
+        lora_o(torch.randn(2, 4, device=DEVICE), LoraWeights(p.weight.t(), p.A, p.B, p.scaling))
     with pytest.raises(ValueError, match="activation"):
-        lora_mlp(torch.randn(2, 4), p, p, make_lora(4, 8, torch.float32), activation="relu")
+        lora_mlp(torch.randn(2, 4, device=DEVICE), p, p, make_lora(4, 8, torch.float32), activation="relu")
     with pytest.raises(ValueError, match="same width"):
-        lora_mlp(torch.randn(2, 4), p, make_lora(6, 4, torch.float32), make_lora(4, 8, torch.float32))
+        wide = make_lora(6, 4, torch.float32)
+        lora_mlp(torch.randn(2, 4, device=DEVICE), p, wide, make_lora(4, 8, torch.float32))
 
 
 REAL = os.environ.get("UNSLOTH_TEST_REAL_SHAPES") == "1"
