@@ -51,18 +51,15 @@ class NestedAbsmax:
 
 
 @triton.jit
-def _to_output(x, dtype: tl.constexpr):
-    """Round fp32 to the output dtype to nearest-even, as torch's `.to()` does, on every backend.
+def _round_to_bf16(x):
+    """fp32 -> bf16 to nearest-even, as torch's `.to()` does, on every backend.
 
-    Triton's CPU interpreter truncates fp32 -> bf16, so bf16 rounding is spelled out in integer ops
+    Triton's CPU interpreter truncates fp32 -> bf16, so the rounding is spelled out in integer ops
     (finite inputs only: NF4 values always are).
     """
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(dtype)
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -78,6 +75,7 @@ def _dequantize_4bit_kernel(
     BLOCKSIZE: tl.constexpr,
     BLOCKSIZE2: tl.constexpr,
     NESTED: tl.constexpr,
+    OUT_BF16: tl.constexpr,
     BYTES: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -98,8 +96,10 @@ def _dequantize_4bit_kernel(
     high = tl.load(code_ptr + (packed >> 4)) * scale
     low = tl.load(code_ptr + (packed & 0xF)) * scale
     values = tl.interleave(high, low)  # element order: high, low, high, low, ...
+    if OUT_BF16:
+        values = _round_to_bf16(values)
     element = pid * (2 * BYTES) + tl.arange(0, 2 * BYTES)
-    tl.store(out_ptr + element, _to_output(values, out_ptr.dtype.element_ty), mask=element < n_elements)
+    tl.store(out_ptr + element, values.to(out_ptr.dtype.element_ty), mask=element < n_elements)
 
 
 def _code_on(device: torch.device, code: torch.Tensor | None) -> torch.Tensor:
@@ -165,7 +165,7 @@ def dequantize_nf4(
     _dequantize_4bit_kernel[grid](
         data, scales, _code_on(device, code), out, absmax2, code2, offset, n,
         BLOCKSIZE=int(blocksize), BLOCKSIZE2=blocksize2, NESTED=nested is not None,
-        BYTES=_BYTES_PER_PROGRAM, num_warps=4, **options,
+        OUT_BF16=out.dtype == torch.bfloat16, BYTES=_BYTES_PER_PROGRAM, num_warps=4, **options,
     )  # fmt: skip
     return out
 
