@@ -213,6 +213,38 @@ def test_matches_peft_modules():
         torch.testing.assert_close(layer.lora_B["default"].weight.grad, dB, rtol=1e-5, atol=1e-6)
 
 
+def test_matches_peft_on_a_bitsandbytes_4bit_layer():
+    # QLoRA as users build it: bnb's Linear4bit (NF4, double quant) wrapped by peft; our path reads
+    # the Params4bit and its QuantState directly.
+    bnb = pytest.importorskip("bitsandbytes")
+    peft = pytest.importorskip("peft")
+
+    class Proj(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = bnb.nn.Linear4bit(64, 32, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+            self.proj.weight = bnb.nn.Params4bit(torch.randn(32, 64) * 0.1, requires_grad=False, quant_type="nf4",
+                                                 compress_statistics=True)  # fmt: skip
+
+        def forward(self, x):
+            return self.proj(x)
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["proj"])
+    layer = peft.get_peft_model(Proj().to(DEVICE), config).base_model.model.proj
+    A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    torch.nn.init.normal_(B, std=0.3)
+    x, dout = torch.randn(5, 64, device=DEVICE), torch.randn(5, 32, device=DEVICE)
+    layer(x).backward(dout)
+    expected = (layer(x).detach(), A.grad.clone(), B.grad.clone())
+    A.grad = B.grad = None
+
+    weight = layer.base_layer.weight
+    out = lora_o(x, LoraWeights(weight, A, B, layer.scaling["default"], quant_state=weight.quant_state))
+    out.backward(dout)
+    for actual, wanted in zip((out, A.grad, B.grad), expected):
+        torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-6)
+
+
 def test_autocast_runs_in_the_autocast_dtype():
     # fp32 model and adapters under bf16 autocast: computes as nn.Linear would, in bf16;
     # gradients come back in the parameters' (fp32) dtype.
