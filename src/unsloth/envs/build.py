@@ -22,7 +22,7 @@ from rich.console import Console
 
 from unsloth import __version__
 from unsloth.envs import steps as plan_steps
-from unsloth.envs.paths import env_python, envs_dir
+from unsloth.envs.paths import env_python, env_scripts, envs_dir, home
 from unsloth.envs.receipt import digest, hardware_fingerprint, utc_now, write_receipt
 from unsloth.envs.runner import Step, StepFailed, run_step
 from unsloth.envs.sources import TORCH_FAMILY, local_listings, torch_source
@@ -42,7 +42,7 @@ class BuildFailed(Exception):
 
 
 def find_uv() -> str | None:
-    """uv from UNSLOTH_UV, the running environment (the `uv` package), or PATH."""
+    """uv from UNSLOTH_UV, the running environment (the `uv` package), the bootstrap environment, or PATH."""
     if os.environ.get("UNSLOTH_UV"):
         return os.environ["UNSLOTH_UV"]
     try:
@@ -51,8 +51,11 @@ def find_uv() -> str | None:
         return find_uv_bin()
     except (ImportError, FileNotFoundError):
         pass
-    beside = Path(sys.executable).parent / ("uv.exe" if os.name == "nt" else "uv")
-    return str(beside) if beside.exists() else shutil.which("uv")
+    name = "uv.exe" if os.name == "nt" else "uv"
+    for candidate in (Path(sys.executable).parent / name, env_scripts(home() / "bootstrap") / name):
+        if candidate.exists():
+            return str(candidate)
+    return shutil.which("uv")
 
 
 def default_python() -> str:

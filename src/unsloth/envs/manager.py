@@ -179,7 +179,7 @@ def uninstall(root: Path, console: Console, purge: bool = False) -> int:
         if launcher.is_ours(script):  # never delete an `unsloth` we did not write
             script.unlink(missing_ok=True)
             removed.append(str(script))
-        for name in ("envs", "bootstrap", "uv"):
+        for name in ("envs", "bootstrap", "uv", "logs"):
             if (root / name).exists():
                 shutil.rmtree(root / name, ignore_errors=True)
                 removed.append(str(root / name))
@@ -188,13 +188,21 @@ def uninstall(root: Path, console: Console, purge: bool = False) -> int:
     (root / LOCK_NAME).unlink(missing_ok=True)
     if purge:
         shutil.rmtree(root, ignore_errors=True)
-    elif root.exists() and not any(root.iterdir()):
-        root.rmdir()
+    for folder in (root, bin_dir()):
+        _remove_empty_up_to_home(folder)
     for path in removed:
         console.print(f"removed {path}")
     kept = "" if purge else f"; {KEEP_ON_UNINSTALL_HINT}"
     console.print(f"[green]Uninstalled[/]{kept}.")
     return 0
+
+
+def _remove_empty_up_to_home(folder: Path) -> None:
+    """Folders we created (~/.local/bin, ~/.local/share/unsloth) go too, if nothing else is in them."""
+    stop = Path.home()
+    while folder != stop and stop in folder.parents and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
+        folder = folder.parent
 
 
 def env_table(root: Path) -> list[dict]:

@@ -1,0 +1,253 @@
+# unsloth installer for Windows (PowerShell 5.1 and 7).
+#
+#   irm <release>/install.ps1 | iex                 the released package (UNSLOTH_VERSION picks one)
+#   powershell -File install.ps1 [-Yes] [-DryRun]   from a clone: installs that clone
+#
+# Like install.sh, this only finds a Python, gets uv and creates a small bootstrap environment
+# holding this package; `unsloth install` makes every hardware decision and builds the managed
+# environment transactionally. Options are parameters or UNSLOTH_* variables (docs/install.md).
+# Everything is inside functions and the last line calls one: a partial download runs nothing.
+
+$ErrorActionPreference = 'Stop'
+
+$UnslothUvVersion = '0.13.9'
+$UnslothPythonMin = [version]'3.10'
+$UnslothPythonMax = [version]'3.13'
+$UnslothPythonDefault = '3.12'
+
+function Write-Step {
+    param([string]$Message)
+    Write-Host "==> $Message"
+}
+
+function Stop-Install {
+    param([string]$Message)
+    Write-Host "error: $Message" -ForegroundColor Red
+    throw "unsloth install stopped: $Message"
+}
+
+function Get-UnslothHome {
+    if ($env:UNSLOTH_HOME) { return $env:UNSLOTH_HOME }
+    return (Join-Path $env:LOCALAPPDATA 'unsloth')
+}
+
+function Test-PythonVersion {
+    param([string]$Python)
+    try {
+        $text = & $Python -c 'import sys; print(".".join(map(str, sys.version_info[:2])))' 2>$null
+    } catch {
+        return $false
+    }
+    if (-not $text) { return $false }
+    $version = [version]$text.Trim()
+    return ($version -ge $UnslothPythonMin -and $version -le $UnslothPythonMax)
+}
+
+# A Python 3.10 to 3.13: UNSLOTH_PYTHON, the py launcher, or python on PATH (not the Store stub).
+function Find-Python {
+    if ($env:UNSLOTH_PYTHON) {
+        if (Test-PythonVersion $env:UNSLOTH_PYTHON) { return $env:UNSLOTH_PYTHON }
+        Stop-Install "UNSLOTH_PYTHON=$($env:UNSLOTH_PYTHON) is not a Python $UnslothPythonMin to $UnslothPythonMax"
+    }
+    $launcher = Get-Command 'py' -ErrorAction SilentlyContinue
+    if ($launcher) {
+        foreach ($minor in @('3.12', '3.13', '3.11', '3.10')) {
+            $path = & $launcher.Source "-$minor" -c 'import sys; print(sys.executable)' 2>$null
+            if ($LASTEXITCODE -eq 0 -and $path) { return $path.Trim() }
+        }
+    }
+    $candidates = @(Get-Command 'python' -All -ErrorAction SilentlyContinue)
+    foreach ($candidate in $candidates) {
+        if ($candidate.Source -like '*WindowsApps*') { continue }
+        if (Test-PythonVersion $candidate.Source) { return $candidate.Source }
+    }
+    return $null
+}
+
+function Find-Uv {
+    param([string]$Bootstrap)
+    $candidates = @($env:UNSLOTH_UV, (Join-Path $Bootstrap 'Scripts\uv.exe'))
+    $onPath = Get-Command 'uv' -ErrorAction SilentlyContinue
+    if ($onPath) { $candidates += $onPath.Source }
+    foreach ($candidate in $candidates) {
+        if ($candidate -and (Test-Path $candidate)) { return $candidate }
+    }
+    return $null
+}
+
+# The standalone uv, checked against the checksum published with the release.
+function Get-StandaloneUv {
+    param([string]$UnslothHome)
+    $target = 'x86_64-pc-windows-msvc'
+    if ($env:PROCESSOR_ARCHITECTURE -eq 'ARM64') { $target = 'aarch64-pc-windows-msvc' }
+    $asset = "uv-$target.zip"
+    $base = $env:UNSLOTH_UV_DOWNLOAD_URL
+    if (-not $base) { $base = "https://github.com/astral-sh/uv/releases/download/$UnslothUvVersion" }
+    $tmp = Join-Path ([System.IO.Path]::GetTempPath()) ("unsloth-uv-" + [guid]::NewGuid())
+    New-Item -ItemType Directory -Path $tmp | Out-Null
+    try {
+        Write-Step "Downloading uv $UnslothUvVersion ($target)"
+        $ProgressPreference = 'SilentlyContinue'  # the progress bar makes Invoke-WebRequest very slow on 5.1
+        Invoke-WebRequest -UseBasicParsing -Uri "$base/$asset" -OutFile (Join-Path $tmp $asset)
+        $expected = $env:UNSLOTH_UV_SHA256
+        if (-not $expected) {
+            $sums = (Invoke-WebRequest -UseBasicParsing -Uri "$base/$asset.sha256").Content
+            if ($sums -is [byte[]]) { $sums = [System.Text.Encoding]::ASCII.GetString($sums) }
+            $expected = ($sums -split '\s+')[0]
+        }
+        $actual = (Get-FileHash -Algorithm SHA256 -Path (Join-Path $tmp $asset)).Hash
+        if ($actual -ne $expected.ToUpper()) {
+            Stop-Install "uv download is corrupt or tampered with (sha256 $actual, expected $expected); nothing was installed"
+        }
+        Expand-Archive -Path (Join-Path $tmp $asset) -DestinationPath $tmp -Force
+        $dest = Join-Path $UnslothHome 'uv'
+        New-Item -ItemType Directory -Force -Path $dest | Out-Null
+        Copy-Item -Path (Join-Path $tmp 'uv.exe') -Destination $dest -Force
+        return (Join-Path $dest 'uv.exe')
+    } finally {
+        Remove-Item -Recurse -Force -Path $tmp -ErrorAction SilentlyContinue
+    }
+}
+
+# Where this package comes from: this clone, UNSLOTH_SOURCE, or the release archive.
+function Get-PackageSource {
+    param([string]$ScriptPath)
+    if ($env:UNSLOTH_SOURCE) { return $env:UNSLOTH_SOURCE }
+    if ($ScriptPath) {
+        $here = Split-Path -Parent $ScriptPath
+        $pyproject = Join-Path $here 'pyproject.toml'
+        if ((Test-Path $pyproject) -and (Select-String -Path $pyproject -Pattern '^name = "unsloth-installer"' -Quiet)) {
+            return $here
+        }
+    }
+    $releases = $env:UNSLOTH_RELEASE_URL
+    if (-not $releases) { $releases = 'https://github.com/unsloth-installer/unsloth/releases' }
+    if ($env:UNSLOTH_VERSION -and $env:UNSLOTH_VERSION -ne 'latest') {
+        return "$releases/download/v$($env:UNSLOTH_VERSION)/unsloth_installer-$($env:UNSLOTH_VERSION).tar.gz"
+    }
+    return "$releases/latest/download/unsloth_installer.tar.gz"
+}
+
+# UNSLOTH_* index overrides as flags that pip and uv both read.
+function Get-IndexArguments {
+    $arguments = @()
+    if ($env:UNSLOTH_INDEX_URL) { $arguments += @('--index-url', $env:UNSLOTH_INDEX_URL) }
+    foreach ($url in @("$($env:UNSLOTH_EXTRA_INDEX_URL)" -split '\s+')) {
+        if ($url) { $arguments += @('--extra-index-url', $url) }
+    }
+    foreach ($link in @("$($env:UNSLOTH_FIND_LINKS)" -split '\s+')) {
+        if ($link) { $arguments += @('--find-links', $link) }
+    }
+    return $arguments
+}
+
+# The bootstrap environment: uv and this package, enough to run `unsloth install`.
+function Install-Bootstrap {
+    param([string]$UnslothHome, [string]$Python, [string]$Source)
+    $bootstrap = Join-Path $UnslothHome 'bootstrap'
+    $bootPython = Join-Path $bootstrap 'Scripts\python.exe'
+    $indexArguments = Get-IndexArguments
+    if (-not (Test-Path $bootPython)) {
+        if ($Python) {
+            Write-Step "Creating the bootstrap environment with $Python"
+            & $Python -m venv $bootstrap
+        } else {
+            $uv = Find-Uv $bootstrap
+            if (-not $uv) { $uv = Get-StandaloneUv $UnslothHome }
+            Write-Step "Creating the bootstrap environment with uv (Python $UnslothPythonDefault)"
+            & $uv venv --quiet --python $UnslothPythonDefault $bootstrap
+        }
+        if ($LASTEXITCODE -ne 0) {
+            Remove-Item -Recurse -Force -Path $bootstrap -ErrorAction SilentlyContinue
+            Stop-Install 'could not create the bootstrap environment (output above)'
+        }
+    }
+    Write-Step "Installing unsloth into the bootstrap environment from $Source"
+    $bootUv = Join-Path $bootstrap 'Scripts\uv.exe'
+    if (Test-Path $bootUv) {
+        & $bootUv pip install --quiet --python $bootPython @indexArguments --reinstall-package unsloth-installer $Source
+        if ($LASTEXITCODE -eq 0) { return $bootstrap }
+    }
+    & $bootPython -m pip --version *> $null
+    if ($LASTEXITCODE -eq 0) {
+        # pip reads the user's pip configuration itself; UNSLOTH_* overrides go on top.
+        & $bootPython -m pip install --quiet --disable-pip-version-check @indexArguments uv $Source
+    } else {
+        $uv = Find-Uv $bootstrap
+        & $uv pip install --quiet --python $bootPython @indexArguments uv $Source
+    }
+    if ($LASTEXITCODE -ne 0) {
+        Stop-Install "installing unsloth into $bootstrap failed (output above); your environment is unchanged"
+    }
+    return $bootstrap
+}
+
+function Install-Unsloth {
+    param(
+        [switch]$Yes,
+        [switch]$DryRun,
+        [string]$Version,
+        [string]$Source,
+        [string]$Python,
+        [string]$IndexUrl,
+        [string]$TorchIndexUrl,
+        [string]$FindLinks,
+        [string]$Without,
+        [switch]$NoModifyPath,
+        [string[]]$PassThrough = @()
+    )
+    # Parameters become the UNSLOTH_* variables `unsloth install` reads too: one set of names.
+    if ($Version) { $env:UNSLOTH_VERSION = $Version }
+    if ($Source) { $env:UNSLOTH_SOURCE = $Source }
+    if ($Python) { $env:UNSLOTH_PYTHON = $Python }
+    if ($IndexUrl) { $env:UNSLOTH_INDEX_URL = $IndexUrl }
+    if ($TorchIndexUrl) { $env:UNSLOTH_TORCH_INDEX_URL = $TorchIndexUrl }
+    if ($FindLinks) { $env:UNSLOTH_FIND_LINKS = $FindLinks }
+    if ($Without) { $env:UNSLOTH_WITHOUT = $Without }
+    if ($NoModifyPath) { $env:UNSLOTH_NO_MODIFY_PATH = '1' }
+
+    $unslothHome = Get-UnslothHome
+    $env:UNSLOTH_HOME = $unslothHome
+    $pythonPath = Find-Python
+    if (-not $pythonPath) { Write-Step "No Python $UnslothPythonMin to $UnslothPythonMax found: uv will provide Python $UnslothPythonDefault." }
+    $packageSource = Get-PackageSource $PSCommandPath
+    $env:UNSLOTH_SOURCE = $packageSource
+
+    if ($DryRun) {
+        Write-Step 'Dry run: nothing will change.'
+        Write-Step "install home: $unslothHome"
+        Write-Step "package source: $packageSource"
+        Write-Step "Python: $pythonPath"
+        $bootUnsloth = Join-Path $unslothHome 'bootstrap\Scripts\unsloth.exe'
+        if (Test-Path $bootUnsloth) { & $bootUnsloth install --dry-run @PassThrough }
+        return
+    }
+    if (-not $Yes -and -not $env:UNSLOTH_YES -and [Environment]::UserInteractive -and -not [Console]::IsInputRedirected) {
+        $answer = Read-Host "Install unsloth into $unslothHome? [Y/n]"
+        if ($answer -and $answer -notmatch '^(y|yes)$') {
+            Write-Step 'Nothing changed.'
+            return
+        }
+    }
+    New-Item -ItemType Directory -Force -Path $unslothHome | Out-Null
+    $bootstrap = Install-Bootstrap -UnslothHome $unslothHome -Python $pythonPath -Source $packageSource
+    Write-Step 'Handing over to `unsloth install` for the hardware-aware rest'
+    $currentFile = Join-Path $unslothHome 'current'
+    $before = $null
+    if (Test-Path $currentFile) { $before = (Get-Content -Raw $currentFile).Trim() }
+    & (Join-Path $bootstrap 'Scripts\unsloth.exe') install --yes @PassThrough
+    if ($LASTEXITCODE -ne 0) { Stop-Install 'unsloth install failed (see above); anything already installed is unchanged' }
+    $binDir = $env:UNSLOTH_BIN_DIR
+    if (-not $binDir) { $binDir = Join-Path $unslothHome 'bin' }
+    $launcher = Join-Path $binDir 'unsloth.cmd'
+    if ($before -and $before -eq (Get-Content -Raw $currentFile).Trim()) {
+        Write-Step "Nothing changed. ``$launcher doctor`` checks the environment at any time."
+        return
+    }
+    Write-Step 'Checking the result with `unsloth doctor`'
+    & $launcher doctor
+    if ($LASTEXITCODE -ne 0) { Stop-Install "unsloth doctor found a problem (see above); fix it, then run ``$launcher doctor`` again" }
+    Write-Step "Done. Open a new terminal, then run: unsloth train --demo"
+}
+
+Install-Unsloth @args
