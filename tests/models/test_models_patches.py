@@ -1,0 +1,104 @@
+"""Per family: patched against unpatched on a tiny random model — logits, loss and LoRA gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.models.tiny import VOCAB, tiny_model
+from unsloth.models.patches import FAMILIES, patch_model
+
+FAMILY_NAMES = sorted(FAMILIES)
+
+
+def _batch(seed=1, batch=2, seq=12):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    labels = ids.clone()
+    labels[:, :4] = -100  # a masked prompt, as SFT batches have
+    return ids, labels
+
+
+def _with_lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(model, LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():  # B starts at zero; make it non-zero so A's gradient is tested too
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    return peft_model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_patched_matches_unpatched(family):
+    reference = tiny_model(family)
+    patched = copy.deepcopy(reference)
+    report = patch_model(patched)
+    layers = reference.config.num_hidden_layers
+    assert report.skipped is None
+    assert report.rms_norm >= 2 * layers + 1  # two per layer and the final norm (more with q/k norms)
+    assert report.rope == layers
+    assert report.mlp == layers
+    assert report.loss
+
+    ids, labels = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(patched(input_ids=ids).logits, reference(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+    reference, patched = _with_lora(reference), _with_lora(patched)
+    for model in (reference, patched):
+        model.train()
+        model.zero_grad()
+    ref_loss = reference(input_ids=ids, labels=labels).loss
+    fast_loss = patched(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(fast_loss, ref_loss, rtol=1e-5, atol=1e-5)
+    ref_loss.backward()
+    fast_loss.backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    fast_grads = {n: p.grad for n, p in patched.named_parameters() if p.requires_grad}
+    assert ref_grads.keys() == fast_grads.keys() and ref_grads
+    for name, grad in ref_grads.items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        torch.testing.assert_close(fast_grads[name], grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_unknown_family_trains_unpatched_and_says_so(caplog):
+    model = tiny_model("phi")
+    with caplog.at_level("INFO", logger="unsloth"):
+        report = patch_model(model)
+    assert report.skipped and "transformers + peft" in report.skipped
+    assert "phi: unpatched" in caplog.text
+    ids, labels = _batch()
+    model = _with_lora(model)
+    model.train()
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_unpatched_model_of_a_patched_family_keeps_the_stock_rope():
+    """The RoPE dispatcher is module-wide; models that were not patched must not see our kernel."""
+    from unsloth.models.patches import rope
+
+    patched = tiny_model("llama")
+    patch_model(patched)
+    plain = tiny_model("llama")
+    calls = []
+    original = rope._fast_rope
+    rope._fast_rope = lambda *a: calls.append(1) or original(*a)
+    try:
+        with torch.no_grad():
+            plain(input_ids=_batch()[0])
+            assert not calls
+            patched(input_ids=_batch()[0])
+            assert len(calls) == patched.config.num_hidden_layers
+    finally:
+        rope._fast_rope = original
