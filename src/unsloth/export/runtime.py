@@ -77,13 +77,20 @@ def next_token_logits(llm: Any, tokens: list[int]) -> np.ndarray:
     return np.array(llm.scores[: len(tokens)], dtype=np.float32)
 
 
+def last_logits(llm: Any) -> np.ndarray:
+    """The logits after the last evaluated token (kept by llama.cpp whatever ``logits_all`` says)."""
+    llama_cpp = require_llama_cpp()
+    pointer = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return np.ctypeslib.as_array(pointer, shape=(llm.n_vocab(),)).copy()
+
+
 def greedy(llm: Any, prompt: list[int], n_tokens: int) -> list[int]:
     """The first ``n_tokens`` greedy tokens after ``prompt``, ignoring end-of-sequence (for comparison)."""
     llm.reset()
     llm.eval(prompt)
     out: list[int] = []
     for _ in range(n_tokens):
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = int(np.argmax(last_logits(llm)))
         out.append(token)
         llm.eval([token])
     return out

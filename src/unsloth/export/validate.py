@@ -185,7 +185,7 @@ def validate(
     llm = runtime.load(path, n_ctx=max(len(ids) for ids in encoded) + n_tokens + 8, gpu=False, logits_all=True)
     try:
         results = [compare_prompt(reference, llm, t, ids, n_tokens) for t, ids in zip(texts, encoded)]
-        mismatches = tokenizer_mismatches(tokenizer, llm)
+        mismatches = tokenizer_mismatches(tokenizer, llm, TOKENIZER_SAMPLES + tuple(texts))
     finally:
         llm.close()
     return Validation(method, str(path), results, TIE_TOLERANCE.get(dtype, 0.05), str(dtype).removeprefix("torch."), mismatches)

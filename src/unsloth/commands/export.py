@@ -1,0 +1,93 @@
+"""`unsloth export CHECKPOINT --gguf METHOD [--out DIR]`: a trained checkpoint -> validated GGUF files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    from unsloth.export.methods import ALIASES, METHODS
+
+    p = subparsers.add_parser(
+        "export",
+        help="export a checkpoint to GGUF for llama.cpp, Ollama, LM Studio",
+        description="Merge LoRA adapters into 16-bit weights, write GGUF, quantize with llama.cpp and "
+        "check the result against transformers (greedy tokens on a few prompts). CHECKPOINT is a "
+        "merged model directory or a LoRA adapter directory whose base model is on disk.",
+        epilog="methods: " + ", ".join(f"{m.name} ({m.description})" for m in METHODS.values())
+        + "; aliases: " + ", ".join(f"{a}={t}" for a, t in ALIASES.items()),
+    )
+    p.add_argument("checkpoint", help="model or LoRA adapter directory")
+    p.add_argument("--gguf", action="append", metavar="METHOD", required=True,
+                   help="output type, e.g. q4_k_m; repeat or comma-separate for several (q8_0,q4_k_m)")
+    p.add_argument("--out", help="output directory (default: CHECKPOINT-gguf beside the checkpoint)")
+    p.add_argument("--name", help="file name stem (default: the checkpoint directory's name)")
+    p.add_argument("--modelfile", action="store_true", help="also write an Ollama Modelfile")
+    p.add_argument("--no-validate", dest="validate", action="store_false",
+                   help="skip the llama.cpp vs transformers comparison")
+    p.add_argument("--json", action="store_true", help="print the files and validation report as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from unsloth.export import ExportError
+
+    logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
+    checkpoint = Path(args.checkpoint).resolve()
+    out = Path(args.out) if args.out else checkpoint.with_name(checkpoint.name + "-gguf")
+    methods = [m for value in args.gguf for m in value.split(",") if m.strip()]
+    try:
+        result = _export(checkpoint, out, methods, args)
+    except ExportError as exc:
+        if args.json:
+            print(json.dumps({"ok": False, "error": exc.problem, "fix": exc.fix}))
+        else:
+            print(f"unsloth export: {exc}", file=sys.stderr)
+        return 1
+    ok = all(v.passed for v in result.validations.values())
+    if args.json:
+        print(json.dumps({"ok": ok, **result.to_json()}, indent=2))
+        return 0
+    for method, path in result.files.items():
+        print(f"{path}  ({path.stat().st_size / 1024**2:.1f} MiB)")
+        if method in result.validations:
+            print(f"  {result.validations[method].summary()}")
+    if result.modelfile:
+        print(f"{result.modelfile}  (ollama create NAME -f {result.modelfile})")
+    first = next(iter(result.files.values()))
+    print(f"try it: unsloth chat {first}")
+    if not ok:
+        print("warning: a quantized file agrees with the 16-bit model less than expected; "
+              "prefer a larger method (q8_0, q6_k)", file=sys.stderr)
+    return 0
+
+
+def _export(checkpoint: Path, out: Path, methods: list[str], args: argparse.Namespace):
+    from unsloth.export.gguf import save_pretrained_gguf
+    from unsloth.export.merge import load_checkpoint
+    from unsloth.export.methods import resolve_all
+
+    resolve_all(methods)  # a typo fails before the model is loaded
+    model, tokenizer = load_checkpoint(checkpoint, dtype=_load_dtype(checkpoint))
+    return save_pretrained_gguf(
+        model, out, tokenizer, methods, name=args.name or checkpoint.name,
+        validate_export=args.validate, modelfile=args.modelfile,
+    )
+
+
+def _load_dtype(checkpoint: Path):
+    """float32 when it fits comfortably in RAM (an exact reference for validation), else as saved."""
+    import psutil
+    import torch
+
+    weights = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+    adapter = checkpoint / "adapter_config.json"
+    if adapter.is_file():
+        base = Path(json.loads(adapter.read_text()).get("base_model_name_or_path") or checkpoint)
+        weights += sum(f.stat().st_size for f in base.glob("*.safetensors"))
+    float32_bytes = weights * 2  # checkpoints are saved in 16 bits
+    return torch.float32 if float32_bytes < psutil.virtual_memory().available * 0.4 else None
