@@ -38,6 +38,16 @@ def _layer_norm_fwd(
 
 
 @triton.jit
+def _load_tile(X, DY, MEAN, RSTD, rows, cols, last, n_cols, stride_x, stride_dy):
+    """x, dy (storage dtype), mean and rstd for a tile of rows; rows past `last` read nothing."""
+    row_mask = rows < last
+    mask = row_mask[:, None] & (cols[None, :] < n_cols)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    return x, dy, tl.load(MEAN + rows, mask=row_mask, other=0.0), tl.load(RSTD + rows, mask=row_mask, other=0.0)
+
+
+@triton.jit
 def _layer_norm_bwd(
     DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL,
     n_rows, n_cols, rows_per_program, stride_dy, stride_x, stride_dx,
@@ -51,22 +61,24 @@ def _layer_norm_bwd(
     db = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = pid.to(tl.int64) * rows_per_program
     last = tl.minimum(first + rows_per_program, n_rows)
-    for start in range(first, last, BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        row_mask = rows < last
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-        x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        dw += dy * x_hat
-        db += dy
-        g = dy * w[None, :]
+    # The next tile's loads are issued before this tile's math (see rms_norm's backward).
+    rows = first + tl.arange(0, BLOCK_M)
+    x, dy, mean, rstd = _load_tile(X, DY, MEAN, RSTD, rows, cols, last, n_cols, stride_x, stride_dy)
+    for _ in range(first, last, BLOCK_M):
+        next_rows = rows + BLOCK_M
+        x_next, dy_next, mean_next, rstd_next = _load_tile(X, DY, MEAN, RSTD, next_rows, cols, last, n_cols,
+                                                           stride_x, stride_dy)
+        mask = (rows[:, None] < last) & col_mask[None, :]
+        x_hat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
+        dyf = dy.to(tl.float32)
+        dw += dyf * x_hat
+        db += dyf
+        g = dyf * w[None, :]
         c1 = tl.sum(g * x_hat, axis=1) / n_cols
         c2 = tl.sum(g, axis=1) / n_cols
         dx = rstd[:, None] * (g - x_hat * c1[:, None] - c2[:, None])
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        rows, x, dy, mean, rstd = next_rows, x_next, dy_next, mean_next, rstd_next
     tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw, axis=0), mask=col_mask)
     if HAS_BIAS:
         tl.store(DB_PARTIAL + pid * n_cols + cols, tl.sum(db, axis=0), mask=col_mask)
@@ -97,7 +109,7 @@ class LayerNormFunction(torch.autograd.Function):
         n_rows, n_cols = x2.shape
         dy2 = as_rows(dy, n_cols)
         dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
-        block_m, block_n, warps = row_tile(n_cols, 8192)
+        block_m, block_n, warps = row_tile(n_cols, 4096)
         n_programs, rows_per_program = split_rows(n_rows, block_m, x2.device)
         dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device)
         db_partial = torch.empty_like(dw_partial) if bias is not None else dw_partial

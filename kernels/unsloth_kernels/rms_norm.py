@@ -53,6 +53,16 @@ def _rms_norm_fwd(
 
 
 @triton.jit
+def _load_tile(X, DY, RSTD, rows, cols, last, n_cols, stride_x, stride_dy):
+    """x and dy (in their storage dtype) and rstd for a tile of rows; rows past `last` read nothing."""
+    row_mask = rows < last
+    mask = row_mask[:, None] & (cols[None, :] < n_cols)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    return x, dy, tl.load(RSTD + rows, mask=row_mask, other=0.0)
+
+
+@triton.jit
 def _rms_norm_bwd(
     DY, DS, X, W, RSTD, DX, DW_PARTIAL,
     n_rows, n_cols, offset, rows_per_program,
@@ -67,24 +77,29 @@ def _rms_norm_bwd(
     dw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = pid.to(tl.int64) * rows_per_program
     last = tl.minimum(first + rows_per_program, n_rows)
-    for start in range(first, last, BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        row_mask = rows < last
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    # Software pipelining by hand: the next tile's loads are issued before this tile's math, so
+    # memory stays busy while the row reductions synchronise the program's warps.
+    rows = first + tl.arange(0, BLOCK_M)
+    x, dy, rstd = _load_tile(X, DY, RSTD, rows, cols, last, n_cols, stride_x, stride_dy)
+    for _ in range(first, last, BLOCK_M):
+        next_rows = rows + BLOCK_M
+        x_next, dy_next, rstd_next = _load_tile(X, DY, RSTD, next_rows, cols, last, n_cols, stride_x, stride_dy)
+        mask = (rows[:, None] < last) & col_mask[None, :]
+        if HAS_DS:  # gradient reaching the residual sum directly (fused add): both add up
+            ds = tl.load(DS + rows[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         x_hat = x.to(tl.float32) * rstd[:, None]
+        dyf = dy.to(tl.float32)
         # dW sees exactly the factor the forward multiplied by (Llama: the row rounded to dtype).
         if LLAMA_CAST:
-            dw += dy * x_hat.to(x.dtype).to(tl.float32)
+            dw += dyf * x_hat.to(x.dtype).to(tl.float32)
         else:
-            dw += dy * x_hat
-        g = dy * w[None, :]
+            dw += dyf * x_hat
+        g = dyf * w[None, :]
         dx = rstd[:, None] * (g - x_hat * (tl.sum(g * x_hat, axis=1) / n_cols)[:, None])
-        if HAS_DS:  # gradient reaching the residual sum directly (fused add): both add up
-            dx += tl.load(DS + rows[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_DS:
+            dx += ds
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        rows, x, dy, rstd = next_rows, x_next, dy_next, rstd_next
     tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw, axis=0), mask=col_mask)
 
 
@@ -115,7 +130,7 @@ def rms_norm_backward(dy, ds, x2, weight, rstd, offset, cast, input_dtype):
     dy2 = as_rows(dy, n_cols)
     ds2 = as_rows(ds, n_cols) if ds is not None else None
     dx = torch.empty((n_rows, n_cols), dtype=input_dtype, device=x2.device)
-    block_m, block_n, warps = row_tile(n_cols, 8192)
+    block_m, block_n, warps = row_tile(n_cols, 4096)
     n_programs, rows_per_program = split_rows(n_rows, block_m, x2.device)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device)
     _rms_norm_bwd[(n_programs,)](

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from reference import assert_close_dtype, f64, geglu_ref, swiglu_ref
+from reference import assert_close_dtype, compile_cases_for_gpu, f64, geglu_ref, swiglu_ref
 
 import unsloth_kernels._utils as kernel_utils
 from unsloth_kernels import geglu, swiglu
@@ -95,6 +95,21 @@ def test_bad_arguments_are_named():
         swiglu(gate, up.double())
     with pytest.raises(ValueError, match="approximate"):
         geglu(gate, up, approximate="erf")
+
+
+COMPILE_CASES = [
+    ("unsloth_kernels.activations", name, dict(ACT=act, BLOCK=1024), 4)
+    for name in ("_glu_fwd", "_glu_bwd") for act in (0, 1, 2)
+]
+
+
+# Compiling for real GPUs catches what the CPU interpreter cannot (see reference.compile_for_gpu);
+# on a machine with a GPU the launches above already compile these for real.
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run compiles the kernels for real")
+def test_kernels_compile_for_cuda_and_rocm_gpus():
+    vectorised = compile_cases_for_gpu(COMPILE_CASES)["sm90"]
+    # 16-byte vector loads on the GPU are needed to reach memory bandwidth
+    assert all(vectorised), [case[1] for case, v in zip(COMPILE_CASES, vectorised) if not v]
 
 
 REAL = os.environ.get("UNSLOTH_TEST_REAL_SHAPES") == "1" and torch.cuda.is_available()

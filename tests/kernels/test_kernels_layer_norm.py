@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from reference import assert_close_dtype, f64, layer_norm_ref, tolerance
+from reference import assert_close_dtype, compile_cases_for_gpu, f64, layer_norm_ref, tolerance
 
 import unsloth_kernels._utils as kernel_utils
 from unsloth_kernels import LayerNorm, layer_norm
@@ -15,7 +15,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not kernel_utils.INTERPRET,
                                 reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-SHAPES = [(1, 129), (5, 1000), (2, 7, 129)]
+# The last shape has enough rows (150) that each backward program walks several tiles.
+SHAPES = [(1, 129), (5, 1000), (2, 7, 129), (3, 50, 1000)]
 
 
 def check_against_float64(shape, dtype, bias, device=DEVICE):
@@ -71,6 +72,21 @@ def test_bad_arguments_are_named():
         layer_norm(x, torch.ones(63, device=DEVICE))
     with pytest.raises(ValueError, match="bias shape"):
         layer_norm(x, torch.ones(64, device=DEVICE), torch.zeros(3, device=DEVICE))
+
+
+COMPILE_CASES = [
+    ("unsloth_kernels.layer_norm", name, dict(HAS_BIAS=b, BLOCK_M=1, BLOCK_N=4096), 8)
+    for name in ("_layer_norm_fwd", "_layer_norm_bwd") for b in (False, True)
+]
+
+
+# Compiling for real GPUs catches what the CPU interpreter cannot (see reference.compile_for_gpu);
+# on a machine with a GPU the launches above already compile these for real.
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run compiles the kernels for real")
+def test_kernels_compile_for_cuda_and_rocm_gpus():
+    vectorised = compile_cases_for_gpu(COMPILE_CASES)["sm90"]
+    # 16-byte vector loads on the GPU are needed to reach memory bandwidth
+    assert all(vectorised), [case[1] for case, v in zip(COMPILE_CASES, vectorised) if not v]
 
 
 REAL = os.environ.get("UNSLOTH_TEST_REAL_SHAPES") == "1" and torch.cuda.is_available()

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from reference import UNIT_ROUNDOFF, assert_close_dtype, f64, rms_norm_ref
+from reference import UNIT_ROUNDOFF, assert_close_dtype, compile_cases_for_gpu, f64, rms_norm_ref
 
 import unsloth_kernels._utils as kernel_utils
 from unsloth_kernels import RMSNorm, rms_norm
@@ -19,8 +19,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not kernel_utils.INTERPRET,
                                 reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-# A single row, hidden sizes that are not powers of two, a batch of 1, a 3-D batch.
-SHAPES = [(1, 129), (5, 1000), (1, 3, 64), (2, 7, 129)]
+# A single row, hidden sizes that are not powers of two, a batch of 1, a 3-D batch, and enough
+# rows (150) that each backward program walks several tiles, the last one partial.
+SHAPES = [(1, 129), (5, 1000), (1, 3, 64), (2, 7, 129), (3, 50, 1000)]
 MODES = [("llama", 0.0), ("gemma", 1.0)]  # (cast, offset)
 # Bit-level comparisons with HF: Triton's CPU interpreter converts fp32 -> bf16 by truncation (the GPU
 # rounds to nearest-even like torch), so under the interpreter they run in fp16 only.
@@ -154,6 +155,24 @@ def test_cpu_tensors_without_the_interpreter_get_a_clear_error(monkeypatch):
     x, weight, _ = make_inputs((2, 64), torch.float32, device="cpu")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         rms_norm(x, weight)
+
+
+COMPILE_CASES = [  # Llama-3.1-8B rows: 4096 wide, one row per tile, 8 warps (what the launcher picks)
+    ("unsloth_kernels.rms_norm", "_rms_norm_fwd", dict(HAS_RESIDUAL=r, LLAMA_CAST=c, BLOCK_M=1, BLOCK_N=4096), 8)
+    for r in (False, True) for c in (False, True)
+] + [
+    ("unsloth_kernels.rms_norm", "_rms_norm_bwd", dict(HAS_DS=d, LLAMA_CAST=c, BLOCK_M=1, BLOCK_N=4096), 8)
+    for d in (False, True) for c in (False, True)
+]
+
+
+# Compiling for real GPUs catches what the CPU interpreter cannot (see reference.compile_for_gpu);
+# on a machine with a GPU the launches above already compile these for real.
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run compiles the kernels for real")
+def test_kernels_compile_for_cuda_and_rocm_gpus():
+    vectorised = compile_cases_for_gpu(COMPILE_CASES)["sm90"]
+    # 16-byte vector loads on the GPU are needed to reach memory bandwidth
+    assert all(vectorised), [case[1] for case, v in zip(COMPILE_CASES, vectorised) if not v]
 
 
 REAL = os.environ.get("UNSLOTH_TEST_REAL_SHAPES") == "1" and torch.cuda.is_available()

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from reference import UNIT_ROUNDOFF, assert_close_dtype, f64, rope_ref
+from reference import UNIT_ROUNDOFF, assert_close_dtype, compile_cases_for_gpu, f64, rope_ref
 
 import unsloth_kernels._utils as kernel_utils
 from unsloth_kernels import apply_rope
@@ -122,6 +122,25 @@ def test_bad_arguments_are_named():
         apply_rope(q, k[..., :4], cos[:3], sin[:3])
     with pytest.raises(ValueError, match="position_ids"):
         apply_rope(q, k, cos, sin, position_ids=torch.zeros(1, 5, dtype=torch.long, device=DEVICE))
+
+
+COMPILE_CASES = [  # Llama-3.1-8B heads (32 q, 8 kv, 128 wide); then a partial rotary, copied pass-through
+    ("unsloth_kernels.rope", "_rope_kernel", dict(HALF=64, N_PASS=0, BLOCK_QH=32, BLOCK_KH=8, BLOCK_HALF=64,
+                                                  BLOCK_PASS=1, HAS_POS=p, BACKWARD=b, COPY_PASS=False), 8)
+    for p in (False, True) for b in (False, True)
+] + [
+    ("unsloth_kernels.rope", "_rope_kernel", dict(HALF=32, N_PASS=64, BLOCK_QH=32, BLOCK_KH=8, BLOCK_HALF=32,
+                                                  BLOCK_PASS=64, HAS_POS=False, BACKWARD=False, COPY_PASS=True), 8)
+]
+
+
+# Compiling for real GPUs catches what the CPU interpreter cannot (see reference.compile_for_gpu);
+# on a machine with a GPU the launches above already compile these for real.
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run compiles the kernels for real")
+def test_kernels_compile_for_cuda_and_rocm_gpus():
+    vectorised = compile_cases_for_gpu(COMPILE_CASES)["sm90"]
+    # 16-byte vector loads on the GPU are needed to reach memory bandwidth
+    assert all(vectorised), [case[1] for case, v in zip(COMPILE_CASES, vectorised) if not v]
 
 
 REAL = os.environ.get("UNSLOTH_TEST_REAL_SHAPES") == "1" and torch.cuda.is_available()
