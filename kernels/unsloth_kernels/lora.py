@@ -9,8 +9,10 @@ pre-activations) and compute
     dX = dY W + s (dY B) A        dA = s (dY B)^T X        dB = s dY^T (X A^T)
 
 with every matmul in torch (cuBLAS / hipBLAS), the LoRA terms folded into the base outputs with
-`addmm_(alpha=s)` so no separate buffers are made. A dequantized NF4 weight lives only for the one
-matmul that needs it, in forward and again in backward.
+`addmm_(alpha=s)` so no separate buffers are made. Projections of one input (Q/K/V, gate/up) stack
+their A matrices, so x is read once for all their x A^T and once for all their dA, and the LoRA part
+of dX is a single matmul. A dequantized NF4 weight lives only for the one matmul that needs it, in
+forward and again in backward.
 
 In the MLP, down(act(gate(x)) * up(x)), the activation is not saved: one Triton kernel recomputes it
 in backward and writes h, d(gate), d(up) over the buffers it reads (dh, gate, up). That makes the
@@ -154,36 +156,67 @@ def _gated_backward_(e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, activat
     )
 
 
-# --- one projection: forward, and the two halves of its backward ---------------------------------
+# --- projections of one input: forward and backward ----------------------------------------------
+#
+# Projections that share an input (Q/K/V; gate/up) stack their A matrices, so x is read once for
+# all the x A^T products in forward and once for all the dA in backward, and the LoRA part of dX
+# is one matmul: dX += [s_i dY_i B_i] @ [A_i] over the stacked rank.
 
 
-def _project(x: torch.Tensor, p: LoraWeights, A: torch.Tensor, B: torch.Tensor, bias: torch.Tensor | None):
-    """y = x W^T + bias + s (x A^T) B^T, and x A^T (kept for dB)."""
-    xa = x @ A.to(x.dtype).t()
-    weight_t = p.base_weight(x.dtype).t()
-    y = x @ weight_t if bias is None else torch.addmm(bias.to(x.dtype), x, weight_t)
-    y.addmm_(xa, B.to(x.dtype).t(), alpha=p.scaling)
-    return y, xa
+def _stacked_a(params, count: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([params[3 * i].to(dtype) for i in range(count)])
 
 
-def _grad_input(dy, dy_b, p: LoraWeights, A, out=None):
-    """dX = dY W + s (dY B) A, accumulated into `out` when given."""
-    weight = p.base_weight(dy.dtype)
-    if out is None:
-        out = dy @ weight
-    else:
-        out.addmm_(dy, weight)
-    del weight  # a dequantized copy need not outlive its matmul
-    return out.addmm_(dy_b, A.to(dy.dtype), alpha=p.scaling)
+def _project(x: torch.Tensor, projections, params):
+    """Each y_i = x W_i^T + bias_i + s_i (x A_i^T) B_i^T, and the stacked x [A_i]^T (kept for dB)."""
+    dtype = x.dtype
+    xa = x @ _stacked_a(params, len(projections), dtype).t()
+    outputs, col = [], 0
+    for i, p in enumerate(projections):
+        _, B, bias = params[3 * i : 3 * i + 3]
+        weight_t = p.base_weight(dtype).t()  # a dequantized copy lives only for this matmul
+        y = x @ weight_t if bias is None else torch.addmm(bias.to(dtype), x, weight_t)
+        rank = B.shape[1]
+        y.addmm_(xa[:, col : col + rank], B.to(dtype).t(), alpha=p.scaling)
+        outputs.append(y)
+        col += rank
+    return outputs, xa
 
 
-def _grad_params(dy, dy_b, x, xa, p: LoraWeights, A, B, bias, needs):
-    """(dA, dB, dbias) in the parameters' dtypes; None where not needed."""
-    need_a, need_b, need_bias = needs
-    grad_a = (dy_b.t() @ x).mul_(p.scaling).to(A.dtype) if need_a else None
-    grad_b = (dy.t() @ xa).mul_(p.scaling).to(B.dtype) if need_b else None
-    grad_bias = dy.sum(0, dtype=torch.float32).to(bias.dtype) if need_bias and bias is not None else None
-    return grad_a, grad_b, grad_bias
+def _grad_projections(grad_outputs, x, xa, projections, params, needs, *, need_x=True):
+    """(dA, dB, dbias) per projection (parameters' dtypes, None where not needed), dX, and s dY B.
+
+    `x` may be None when no dA is wanted from it here: the MLP's down projection computes its dA
+    from the returned s dY B once h has been recomputed.
+    """
+    dtype = grad_outputs[0].dtype
+    count = len(projections)
+    # s_i dY_i B_i side by side: the common factor of dA_i (with x) and of dX's LoRA part (with A_i).
+    dy_b = torch.cat(
+        [(dy @ params[3 * i + 1].to(dtype)).mul_(p.scaling)
+         for i, (p, dy) in enumerate(zip(projections, grad_outputs))],
+        dim=1,
+    )  # fmt: skip
+    want_a = x is not None and any(needs[3 * i] for i in range(count))
+    grad_a_stacked = dy_b.t() @ x if want_a else None
+    grads, col = [], 0
+    for i, (p, dy) in enumerate(zip(projections, grad_outputs)):
+        A, B, bias = params[3 * i : 3 * i + 3]
+        rank = A.shape[0]
+        need_a, need_b, need_bias = needs[3 * i : 3 * i + 3]
+        grad_a = grad_a_stacked[col : col + rank].to(A.dtype) if need_a and want_a else None
+        grad_b = (dy.t() @ xa[:, col : col + rank]).mul_(p.scaling).to(B.dtype) if need_b else None
+        grad_bias = dy.sum(0, dtype=torch.float32).to(bias.dtype) if need_bias and bias is not None else None
+        grads += [grad_a, grad_b, grad_bias]
+        col += rank
+    grad_x = None
+    if need_x:
+        for p, dy in zip(projections, grad_outputs):
+            weight = p.base_weight(dtype)
+            grad_x = dy @ weight if grad_x is None else grad_x.addmm_(dy, weight)
+            del weight  # a dequantized copy need not outlive its matmul
+        grad_x.addmm_(dy_b, _stacked_a(params, count, dtype))
+    return grads, grad_x, dy_b
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -215,31 +248,19 @@ class _LoraProjections(torch.autograd.Function):
     @staticmethod
     @_no_autocast
     def forward(ctx, x, projections, *params):
-        outputs, xas = [], []
-        for i, p in enumerate(projections):
-            A, B, bias = params[3 * i : 3 * i + 3]
-            y, xa = _project(x, p, A, B, bias)
-            outputs.append(y)
-            xas.append(xa)
+        outputs, xa = _project(x, projections, params)
         ctx.projections = projections
-        ctx.save_for_backward(x, *xas, *params)
+        ctx.save_for_backward(x, xa, *params)
         return tuple(outputs)
 
     @staticmethod
     @_no_autocast
     def backward(ctx, *grad_outputs):
-        x, *rest = ctx.saved_tensors
-        count = len(ctx.projections)
-        xas, params = rest[:count], rest[count:]
-        need_x = ctx.needs_input_grad[0]
-        grad_x, grads = None, []
-        for i, (p, dy) in enumerate(zip(ctx.projections, grad_outputs)):
-            A, B, bias = params[3 * i : 3 * i + 3]
-            dy = dy.contiguous()
-            dy_b = dy @ B.to(dy.dtype)
-            grads += _grad_params(dy, dy_b, x, xas[i], p, A, B, bias, ctx.needs_input_grad[2 + 3 * i : 5 + 3 * i])
-            if need_x:
-                grad_x = _grad_input(dy, dy_b, p, A, out=grad_x)
+        x, xa, *params = ctx.saved_tensors
+        grad_outputs = [dy.contiguous() for dy in grad_outputs]
+        grads, grad_x, _ = _grad_projections(
+            grad_outputs, x, xa, ctx.projections, params, ctx.needs_input_grad[2:], need_x=ctx.needs_input_grad[0]
+        )
         return (grad_x, None, *grads)
 
 
@@ -250,12 +271,11 @@ class _LoraMLP(torch.autograd.Function):
     @_no_autocast
     def forward(ctx, x, projections, activation, *params):
         gate, up, down = projections
-        e, xa_gate = _project(x, gate, *params[0:3])
-        g, xa_up = _project(x, up, *params[3:6])
+        (e, g), xa_gate_up = _project(x, (gate, up), params[:6])
         h = _gated_forward(e, g, activation)
-        out, ha_down = _project(h, down, *params[6:9])
+        (out,), ha_down = _project(h, (down,), params[6:])
         ctx.projections, ctx.activation, ctx.used = projections, activation, False
-        ctx.save_for_backward(x, e, g, xa_gate, xa_up, ha_down, *params)
+        ctx.save_for_backward(x, e, g, xa_gate_up, ha_down, *params)
         return out
 
     @staticmethod
@@ -264,27 +284,24 @@ class _LoraMLP(torch.autograd.Function):
         if ctx.used:
             raise RuntimeError("lora_mlp: backward reuses its saved buffers and can run only once (no retain_graph)")
         ctx.used = True
-        x, e, g, xa_gate, xa_up, ha_down, *params = ctx.saved_tensors
+        x, e, g, xa_gate_up, ha_down, *params = ctx.saved_tensors
         gate, up, down = ctx.projections
         needs = ctx.needs_input_grad[3:]
         dy = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
 
-        dy_b = dy @ params[7].to(dy.dtype)
-        dh = _grad_input(dy, dy_b, down, params[6])
+        # down: dh first (h is not saved), then h, d(gate), d(up) recomputed in place, then down's dA.
+        (_, grad_b_down, grad_bias_down), dh, dy_b = _grad_projections(
+            [dy], None, ha_down, (down,), params[6:], (False, *needs[7:9])
+        )
         _gated_backward_(e, g, dh, ctx.activation)  # now dh holds h, e holds d(gate), g holds d(up)
         h, d_gate, d_up = dh, e, g
-        grads_down = _grad_params(dy, dy_b, h, ha_down, down, *params[6:9], needs[6:9])
+        grad_a_down = (dy_b.t() @ h).to(params[6].dtype) if needs[6] else None
         del h, dh, dy_b
 
-        d_gate_b = d_gate @ params[1].to(d_gate.dtype)
-        d_up_b = d_up @ params[4].to(d_up.dtype)
-        grads_gate = _grad_params(d_gate, d_gate_b, x, xa_gate, gate, *params[0:3], needs[0:3])
-        grads_up = _grad_params(d_up, d_up_b, x, xa_up, up, *params[3:6], needs[3:6])
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _grad_input(d_gate, d_gate_b, gate, params[0])
-            grad_x = _grad_input(d_up, d_up_b, up, params[3], out=grad_x)
-        return (grad_x, None, None, *grads_gate, *grads_up, *grads_down)
+        grads_gate_up, grad_x, _ = _grad_projections(
+            [d_gate, d_up], x, xa_gate_up, (gate, up), params[:6], needs[:6], need_x=ctx.needs_input_grad[0]
+        )
+        return (grad_x, None, None, *grads_gate_up, grad_a_down, grad_b_down, grad_bias_down)
 
 
 # --- public API -----------------------------------------------------------------------------------
