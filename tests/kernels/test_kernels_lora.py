@@ -108,9 +108,10 @@ def test_lora_linear_with_nf4_base_and_fp32_adapters():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_lora_qkv_accumulates_dx_from_all_three(dtype):
-    # GQA widths: Q 48, K/V 16 from hidden 24.
+    # GQA widths: Q 48, K/V 16 from hidden 24; different ranks (so scalings) exercise the stacked A.
     x = torch.randn(2, 5, 24, dtype=dtype, device=DEVICE).requires_grad_()
-    q, k, v = (make_lora(n, 24, dtype, seed=s, bias=s == 1) for s, n in enumerate((48, 16, 16)))
+    shapes = ((48, 4), (16, 8), (16, 2))  # (out, rank)
+    q, k, v = (make_lora(n, 24, dtype, rank=r, seed=s, bias=s == 1) for s, (n, r) in enumerate(shapes))
     outputs = lora_qkv(x, q, k, v)
     grads = [torch.randn_like(o) for o in outputs]
     torch.autograd.backward(outputs, grads)
