@@ -237,6 +237,9 @@ def fused_linear_cross_entropy(
     labels_1d = labels.reshape(-1)
     if labels_1d.numel() != hidden_2d.shape[0]:
         raise ValueError(f"{labels_1d.numel()} labels for {hidden_2d.shape[0]} tokens; shift labels before calling")
+    if labels.device != hidden.device or weight.device != hidden.device:
+        raise ValueError(f"hidden ({hidden.device}), weight ({weight.device}) and labels ({labels.device}) "
+                         "must be on one device")  # fmt: skip
     check_device(hidden, weight, labels, bias)
     # Autocast-style: compute in the weight's dtype; autograd casts dX back to hidden's dtype.
     hidden_2d = hidden_2d.to(weight.dtype).contiguous()
