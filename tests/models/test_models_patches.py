@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.models.tiny import VOCAB, tiny_model
-from unsloth.models.patches import FAMILIES, patch_model
+from unsloth.models.patches import FAMILIES, patch_model, patch_peft_model
 
 FAMILY_NAMES = sorted(FAMILIES)
 
@@ -54,6 +54,8 @@ def test_patched_matches_unpatched(family):
                                    rtol=1e-4, atol=1e-4)
 
     reference, patched = _with_lora(reference), _with_lora(patched)
+    # every LoRA layer on a fused path: one MLP (gate, up, down) and q, k, v, o per layer
+    assert patch_peft_model(patched).lora == {"MLP": layers, "linear": 4 * layers}
     for model in (reference, patched):
         model.train()
         model.zero_grad()
@@ -102,3 +104,21 @@ def test_unpatched_model_of_a_patched_family_keeps_the_stock_rope():
             assert len(calls) == patched.config.num_hidden_layers
     finally:
         rope._fast_rope = original
+
+
+def test_lora_layers_take_the_fused_paths_and_fall_back_when_disabled():
+    reference = tiny_model("llama")
+    patched = copy.deepcopy(reference)
+    patch_model(patched)
+    patched = _with_lora(patched)
+    report = patch_peft_model(patched)
+    layers = reference.config.num_hidden_layers
+    assert report.lora == {"MLP": layers, "linear": 4 * layers}
+    ids, _ = _batch()
+    reference = _with_lora(reference)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(input_ids=ids).logits, reference(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+        with patched.disable_adapter(), reference.disable_adapter():  # peft's own path, base model only
+            torch.testing.assert_close(patched(input_ids=ids).logits, reference(input_ids=ids).logits,
+                                       rtol=1e-4, atol=1e-4)

@@ -81,7 +81,7 @@ def build_base_model(directory: str | os.PathLike, seed: int = 0) -> str:
     return str(directory)
 
 
-def demo_config(output_dir: str = DEFAULT_OUTPUT, max_steps: int = 240) -> TrainConfig:
+def demo_config(output_dir: str = DEFAULT_OUTPUT, max_steps: int = 150) -> TrainConfig:
     """The demo as an ordinary training config (the base model path is filled in by `run_demo`)."""
     return TrainConfig(
         model=ModelConfig(name="", max_seq_length=64, load_in_4bit=False, dtype="float32"),
@@ -126,11 +126,17 @@ def ask(model, tokenizer, questions: list[str], max_new_tokens: int = 12) -> lis
     return answers
 
 
-def run_demo(output_dir: str = DEFAULT_OUTPUT, max_steps: int = 240, show: int = 6, echo=print) -> DemoResult:
+def run_demo(output_dir: str = DEFAULT_OUTPUT, max_steps: int = 150, show: int = 6, echo=print) -> DemoResult:
     """Build, train, check and save the demo model; returns the loss log and a few answers."""
+    import torch
+
     from unsloth.models.fast import FastLanguageModel
     from unsloth.training.sft import train
 
+    if not torch.cuda.is_available():
+        # Matrices this small gain nothing from more threads, and on a busy machine extra OpenMP
+        # threads spin against other work: one thread is several times faster here.
+        torch.set_num_threads(1)
     output = Path(output_dir)
     base_dir = build_base_model(output / "base")
     config = demo_config(str(output), max_steps)

@@ -1,7 +1,84 @@
-"""Fast LoRA paths: filled in once the fused LoRA kernels are in unsloth_kernels.lora."""
+"""Fast LoRA paths: peft's LoRA layers run through our fused LoRA kernels when nothing else is asked of them.
+
+A LoRA layer qualifies while it has one active adapter, no dropout, no DoRA, is not merged and
+its base weight is dense or bitsandbytes 4-bit. Then a gated MLP runs as one `lora_mlp` (the
+activation recomputed in backward, not stored), and every other LoRA linear as `lora_o` (only
+x and x A^T saved). The check runs on every call, so disabling adapters (as TRL does for a
+reference model), merging or a mixed-adapter batch falls back to peft's own forward.
+"""
 
 from __future__ import annotations
 
+import types
+
+from torch import nn
+
+# our activation kind (patches/mlp.py) -> the LoRA MLP kernel's name for it
+_MLP_ACTIVATION = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}
+
+
+def lora_weights(layer):
+    """The kernel's view of a peft LoRA layer, or None when the fast path does not apply right now."""
+    from peft.tuners.lora import LoraLayer
+    from unsloth_kernels.lora import LoraWeights
+
+    if not isinstance(layer, LoraLayer) or layer.merged or layer.disable_adapters:
+        return None
+    adapters = layer.active_adapters
+    if len(adapters) != 1 or adapters[0] not in layer.lora_A:
+        return None
+    name = adapters[0]
+    if not isinstance(layer.lora_dropout[name], nn.Identity) or layer.use_dora.get(name, False):
+        return None
+    if getattr(layer, "fan_in_fan_out", False):
+        return None
+    base = layer.get_base_layer()
+    weight = getattr(base, "weight", None)
+    if weight is None:
+        return None
+    quant_state = getattr(weight, "quant_state", None)
+    if quant_state is None and (not weight.is_floating_point() or weight.requires_grad):
+        return None  # 8-bit, or a base that is itself being trained
+    return LoraWeights(weight, layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name]),
+                       quant_state, getattr(base, "bias", None))
+
+
+def _lora_linear_forward(self, x, *args, **kwargs):
+    weights = None if (args or kwargs) else lora_weights(self)
+    if weights is None:
+        return type(self).forward(self, x, *args, **kwargs)
+    from unsloth_kernels.lora import lora_o
+
+    return lora_o(x, weights)
+
+
+def _lora_mlp_forward(self, x):
+    from unsloth.models.patches.mlp import _gated_mlp_forward
+
+    weights = [lora_weights(p) for p in (self.gate_proj, self.up_proj, self.down_proj)]
+    if any(w is None for w in weights):
+        return _gated_mlp_forward(self, x)
+    from unsloth_kernels.lora import lora_mlp
+
+    return lora_mlp(x, *weights, activation=_MLP_ACTIVATION[self._unsloth_act])
+
 
 def patch_lora(model) -> dict[str, int]:
-    return {}
+    """Route the LoRA layers of a PeftModel through the fused kernels; returns counts per kind."""
+    from peft.tuners.lora import LoraLayer
+
+    mlps = linears = 0
+    in_mlp: set[int] = set()
+    for module in model.modules():
+        act = getattr(module, "_unsloth_act", None)  # a gated MLP our MLP patch verified
+        if act in _MLP_ACTIVATION and all(isinstance(getattr(module, n), LoraLayer)
+                                          for n in ("gate_proj", "up_proj", "down_proj")):
+            module.forward = types.MethodType(_lora_mlp_forward, module)
+            in_mlp.update(id(getattr(module, n)) for n in ("gate_proj", "up_proj", "down_proj"))
+            mlps += 1
+    for module in model.modules():
+        if (isinstance(module, LoraLayer) and isinstance(module.get_base_layer(), nn.Linear)
+                and id(module) not in in_mlp and "forward" not in module.__dict__):
+            module.forward = types.MethodType(_lora_linear_forward, module)
+            linears += 1
+    return {"MLP": mlps, "linear": linears}

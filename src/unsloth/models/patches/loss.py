@@ -46,8 +46,7 @@ def fused_causal_lm_loss(model, hidden: torch.Tensor, labels=None, shift_labels=
         ignore_index=IGNORE_INDEX,
         softcap=softcap,
         logit_scale=scale,
-        reduction="sum" if num_items_in_batch is not None else "mean",
-        total_tokens=num_items_in_batch,
+        total_tokens=num_items_in_batch,  # gradient accumulation: divide by the tokens of all micro-batches
     )
 
 
