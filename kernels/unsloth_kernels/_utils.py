@@ -57,6 +57,13 @@ def check_device(*tensors: torch.Tensor) -> None:
 
 # --- row-wise kernels (norms): tiling and work split, shared by rms_norm and layer_norm ---
 
+# Elements per forward tile: two 4096-wide rows share one weight load; at 16 warps that is 16
+# elements (two 16-byte loads) per thread and ~32 registers, so occupancy stays full.
+NORM_FORWARD_TILE = 8192
+# The backward keeps w, the dW accumulator, this tile and the prefetched next one live (~100
+# registers at 8 warps for a 4096 row): one row per tile leaves room for 2 programs per SM.
+NORM_BACKWARD_TILE = 4096
+
 def row_tile(n_cols: int, target_elements: int) -> tuple[int, int, int]:
     """BLOCK_N covers the row; BLOCK_M stacks rows until a tile holds ~target_elements."""
     block_n = block_size_for(n_cols)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import as_rows, check_device, row_tile, split_rows
+from ._utils import NORM_BACKWARD_TILE, NORM_FORWARD_TILE, as_rows, check_device, row_tile, split_rows
 
 
 @triton.jit
@@ -93,7 +93,7 @@ class LayerNormFunction(torch.autograd.Function):
         y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
         mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty_like(mean)
-        block_m, block_n, warps = row_tile(n_cols, 4096)
+        block_m, block_n, warps = row_tile(n_cols, NORM_FORWARD_TILE)
         _layer_norm_fwd[(triton.cdiv(n_rows, block_m),)](
             x2, weight, bias if bias is not None else weight, y, mean, rstd,
             n_rows, n_cols, eps, x2.stride(0), y.stride(0),
@@ -109,7 +109,7 @@ class LayerNormFunction(torch.autograd.Function):
         n_rows, n_cols = x2.shape
         dy2 = as_rows(dy, n_cols)
         dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
-        block_m, block_n, warps = row_tile(n_cols, 4096)
+        block_m, block_n, warps = row_tile(n_cols, NORM_BACKWARD_TILE)
         n_programs, rows_per_program = split_rows(n_rows, block_m, x2.device)
         dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device)
         db_partial = torch.empty_like(dw_partial) if bias is not None else dw_partial

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import as_rows, check_device, row_tile, split_rows
+from ._utils import NORM_BACKWARD_TILE, NORM_FORWARD_TILE, as_rows, check_device, row_tile, split_rows
 
 _CASTS = ("llama", "gemma")
 
@@ -113,7 +113,7 @@ def rms_norm_forward(x, weight, eps, offset, residual, cast):
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     s = torch.empty_like(x2, memory_format=torch.contiguous_format) if r2 is not None else None
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    block_m, block_n, warps = row_tile(n_cols, 4096)
+    block_m, block_n, warps = row_tile(n_cols, NORM_FORWARD_TILE)
     _rms_norm_fwd[(triton.cdiv(n_rows, block_m),)](
         x2, r2 if r2 is not None else x2, s if s is not None else y, weight, y, rstd,
         n_rows, n_cols, eps, offset,
@@ -130,7 +130,7 @@ def rms_norm_backward(dy, ds, x2, weight, rstd, offset, cast, input_dtype):
     dy2 = as_rows(dy, n_cols)
     ds2 = as_rows(ds, n_cols) if ds is not None else None
     dx = torch.empty((n_rows, n_cols), dtype=input_dtype, device=x2.device)
-    block_m, block_n, warps = row_tile(n_cols, 4096)
+    block_m, block_n, warps = row_tile(n_cols, NORM_BACKWARD_TILE)
     n_programs, rows_per_program = split_rows(n_rows, block_m, x2.device)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device)
     _rms_norm_bwd[(n_programs,)](
@@ -188,7 +188,7 @@ class RMSNorm(torch.nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, offset: float = 0.0, cast: str = "llama",
                  device=None, dtype=None):
         super().__init__()
-        init = torch.zeros if offset else torch.ones  # Gemma stores w with (1 + w) applied
+        init = torch.zeros if offset else torch.ones  # with an offset (Gemma) the scale is offset + w
         self.weight = torch.nn.Parameter(init(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
         self.offset, self.cast = offset, cast
