@@ -1,7 +1,6 @@
 """Pointers, switching, rollback, sweeping, receipts, the launcher and the PATH line, on real files."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from installers_sandbox import sandbox  # noqa: F401  (the module fixture)
+
 from unsloth.envs.lock import InstallLock
 from unsloth.envs.paths import LOCK_NAME
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from unsloth.commands.detect import add_from_argument, detect_platform
 from unsloth.envs.steps import OPTIONAL_PARTS

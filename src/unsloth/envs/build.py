@@ -155,6 +155,7 @@ def _build(
     count = iter(range(1, 100))
 
     def run(step: Step) -> str:
+        step.env = {**request.sources.env(), **step.env}  # the certificate and timeout from pip's configuration
         return run_step(step, logs, console, next(count))
 
     env.mkdir(parents=True)

@@ -6,23 +6,22 @@ environment is built and verified; everything else that can fail happens before 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from rich.console import Console
 
 from unsloth.envs import launcher, state
-from unsloth.envs.build import BuildFailed, build, request_hash, source_identity
+from unsloth.envs.build import BuildFailed, build, default_python, request_hash, source_identity
 from unsloth.envs.lock import InstallLock
-from unsloth.envs.paths import CURRENT, LOCK_NAME, PREVIOUS, active_env, bin_dir, envs_dir
+from unsloth.envs.paths import CURRENT, LOCK_NAME, PREVIOUS, active_env, bin_dir
 from unsloth.envs.receipt import hardware_fingerprint, read_receipt
 from unsloth.envs.runner import StepFailed
 from unsloth.envs.sources import Sources, parse_pip_config
@@ -41,12 +40,11 @@ class Options:
     force: bool = False
     modify_path: bool = True
     upgrade: bool = False  # `update`: build even when nothing was asked differently
-    extra: dict = field(default_factory=dict)
 
 
 def pip_config_sources(python: str | None = None) -> Sources:
     """The user's pip configuration (files and PIP_* variables), read by pip itself."""
-    for candidate in filter(None, (python, sys.executable, shutil.which("pip3"), shutil.which("pip"))):
+    for candidate in filter(None, (python, sys.executable, default_python(), shutil.which("pip3"), shutil.which("pip"))):
         argv = [candidate, "config", "list"] if Path(candidate).stem.startswith("pip") else [candidate, "-m", "pip", "config", "list"]
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
@@ -172,17 +170,26 @@ def rollback(root: Path, console: Console) -> int:
 
 
 def uninstall(root: Path, console: Console, purge: bool = False) -> int:
-    """Remove the environments, the bootstrap env, the launcher and the PATH line; nothing else."""
+    """Remove the environments, the bootstrap env, the launcher and the PATH line; nothing else.
+
+    This usually runs from inside the environment it deletes: everything is printed first, and
+    nothing is imported after the deletion starts.
+    """
+    script = launcher.launcher_path(bin_dir())
+    folders = [root / name for name in ("envs", "bootstrap", "uv", "logs") if (root / name).exists()]
+    ours = launcher.is_ours(script)  # never delete an `unsloth` we did not write
+    for path in ([script] if ours else []) + folders + ([root] if purge else []):
+        console.print(f"removing {path}")
+    kept = "" if purge else f"; {KEEP_ON_UNINSTALL_HINT}"
     with locked(root, console):
-        removed = [str(path) for path in launcher.remove_from_path(bin_dir())]
-        script = launcher.launcher_path(bin_dir())
-        if launcher.is_ours(script):  # never delete an `unsloth` we did not write
+        for changed in launcher.remove_from_path(bin_dir()):
+            console.print(f"removed the PATH line from {changed}")
+        console.print(f"[green]Uninstalled[/]{kept}.")
+        console.file.flush()
+        if ours:
             script.unlink(missing_ok=True)
-            removed.append(str(script))
-        for name in ("envs", "bootstrap", "uv", "logs"):
-            if (root / name).exists():
-                shutil.rmtree(root / name, ignore_errors=True)
-                removed.append(str(root / name))
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
         for name in (CURRENT, PREVIOUS):
             (root / name).unlink(missing_ok=True)
     (root / LOCK_NAME).unlink(missing_ok=True)
@@ -190,10 +197,6 @@ def uninstall(root: Path, console: Console, purge: bool = False) -> int:
         shutil.rmtree(root, ignore_errors=True)
     for folder in (root, bin_dir()):
         _remove_empty_up_to_home(folder)
-    for path in removed:
-        console.print(f"removed {path}")
-    kept = "" if purge else f"; {KEEP_ON_UNINSTALL_HINT}"
-    console.print(f"[green]Uninstalled[/]{kept}.")
     return 0
 
 

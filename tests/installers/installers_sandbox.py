@@ -1,5 +1,7 @@
 """A sandboxed HOME and a frozen copy of this source tree, for running the real installers.
 
+(A uniquely named helper module, not conftest.py, so that other test folders' conftests never clash.)
+
 Downloads are shared between runs through uv's and pip's caches (outside the sandbox), so a
 second test run installs from cache; the sandbox itself starts empty every time.
 """
@@ -78,6 +80,7 @@ def sandbox_env(home: Path, tmp_root: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def sandbox(tmp_path_factory) -> Sandbox:
+    """An empty HOME (but a .bashrc of the user's own) and a copy of this clone."""
     root = tmp_path_factory.mktemp("installer")
     home = root / "home"
     home.mkdir()
