@@ -27,7 +27,7 @@ def _layer_norm_fwd(
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=1) / n_cols
     xc = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
     tl.store(MEAN + rows, mean, mask=rows < n_rows)
     tl.store(RSTD + rows, rstd, mask=rows < n_rows)
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)

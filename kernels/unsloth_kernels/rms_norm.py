@@ -42,7 +42,7 @@ def _rms_norm_fwd(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(S + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
     xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)  # rsqrt, like torch.rsqrt in HF
     tl.store(RSTD + rows, rstd, mask=rows < n_rows)
     w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
     x_hat = xf * rstd[:, None]
