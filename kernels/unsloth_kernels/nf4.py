@@ -72,6 +72,7 @@ def _dequantize_4bit_kernel(
     code2_ptr,
     offset_ptr,
     n_elements,
+    n_bytes,
     BLOCKSIZE: tl.constexpr,
     BLOCKSIZE2: tl.constexpr,
     NESTED: tl.constexpr,
@@ -81,7 +82,7 @@ def _dequantize_4bit_kernel(
     pid = tl.program_id(0).to(tl.int64)
     byte = pid * BYTES + tl.arange(0, BYTES)
     first = byte * 2  # index of the element in the high nibble
-    live = first < n_elements
+    live = byte < n_bytes  # masked on the contiguous byte index, so the loads vectorise
     packed = tl.load(packed_ptr + byte, mask=live, other=0).to(tl.int32)
 
     # Both nibbles of a byte share a block: blocksizes are even.
@@ -163,7 +164,7 @@ def dequantize_nf4(
     # Keep `scale * code2 + offset` as two roundings (no FMA) so the result is bit-identical to bnb.
     options = {} if INTERPRET else {"enable_fp_fusion": False}
     _dequantize_4bit_kernel[grid](
-        data, scales, _code_on(device, code), out, absmax2, code2, offset, n,
+        data, scales, _code_on(device, code), out, absmax2, code2, offset, n, data.numel(),
         BLOCKSIZE=int(blocksize), BLOCKSIZE2=blocksize2, NESTED=nested is not None,
         OUT_BF16=out.dtype == torch.bfloat16, BYTES=_BYTES_PER_PROGRAM, num_warps=4, **options,
     )  # fmt: skip

@@ -332,7 +332,7 @@ def test_real_shape_mlp_on_gpu():
 # The interpreter cannot catch what only the GPU compiler rejects. Triton's wheel carries the CUDA
 # and ROCm backends, so CI compiles the kernels of lora, nf4 and cross_entropy (this file covers
 # all three: LoRA uses the other two) for sm_90 and gfx942, in a fresh process without
-# TRITON_INTERPRET, and checks the bulk loads/stores are 16-byte vectors on CUDA.
+# TRITON_INTERPRET, and checks the bulk loads/stores are vectors on CUDA (what bandwidth needs).
 
 _COMPILE_SCRIPT = """
 import json, re, sys
@@ -350,7 +350,7 @@ for target in (GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx942", 64)):
                  if signature[arg][0] == "*" or signature[arg] == "i32"}
         source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
         ptx = triton_compile(source, target=target, options=options).asm.get("ptx", "")
-        out.append(sorted(set(re.findall(r"(?:ld|st)\\.global\\.v4", ptx))))
+        out.append(sorted(set(re.findall(r"(?:ld|st)\\.global\\.v[24]", ptx))))
 print(json.dumps(out))
 """
 
@@ -359,7 +359,8 @@ def _kernel_cases():
     ce_sig = {"logits_ptr": "*bf16", "logits_stride": "i32", "labels_ptr": "*i64", "loss_ptr": "*fp32", "V": "i32",
               "ignore_index": "i32", "softcap": "fp32", "logit_scale": "fp32"}  # fmt: skip
     nf4_sig = {"packed_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32", "out_ptr": "*bf16",
-               "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset_ptr": "*fp32", "n_elements": "i32"}  # fmt: skip
+               "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset_ptr": "*fp32", "n_elements": "i32",
+               "n_bytes": "i32"}  # fmt: skip
     cases = [
         ("cross_entropy", "_cross_entropy_rows_kernel", ce_sig,
          {"HAS_SCALE": True, "HAS_SOFTCAP": True, "COMPUTE_GRAD": True, "BLOCK_V": 8192}, {"num_warps": 8}),
@@ -388,6 +389,6 @@ def test_kernels_compile_for_cuda_and_rocm_gpus():
     assert done.returncode == 0, done.stderr[-4000:]
     vectors = json.loads(done.stdout.strip().splitlines()[-1])[: len(cases)]  # the CUDA half has PTX
     for case, found in zip(cases, vectors):
-        # NF4 reads half a byte per weight: only its stores (2 bytes per weight) must be vectors.
-        wanted = ["st.global.v4"] if case[0] == "nf4" else ["ld.global.v4", "st.global.v4"]
-        assert set(wanted) <= set(found), f"{case[1]} {case[3]}: no 16-byte {wanted} in PTX (found {found})"
+        # NF4 reads half a byte per weight: 8 packed bytes per thread are one 8-byte load.
+        wanted = ["ld.global.v2", "st.global.v4"] if case[0] == "nf4" else ["ld.global.v4", "st.global.v4"]
+        assert set(wanted) <= set(found), f"{case[1]} {case[3]}: missing vector accesses {wanted} in PTX (found {found})"
