@@ -79,7 +79,7 @@ def split_rows(n_rows: int, block_m: int, device: torch.device) -> tuple[int, in
     multiple of block_m, and leaves one fp32 partial row of the weight gradient.
     """
     n_programs = max(1, min(triton.cdiv(n_rows, block_m), 4 * num_sms(device.index or 0)))
-    rows_per_program = triton.cdiv(triton.cdiv(n_rows, n_programs), block_m) * block_m
+    rows_per_program = max(1, triton.cdiv(triton.cdiv(n_rows, n_programs), block_m)) * block_m
     return triton.cdiv(n_rows, rows_per_program), rows_per_program
 
 

@@ -161,7 +161,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     """
     _check_rope_args(q, k, cos, sin, position_ids)
     check_device(q, k, cos, sin, position_ids)
-    cos, sin = cos.reshape(-1, *cos.shape[-2:]), sin.reshape(-1, *sin.shape[-2:])  # (B|1, S|P, rot)
+    if cos.dim() == 2:  # -> (B|1, S|P, rot)
+        cos, sin = cos[None], sin[None]
     cos, sin = _last_dim_unit(cos), _last_dim_unit(sin)
     if sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()

@@ -97,6 +97,13 @@ def test_bad_arguments_are_named():
         geglu(gate, up, approximate="erf")
 
 
+def test_an_empty_batch_gives_empty_outputs():
+    gate = torch.randn(0, 8, device=DEVICE, requires_grad=True)
+    y = swiglu(gate, gate.detach().clone())
+    y.sum().backward()
+    assert y.shape == (0, 8) and gate.grad.shape == (0, 8)
+
+
 COMPILE_CASES = [
     ("unsloth_kernels.activations", name, dict(ACT=act, BLOCK=1024), 4)
     for name in ("_glu_fwd", "_glu_bwd") for act in (0, 1, 2)

@@ -74,6 +74,14 @@ def test_bad_arguments_are_named():
         layer_norm(x, torch.ones(64, device=DEVICE), torch.zeros(3, device=DEVICE))
 
 
+def test_an_empty_batch_gives_empty_outputs_and_zero_grads():
+    x = torch.randn(0, 64, device=DEVICE, requires_grad=True)
+    weight = torch.ones(64, device=DEVICE, requires_grad=True)
+    bias = torch.zeros(64, device=DEVICE, requires_grad=True)
+    layer_norm(x, weight, bias).sum().backward()
+    assert torch.equal(weight.grad, torch.zeros_like(weight)) and torch.equal(bias.grad, torch.zeros_like(bias))
+
+
 COMPILE_CASES = [  # Llama-3.1-8B-wide rows, tiled as the launcher tiles them (see _utils.row_tile)
     ("unsloth_kernels.layer_norm", name, dict(HAS_BIAS=b, BLOCK_M=block_m, BLOCK_N=4096), warps)
     for name, block_m, warps in (("_layer_norm_fwd", 2, 16), ("_layer_norm_bwd", 1, 8)) for b in (False, True)

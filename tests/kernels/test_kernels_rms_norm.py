@@ -157,6 +157,14 @@ def test_cpu_tensors_without_the_interpreter_get_a_clear_error(monkeypatch):
         rms_norm(x, weight)
 
 
+def test_an_empty_batch_gives_empty_outputs_and_zero_weight_grad():
+    x = torch.randn(0, 64, device=DEVICE, requires_grad=True)
+    weight = torch.ones(64, device=DEVICE, requires_grad=True)
+    y = rms_norm(x, weight)
+    y.sum().backward()
+    assert y.shape == (0, 64) and torch.equal(weight.grad, torch.zeros_like(weight))
+
+
 COMPILE_CASES = [  # Llama-3.1-8B rows, 4096 wide, tiled as the launcher tiles them (see _utils.row_tile)
     ("unsloth_kernels.rms_norm", "_rms_norm_fwd", dict(HAS_RESIDUAL=r, LLAMA_CAST=c, BLOCK_M=2, BLOCK_N=4096), 16)
     for r in (False, True) for c in (False, True)

@@ -124,6 +124,13 @@ def test_bad_arguments_are_named():
         apply_rope(q, k, cos, sin, position_ids=torch.zeros(1, 5, dtype=torch.long, device=DEVICE))
 
 
+def test_an_empty_sequence_is_a_no_op():
+    q, k = qk(1, 2, 1, 0, 8, torch.float32, "contiguous")
+    cos, sin = rope_tables(8, torch.float32)
+    out_q, out_k = apply_rope(q, k, cos[:0], sin[:0])
+    assert out_q.shape == q.shape and out_k.shape == k.shape
+
+
 COMPILE_CASES = [  # Llama-3.1-8B heads (32 q, 8 kv, 128 wide); then a partial rotary, copied pass-through
     ("unsloth_kernels.rope", "_rope_kernel", dict(HALF=64, N_PASS=0, BLOCK_QH=32, BLOCK_KH=8, BLOCK_HALF=64,
                                                   BLOCK_PASS=1, HAS_POS=p, BACKWARD=b, COPY_PASS=False), 8)
