@@ -40,12 +40,15 @@ def role_affixes(tokenizer: Any) -> tuple[dict[str, tuple[str, str]], str] | Non
         generation = _render(tokenizer, [user], generation_prompt=True)[len(_render(tokenizer, [user])) :]
         # User and assistant affixes come from later turns, free of start-of-sequence text.
         affixes = {"user": _affixes(tokenizer, turn, "user"), "assistant": _affixes(tokenizer, [user], "assistant")}
-        system = _affixes(tokenizer, [], "system")  # a first message: may carry the BOS text
         first_user = _affixes(tokenizer, [], "user")
     except Exception:  # templates may raise on role orders they do not accept
         return None
     if affixes["user"] is None or affixes["assistant"] is None:
         return None
+    try:
+        system = _affixes(tokenizer, [], "system")  # a first message: may carry the BOS text
+    except Exception:  # a template without a system role
+        system = None
     bos = tokenizer.bos_token or ""
     # BOS written once by the template at the very start: llama.cpp adds it itself, so drop it.
     sequence_bos = bos if first_user and first_user[0] == bos + affixes["user"][0] else ""

@@ -1,0 +1,97 @@
+"""`unsloth chat` and `unsloth generate` on a small GGUF, and the Modelfile's prompt format."""
+
+from __future__ import annotations
+
+import builtins
+import io
+import json
+
+import pytest
+
+from conftest import make_model, make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    from unsloth.export.gguf import save_pretrained_gguf
+
+    out = tmp_path_factory.mktemp("chat")
+    result = save_pretrained_gguf(make_model("llama"), out, make_tokenizer(), "f16", validate_export=False)
+    return result.files["f16"]
+
+
+def test_generate_is_repeatable_and_json(gguf_file, capsys):
+    from unsloth.cli import main
+
+    runs = []
+    for _ in range(2):
+        assert main(["generate", str(gguf_file), "Hello", "--max-tokens", "6", "--json", "--cpu"]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0]["text"] == runs[1]["text"]  # greedy by default
+    assert runs[0]["completion_tokens"] == 6 and runs[0]["model"] == str(gguf_file)
+
+
+def test_generate_streams_raw_prompt_from_stdin_and_a_directory(gguf_file, capsys, monkeypatch):
+    from unsloth.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Once upon a time"))
+    assert main(["generate", str(gguf_file.parent), "-", "--raw", "--max-tokens", "5", "--cpu"]) == 0
+    streamed = capsys.readouterr().out
+    assert main(["generate", str(gguf_file), "Once upon a time", "--raw", "--max-tokens", "5", "--json", "--cpu"]) == 0
+    as_json = json.loads(capsys.readouterr().out)
+    assert streamed == as_json["text"] + "\n"
+    assert as_json["prompt_tokens"] == len(make_tokenizer()("Once upon a time")["input_ids"])  # no template
+
+
+def test_generate_on_a_missing_file(tmp_path, capsys):
+    from unsloth.cli import main
+
+    assert main(["generate", str(tmp_path), "hi", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and "holds no .gguf file" in report["error"] and "unsloth export" in report["fix"]
+
+
+def test_chat_keeps_the_conversation_and_resets(gguf_file, capsys, monkeypatch):
+    from unsloth.cli import main
+    from unsloth.export import chat
+
+    lines = iter(["hello", "again", "/reset", "hello"])
+    seen = []
+
+    def fake_input(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    original = chat.chat_stream
+    monkeypatch.setattr(builtins, "input", fake_input)
+    monkeypatch.setattr(chat, "chat_stream", lambda llm, messages, **kw: (seen.append(list(messages)), original(llm, messages, **kw))[1])
+    assert main(["chat", str(gguf_file), "--max-tokens", "4", "--temperature", "0", "--cpu"]) == 0
+    replies = capsys.readouterr().out.splitlines()
+    assert [len(m) for m in seen] == [1, 3, 1]  # the second turn sees the first; /reset forgets it
+    assert replies[0] == replies[2]  # same prompt after a reset, greedy: same reply
+
+
+def test_modelfile_template_variants():
+    from unsloth.export.modelfile import render_modelfile
+
+    tokenizer = make_tokenizer()
+    text = render_modelfile("m.gguf", tokenizer)
+    assert text.startswith("FROM ./m.gguf\n")
+    assert '{{ else if eq .Role "system" }}<|im_start|>system\n{{ .Content }}<|im_end|>\n' in text
+    assert text.count('PARAMETER stop "') == 2  # <|im_end|> and the eos token
+
+    tokenizer.chat_template = "{{ bos_token }}" + tokenizer.chat_template  # BOS once, at the start
+    text = render_modelfile("m.gguf", tokenizer)
+    assert "<|bos|>" not in text.split("TEMPLATE")[1].split('"""')[1]  # llama.cpp adds BOS itself
+
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}"
+        "[{{ m['role'] }}]{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    text = render_modelfile("m.gguf", tokenizer)
+    assert '"system"' not in text and '{{ if eq .Role "user" }}[user]{{ .Content }}</s>' in text
+
+    tokenizer.chat_template = None
+    assert render_modelfile("m.gguf", tokenizer) == 'FROM ./m.gguf\n\nPARAMETER stop "<|eos|>"\n'
