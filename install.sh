@@ -85,7 +85,7 @@ set_option() {
     --source) UNSLOTH_SOURCE=$2 ;;
     --home) UNSLOTH_HOME=$2 ;;
     --bin-dir) UNSLOTH_BIN_DIR=$2; export UNSLOTH_BIN_DIR ;;
-    --python) UNSLOTH_PYTHON=$2 ;;
+    --python) UNSLOTH_PYTHON=$2; export UNSLOTH_PYTHON ;;
     --index-url) UNSLOTH_INDEX_URL=$2; export UNSLOTH_INDEX_URL ;;
     --extra-index-url) UNSLOTH_EXTRA_INDEX_URL="${UNSLOTH_EXTRA_INDEX_URL:-} $2"; export UNSLOTH_EXTRA_INDEX_URL ;;
     --find-links) UNSLOTH_FIND_LINKS="${UNSLOTH_FIND_LINKS:-} $2"; export UNSLOTH_FIND_LINKS ;;

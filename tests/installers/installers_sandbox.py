@@ -75,6 +75,12 @@ def sandbox_env(home: Path, tmp_root: Path) -> dict[str, str]:
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p and p != venv_bin)
     env.update(HOME=str(home), UV_CACHE_DIR=cache_dir("UV", tmp_root), PIP_CACHE_DIR=cache_dir("PIP", tmp_root),
                NO_COLOR="1", COLUMNS="200")
+    # pip runs `rustc --version` for its User-Agent; a rustup proxy then writes ~/.rustup. The sandbox
+    # user shares the machine's toolchains, as it shares its caches, so that lands where they are.
+    for name, default in (("RUSTUP_HOME", ".rustup"), ("CARGO_HOME", ".cargo")):
+        real = os.environ.get(name) or str(Path.home() / default)
+        if Path(real).is_dir():
+            env[name] = real
     return env
 
 
