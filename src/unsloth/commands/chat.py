@@ -18,7 +18,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--system", help="a system message")
-    p.add_argument("--n-ctx", type=int, default=4096, help="context length in tokens (default 4096)")
+    p.add_argument("--n-ctx", type=int, default=4096, help="context length in tokens (default 4096, at most the trained length)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if llama.cpp was built for a GPU")
 
 

@@ -52,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ok": ok, **result.to_json()}, indent=2))
         return 0
+    for method, report in result.validations.items():
+        if method not in result.files:  # the unquantized reference, checked and then removed
+            print(f"reference {method} (not kept)\n  {report.summary()}")
     for method, path in result.files.items():
         print(f"{path}  ({path.stat().st_size / 1024**2:.1f} MiB)")
         if method in result.validations:

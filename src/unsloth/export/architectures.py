@@ -174,8 +174,10 @@ def llama3_rope_factors(config: Any) -> np.ndarray | None:
     return np.asarray(factors, dtype=np.float32)
 
 
-def permute_for_ggml(weight: np.ndarray, n_head: int) -> np.ndarray:
-    """HF rotate-half row order -> GGML interleaved pairs, per head (rows = n_head * head_dim)."""
+def permute_for_ggml(weight, n_head: int):
+    """HF rotate-half row order -> GGML interleaved pairs, per head (rows = n_head * head_dim).
+
+    Works on torch tensors and numpy arrays alike."""
     return (
         weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
         .swapaxes(1, 2)

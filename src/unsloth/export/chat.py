@@ -68,4 +68,6 @@ def generate(llm: Any, model: str, prompt: str, *, raw: bool, system: str | None
 
 def open_model(path: str, *, n_ctx: int, gpu: bool) -> tuple[Any, str]:
     model_path = runtime.resolve_model_path(path)
+    trained = runtime.context_length(model_path)
+    n_ctx = min(n_ctx, trained) if trained else n_ctx  # llama.cpp warns past the trained length
     return runtime.load(model_path, n_ctx=n_ctx, gpu=gpu), str(model_path)

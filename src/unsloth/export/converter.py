@@ -7,6 +7,7 @@ written first from their shapes), so memory stays near the size of the model bei
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ from unsloth.export.merge import TensorSource
 from unsloth.export.methods import Method
 from unsloth.export.vocab import write_vocab
 
+logging.getLogger("gguf").setLevel(logging.WARNING)  # its INFO lines describe internals, not progress
+
 _TYPES = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16}
 _F16_MAX = float(np.finfo(np.float16).max)
 
@@ -37,27 +40,28 @@ class _Tensor:
     name: str  # GGUF name
     shape: tuple[int, ...]
     ggml_type: gguf.GGMLQuantizationType
-    produce: Callable[[], np.ndarray]  # float32 data in HF layout, fixed up for llama.cpp
+    produce: Callable[[], torch.Tensor]  # HF data fixed up for llama.cpp, in its own dtype
 
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape)) * (4 if self.ggml_type == gguf.GGMLQuantizationType.F32 else 2)
 
     def encoded(self) -> np.ndarray:
-        data = self.produce()
+        # Cast straight from the source dtype: one output-sized copy per tensor, no float32 detour.
+        data = self.produce().detach().cpu()
         if self.ggml_type == gguf.GGMLQuantizationType.F32:
-            return data.astype(np.float32)
-        if self.ggml_type == gguf.GGMLQuantizationType.BF16:
-            # torch rounds to nearest-even; the bits travel as uint16
-            return torch.from_numpy(data).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        peak = float(np.abs(data).max()) if data.size else 0.0
+            return data.to(torch.float32).numpy()
+        if self.ggml_type == gguf.GGMLQuantizationType.BF16:  # round-to-nearest-even; bits travel as uint16
+            return data.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        low, high = torch.aminmax(data) if data.numel() else (torch.tensor(0.0), torch.tensor(0.0))
+        peak = max(abs(float(low)), abs(float(high)))
         if not np.isfinite(peak) or peak > _F16_MAX:
             raise ExportError(
                 f"{self.name} holds values beyond float16's range (|w| up to {peak:.3g}); "
                 "an f16 export would turn them into inf",
                 fix="export bf16 instead (quantization_method='bf16' / --gguf bf16)",
             )
-        return data.astype(np.float16)
+        return data.to(torch.float16).numpy()
 
 
 def _tensor_plan(config: Any, arch: Architecture, sources: dict[str, TensorSource], dtype: gguf.GGMLQuantizationType) -> Iterator[_Tensor]:
@@ -69,7 +73,7 @@ def _tensor_plan(config: Any, arch: Architecture, sources: dict[str, TensorSourc
     factors = llama3_rope_factors(config)
     if factors is not None:
         rope_name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
-        yield _Tensor(rope_name, factors.shape, gguf.GGMLQuantizationType.F32, lambda: factors)
+        yield _Tensor(rope_name, factors.shape, gguf.GGMLQuantizationType.F32, lambda: torch.from_numpy(factors))
 
     for hf_name, source in sources.items():
         if hf_name == "lm_head.weight" and tied:
@@ -83,11 +87,11 @@ def _tensor_plan(config: Any, arch: Architecture, sources: dict[str, TensorSourc
         heads = n_head if ".q_proj." in hf_name else n_kv_head if ".k_proj." in hf_name else None
         norm = arch.norm_offset if hf_name.endswith("norm.weight") else 0.0
 
-        def produce(source=source, heads=heads, norm=norm) -> np.ndarray:
-            data = source.load().to(torch.float32).cpu().numpy()
+        def produce(source=source, heads=heads, norm=norm) -> torch.Tensor:
+            data = source.load()
             if arch.permute_qk and heads:
                 data = permute_for_ggml(data, heads)
-            return data + norm if norm else data
+            return data.to(torch.float32) + norm if norm else data
 
         shape = source.shape
         # 1-D tensors (norms, biases) stay f32, as llama.cpp expects and as its converter writes them.

@@ -81,7 +81,7 @@ def save_pretrained_gguf(
     result = ExportResult()
     reference_path = out_dir / gguf_filename(name, reference_method)
     with atomic_output(reference_path) as partial:
-        log.info("writing %s", reference_path)
+        log.info("writing %s%s", reference_path, "" if keep_reference else " (the reference to quantize from; not kept)")
         write_gguf(model, tokenizer, sources, partial, reference_method, name=name)
         if validate_export:
             report = validate(model, tokenizer, partial, reference_method.name)

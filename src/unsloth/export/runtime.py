@@ -52,6 +52,16 @@ def load(path: str | Path, *, n_ctx: int = 2048, gpu: bool = True, logits_all: b
         ) from exc
 
 
+def context_length(path: str | Path) -> int | None:
+    """The context length the model was trained for, read from the GGUF header (no weights loaded)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    field = reader.fields.get(f"{arch}.context_length")
+    return int(field.contents()) if field is not None else None
+
+
 def resolve_model_path(model: str | Path) -> Path:
     """A .gguf file, or a directory holding exactly one (or an f16 one) -> the file to run."""
     path = Path(model)
