@@ -118,3 +118,13 @@ def test_path_line_is_added_once_and_removed_exactly(tmp_path):
     assert (user / ".bashrc").read_text() == "alias ll='ls -l'\n"
     assert not (user / ".profile").exists()  # it held only our line: we had created it
     assert not launcher.fish_file(user).exists()
+
+
+def test_update_reads_what_the_active_environment_was_asked_for(tmp_path):
+    from unsloth.envs.manager import active_request
+
+    assert active_request(tmp_path) == {}
+    env = make_env(tmp_path, "a")
+    write_receipt(env, {"name": "a", "request": {"without": ["llama-cpp"], "source": "/src"}})
+    state.switch(tmp_path, "a")
+    assert active_request(tmp_path) == {"without": ["llama-cpp"], "source": "/src"}

@@ -122,6 +122,8 @@ def run_install(args: argparse.Namespace) -> int:
         print("unsloth install: where should unsloth be installed from? Pass --source PATH|URL "
               "(a checkout or a release archive).", file=sys.stderr)
         return EXIT_USAGE
+    if args.upgrade and not args.without:  # `update` keeps what the active environment left out
+        args.without = manager.active_request(root).get("without", [])
     base = Sources() if args.ignore_pip_config else manager.pip_config_sources(args.python)
     sources = with_overrides(base, index_url=args.index_url, extra_index_urls=args.extra_index_url,
                              find_links=args.find_links)

@@ -68,6 +68,12 @@ def find_source(explicit: str | None, root: Path) -> str | None:
     return (receipt or {}).get("unsloth", {}).get("source")
 
 
+def active_request(root: Path) -> dict:
+    """What the active environment was built from (its receipt's request), or {}."""
+    env = active_env(root)
+    return ((read_receipt(env) or {}).get("request") or {}) if env else {}
+
+
 @contextmanager
 def signals_as_interrupt() -> Iterator[None]:
     """SIGTERM / SIGHUP clean up like Ctrl-C: the half-built environment is removed."""
