@@ -80,7 +80,7 @@ def main() -> None:
     from unsloth.export.merge import merged_tensors
     from unsloth.export.methods import resolve
     from unsloth.export.quantize import quantize
-    from unsloth.export.validate import validate
+    from unsloth.export.validate import reference_run, validate
 
     rss = PeakRss()
     results: dict = {}
@@ -102,7 +102,7 @@ def main() -> None:
             files[name] = path.stat().st_size
         if args.validate:
             with rss.stage(results, "validate_f16"):
-                report = validate(model, tok, f16, "f16")
+                report = validate(reference_run(model, tok), tok, f16, "f16")
             results["validate_f16"]["summary"] = report.summary()
     summary = {
         "shape": "Llama-3.2-1B", "parameters": n_params, "weights_gib": round(weights / GIB, 3),

@@ -9,6 +9,7 @@ only when it matches transformers).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from unsloth.export.methods import METHODS, Method, estimated_bytes, resolve_all
 from unsloth.export.modelfile import write_modelfile
 from unsloth.export.quantize import quantize
 from unsloth.export.runtime import require_llama_cpp
-from unsloth.export.validate import Validation, validate
+from unsloth.export.validate import Validation, reference_run, validate
 
 log = logging.getLogger(__name__)
 
@@ -74,25 +75,26 @@ def save_pretrained_gguf(
 
     reference_method = next((m for m in methods if m.converted), METHODS["f16"])
     sources = merged_tensors(model)
-    n_params = sum(_numel(s.shape) for s in sources.values())
+    n_params = sum(math.prod(s.shape) for s in sources.values())
     keep_reference = reference_method in methods
     ensure_free_space(out_dir, sum(estimated_bytes(n_params, m) for m in {reference_method, *methods}))
 
     result = ExportResult()
+    expected = reference_run(model, tokenizer) if validate_export else None  # transformers, once
     reference_path = out_dir / gguf_filename(name, reference_method)
     with atomic_output(reference_path) as partial:
         log.info("writing %s%s", reference_path, "" if keep_reference else " (the reference to quantize from; not kept)")
         write_gguf(model, tokenizer, sources, partial, reference_method, name=name)
-        if validate_export:
-            report = validate(model, tokenizer, partial, reference_method.name)
+        if expected is not None:
+            report = validate(expected, tokenizer, partial, reference_method.name)
             report.file = str(reference_path)
             result.validations[reference_method.name] = report
             if not report.passed:
                 raise ExportError(
                     f"the {reference_method.name} GGUF does not reproduce the model: {report.summary()}; "
                     "it was not kept",
-                    fix="this is an exporter bug for this model; please report it with the output of "
-                    "`unsloth export ... --json`",
+                    fix="this is an exporter bug for this model, please report it; --no-validate "
+                    "(validate_export=False) writes the file anyway, for inspection",
                 )
     result.files[reference_method.name] = reference_path
 
@@ -108,8 +110,8 @@ def save_pretrained_gguf(
             log.info("quantizing %s", path)
             quantize(reference_path, path, method)
             result.files[method.name] = path
-            if validate_export:
-                result.validations[method.name] = validate(model, tokenizer, path, method.name)
+            if expected is not None:
+                result.validations[method.name] = validate(expected, tokenizer, path, method.name)
     finally:
         if not keep_reference:
             reference_path.unlink(missing_ok=True)
@@ -120,9 +122,3 @@ def save_pretrained_gguf(
         result.modelfile = write_modelfile(out_dir, preferred, tokenizer)
     return result
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count

@@ -95,11 +95,6 @@ def merged_tensors(model: Any) -> dict[str, TensorSource]:
     return sources
 
 
-def count_parameters(model: Any) -> int:
-    """Parameters of the merged model (4-bit packed weights count as their unpacked size)."""
-    return sum(int(torch.Size(source.shape).numel()) for source in merged_tensors(model).values())
-
-
 def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> tuple[Any, Any]:
     """A merged model directory or a LoRA adapter directory -> (model, tokenizer), on the CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -139,8 +139,32 @@ def reference_greedy(model: Any, prompt: list[int], n_tokens: int) -> tuple[list
     return tokens, np.stack(logits)
 
 
-def compare_prompt(model: Any, llm: Any, text: str, prompt: list[int], n_tokens: int) -> PromptResult:
-    reference, ref_logits = reference_greedy(model, prompt, n_tokens)
+@dataclass
+class Reference:
+    """transformers' side of the comparison, computed once and reused for every exported file."""
+
+    texts: list[str]
+    prompts: list[list[int]]  # token ids, as transformers' tokenizer gives them
+    tokens: list[list[int]]  # greedy continuation of each prompt
+    logits: list[np.ndarray]  # logits at each continuation step
+    tie_tolerance: float
+    dtype: str
+
+
+def reference_run(model: Any, tokenizer: Any, prompts: tuple[str, ...] = DEFAULT_PROMPTS, n_tokens: int = N_TOKENS) -> Reference:
+    model = reference_model(model).eval()
+    dtype = next(model.parameters()).dtype
+    texts = list(prompts) + [t for t in [chat_prompt(tokenizer)] if t]
+    # A rendered chat prompt already starts with the BOS text when the template writes it.
+    encoded = [tokenizer(t, add_special_tokens=not t.startswith(tokenizer.bos_token or "\0"))["input_ids"] for t in texts]
+    runs = [reference_greedy(model, ids, n_tokens) for ids in encoded]
+    return Reference(
+        texts, encoded, [r[0] for r in runs], [r[1] for r in runs],
+        TIE_TOLERANCE.get(dtype, 0.05), str(dtype).removeprefix("torch."),
+    )
+
+
+def compare_prompt(llm: Any, text: str, prompt: list[int], reference: list[int], ref_logits: np.ndarray) -> PromptResult:
     llm_logits = runtime.next_token_logits(llm, prompt + reference[:-1])[len(prompt) - 1 :]
     candidate = [int(i) for i in llm_logits.argmax(axis=-1)]
     spread = ref_logits.max(axis=-1) - ref_logits.min(axis=-1)
@@ -169,23 +193,16 @@ def chat_prompt(tokenizer: Any) -> str | None:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def validate(
-    model: Any,
-    tokenizer: Any,
-    path: Path,
-    method: str,
-    prompts: tuple[str, ...] = DEFAULT_PROMPTS,
-    n_tokens: int = N_TOKENS,
-) -> Validation:
-    reference = reference_model(model)
-    reference.eval()
-    dtype = next(reference.parameters()).dtype
-    texts = list(prompts) + [t for t in [chat_prompt(tokenizer)] if t]
-    encoded = [tokenizer(t, add_special_tokens=not t.startswith(tokenizer.bos_token or "\0"))["input_ids"] for t in texts]
-    llm = runtime.load(path, n_ctx=max(len(ids) for ids in encoded) + n_tokens + 8, gpu=False, logits_all=True)
+def validate(reference: Reference, tokenizer: Any, path: Path, method: str) -> Validation:
+    """Compare the GGUF at ``path`` with ``reference`` (see ``reference_run``)."""
+    n_ctx = max(len(p) + len(t) for p, t in zip(reference.prompts, reference.tokens)) + 8
+    llm = runtime.load(path, n_ctx=n_ctx, gpu=False, logits_all=True)
     try:
-        results = [compare_prompt(reference, llm, t, ids, n_tokens) for t, ids in zip(texts, encoded)]
-        mismatches = tokenizer_mismatches(tokenizer, llm, TOKENIZER_SAMPLES + tuple(texts))
+        results = [
+            compare_prompt(llm, text, prompt, tokens, logits)
+            for text, prompt, tokens, logits in zip(reference.texts, reference.prompts, reference.tokens, reference.logits)
+        ]
+        mismatches = tokenizer_mismatches(tokenizer, llm, TOKENIZER_SAMPLES + tuple(reference.texts))
     finally:
         llm.close()
-    return Validation(method, str(path), results, TIE_TOLERANCE.get(dtype, 0.05), str(dtype).removeprefix("torch."), mismatches)
+    return Validation(method, str(path), results, reference.tie_tolerance, reference.dtype, mismatches)
