@@ -2,7 +2,8 @@
 
 Kernels run on a GPU (CUDA or ROCm), or on the CPU under Triton's interpreter (TRITON_INTERPRET=1,
 slow but exact: that is how CI tests them). Anywhere else the patches step aside and the model
-trains through the plain transformers + peft path, which we say once.
+trains through the plain transformers + peft path, which we say once. UNSLOTH_KERNELS=0 turns
+them off on purpose (to rule them out when something looks wrong).
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ _said: set[str] = set()
 def kernels_available(device: torch.device | str) -> bool:
     """True when the Triton kernels can run on `device`; says once per device kind when they cannot."""
     device_type = torch.device(device).type
-    reason = _unavailable_reason(device_type)
-    if reason is not None and device_type not in _said:
-        _said.add(device_type)
+    if os.environ.get("UNSLOTH_KERNELS", "1") == "0":
+        reason = "UNSLOTH_KERNELS=0"
+    else:
+        reason = _unavailable_reason(device_type)
+    if reason is not None and reason not in _said:
+        _said.add(reason)
         log.warning("unsloth: kernels off, training through plain transformers + peft: %s.", reason)
     return reason is None

@@ -1,0 +1,5 @@
+import os
+
+# The patches run our Triton kernels; without a GPU they need Triton's CPU interpreter, which must
+# be chosen before the kernels are imported (scripts/test sets it for the whole run).
+os.environ.setdefault("TRITON_INTERPRET", "1")
