@@ -8,8 +8,6 @@
 # environment transactionally. Options are parameters or UNSLOTH_* variables (docs/install.md).
 # Everything is inside functions and the last line calls one: a partial download runs nothing.
 
-$ErrorActionPreference = 'Stop'
-
 $UnslothUvVersion = '0.13.9'
 $UnslothPythonMin = [version]'3.10'
 $UnslothPythonMax = [version]'3.13'
@@ -52,7 +50,8 @@ function Find-Python {
     $launcher = Get-Command 'py' -ErrorAction SilentlyContinue
     if ($launcher) {
         foreach ($minor in @('3.12', '3.13', '3.11', '3.10')) {
-            $path = & $launcher.Source "-$minor" -c 'import sys; print(sys.executable)' 2>$null
+            # PowerShell 5.1 turns a native command's stderr into an error under 'Stop': catch it.
+            try { $path = & $launcher.Source "-$minor" -c 'import sys; print(sys.executable)' 2>$null } catch { $path = $null }
             if ($LASTEXITCODE -eq 0 -and $path) { return $path.Trim() }
         }
     }
@@ -168,8 +167,9 @@ function Install-Bootstrap {
         & $bootUv pip install --quiet --python $bootPython @indexArguments --reinstall-package unsloth-installer $Source
         if ($LASTEXITCODE -eq 0) { return $bootstrap }
     }
-    & $bootPython -m pip --version *> $null
-    if ($LASTEXITCODE -eq 0) {
+    $hasPip = $false
+    try { & $bootPython -m pip --version *> $null; $hasPip = ($LASTEXITCODE -eq 0) } catch { $hasPip = $false }
+    if ($hasPip) {
         # pip reads the user's pip configuration itself; UNSLOTH_* overrides go on top.
         & $bootPython -m pip install --quiet --disable-pip-version-check @indexArguments uv $Source
     } else {
@@ -196,6 +196,8 @@ function Install-Unsloth {
         [switch]$NoModifyPath,
         [string[]]$PassThrough = @()
     )
+    # Here, not at the top: `irm | iex` runs in the caller's session, whose preferences we leave alone.
+    $ErrorActionPreference = 'Stop'
     # Parameters become the UNSLOTH_* variables `unsloth install` reads too: one set of names.
     if ($Version) { $env:UNSLOTH_VERSION = $Version }
     if ($Source) { $env:UNSLOTH_SOURCE = $Source }

@@ -6,7 +6,7 @@ indexes), "warm" from caches that already hold them. Each install starts from an
 "Ready" includes verification (imports, doctor's environment checks), which costs the same for both
 tools; the install steps alone are reported beside it.
 
-    python bench/install_bench.py [--states cold warm] [--tools uv pip] [--markdown]
+    python bench/install_bench.py [--states cold warm] [--tools uv pip]
 """
 
 from __future__ import annotations
@@ -26,12 +26,22 @@ STEP = re.compile(r"✓ (.+?) \((\d+\.\d+)s\)")
 INSTALL_STEPS = ("Python environment", "PyTorch", "unsloth, transformers", "GGUF export tools")
 
 
-def run_install(home: Path, caches: Path, tool: str) -> tuple[float, float, str]:
+def frozen_source(dest: Path) -> Path:
+    """A copy of this checkout's files (tracked and untracked, not ignored), so edits during the run do not count."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True)
+    for rel in filter(None, listed.stdout.decode().split("\0")):
+        if (REPO / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, dest / rel)
+    return dest
+
+
+def run_install(home: Path, caches: Path, tool: str, source: Path) -> tuple[float, float, str]:
     """(wall seconds, seconds in install steps, output) of one `unsloth install`."""
     env = {**os.environ, "UNSLOTH_HOME": str(home / "unsloth"), "HOME": str(home), "UV_CACHE_DIR": str(caches / "uv"),
            "PIP_CACHE_DIR": str(caches / "pip"), "NO_COLOR": "1", "COLUMNS": "200"}
     argv = [sys.executable, "-m", "unsloth.cli", "install", "--yes", "--without", "llama-cpp", "--no-modify-path",
-            "--source", str(REPO)] + (["--pip"] if tool == "pip" else [])
+            "--source", str(source)] + (["--pip"] if tool == "pip" else [])
     start = time.monotonic()
     done = subprocess.run(argv, env=env, capture_output=True, text=True)
     wall = time.monotonic() - start
@@ -41,12 +51,12 @@ def run_install(home: Path, caches: Path, tool: str) -> tuple[float, float, str]
     return wall, steps, done.stdout
 
 
-def measure(tool: str, state: str, warm_caches: Path) -> dict:
+def measure(tool: str, state: str, warm_caches: Path, source: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench-{tool}-{state}-") as tmp:
         tmp = Path(tmp)
         caches = warm_caches if state == "warm" else tmp / "caches"
-        ready, steps, _ = run_install(tmp / "home", caches, tool)
-        rerun, _, out = run_install(tmp / "home", caches, tool)
+        ready, steps, _ = run_install(tmp / "home", caches, tool, source)
+        rerun, _, out = run_install(tmp / "home", caches, tool, source)
         assert "Up to date" in out, out[-2000:]
         return {"tool": tool, "state": state, "ready_s": ready, "install_steps_s": steps, "rerun_s": rerun}
 
@@ -57,14 +67,16 @@ def main() -> int:
     parser.add_argument("--states", nargs="+", default=["cold", "warm"])
     args = parser.parse_args()
     warm = Path(tempfile.mkdtemp(prefix="bench-warm-caches-"))
+    source = frozen_source(Path(tempfile.mkdtemp(prefix="bench-source-")))
     try:
         for tool in args.tools:  # fill the shared warm caches once per tool, untimed
             if "warm" in args.states:
                 with tempfile.TemporaryDirectory() as tmp:
-                    run_install(Path(tmp), warm, tool)
-        rows = [measure(tool, state, warm) for state in args.states for tool in args.tools]
+                    run_install(Path(tmp), warm, tool, source)
+        rows = [measure(tool, state, warm, source) for state in args.states for tool in args.tools]
     finally:
         shutil.rmtree(warm, ignore_errors=True)
+        shutil.rmtree(source, ignore_errors=True)
     print("| installer | caches | time to a ready environment | of which install steps | re-run (nothing to do) |")
     print("|---|---|---|---|---|")
     for row in rows:
