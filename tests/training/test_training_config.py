@@ -1,0 +1,120 @@
+"""`unsloth train` configs: TOML and YAML read the same, overrides apply, mistakes get clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from unsloth.training.config import ConfigError, apply_override, from_dict, load_config
+
+TOML = """
+output_dir = "out"
+[model]
+name = "org/model"
+max_seq_length = 1024
+load_in_4bit = true
+[dataset]
+name = "data/train.jsonl"
+[lora]
+r = 32
+alpha = 64
+[training]
+learning_rate = 1e-4
+max_steps = 50
+"""
+
+YAML = """
+output_dir: out
+model: {name: org/model, max_seq_length: 1024, load_in_4bit: true}
+dataset: {name: data/train.jsonl}
+lora: {r: 32, alpha: 64}
+training: {learning_rate: 1.0e-4, max_steps: 50}
+"""
+
+
+def test_toml_and_yaml_give_the_same_config(tmp_path):
+    (tmp_path / "c.toml").write_text(TOML)
+    (tmp_path / "c.yaml").write_text(YAML)
+    toml, yaml = load_config(tmp_path / "c.toml"), load_config(tmp_path / "c.yaml")
+    assert toml == yaml
+    assert toml.model.load_in_4bit and toml.lora.r == 32 and toml.lora.dropout == 0.0
+    assert toml.training == {"learning_rate": 1e-4, "max_steps": 50}
+    assert toml.gradient_checkpointing == "unsloth"
+
+
+def test_overrides_win_over_the_file(tmp_path):
+    (tmp_path / "c.toml").write_text(TOML)
+    config = load_config(tmp_path / "c.toml", ["training.max_steps=7", "lora.r=8", "model.name=other/model",
+                                               "lora.target_modules=[q_proj, v_proj]", "packing=true"])
+    assert config.training["max_steps"] == 7 and config.lora.r == 8 and config.model.name == "other/model"
+    assert config.lora.target_modules == ["q_proj", "v_proj"] and config.packing is True
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"dataset": {"name": "d.jsonl"}}, "model: required"),
+    ({"model": {"name": "m"}}, "dataset: required"),
+    ({"model": {"nme": "m"}, "dataset": {"name": "d"}}, "model.nme: unknown key (did you mean 'name'?)"),
+    ({"model": {"name": "m", "max_seq_length": "long"}, "dataset": {"name": "d"}},
+     "model.max_seq_length: expected a whole number, got 'long'"),
+    ({"model": {"name": "m", "load_in_4bit": "yes"}, "dataset": {"name": "d"}},
+     "model.load_in_4bit: expected true or false"),
+    ({"model": {"name": "m", "load_in_4bit": True, "load_in_8bit": True}, "dataset": {"name": "d"}},
+     "choose one"),
+    ({"model": {"name": "m"}, "dataset": {"name": "d"}, "lora": None}, "lora: missing"),
+    ({"model": {"name": "m"}, "dataset": {"name": "d"}, "gradient_checkpointing": "sometimes"},
+     "gradient_checkpointing: 'sometimes' is not one of"),
+    ({"model": {"name": "m"}, "dataset": {"name": "d"}, "lora": {"target_modules": "q_proj"}},
+     "lora.target_modules: expected a list"),
+])
+def test_mistakes_are_named(raw, message):
+    with pytest.raises(ConfigError, match=None) as error:
+        from_dict(raw)
+    assert message in str(error.value)
+
+
+def test_file_problems_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "missing.toml")
+    (tmp_path / "c.ini").write_text("x")
+    with pytest.raises(ConfigError, match=r"\.toml, \.yaml or \.yml"):
+        load_config(tmp_path / "c.ini")
+    (tmp_path / "bad.toml").write_text("[model\nname = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(tmp_path / "bad.toml")
+    with pytest.raises(ConfigError, match="key.path=value"):
+        apply_override({}, "training.max_steps")
+
+
+def test_training_keys_are_checked_against_trl(tmp_path):
+    from unsloth.training.sft import sft_arguments
+
+    config = from_dict({"model": {"name": "m"}, "dataset": {"name": "d"}, "output_dir": str(tmp_path),
+                        "training": {"learning_rat": 1e-4}})
+    with pytest.raises(ConfigError, match="training.learning_rat: not a training argument .did you mean 'learning_rate'"):
+        sft_arguments(config, bf16=False, fp16=False)
+    config.training = {"learning_rate": 3e-4, "max_steps": 5}
+    args = sft_arguments(config, bf16=False, fp16=False)
+    assert args.learning_rate == 3e-4 and args.max_steps == 5 and args.max_length == 2048
+
+
+def test_dataset_problems_are_named(tmp_path):
+    from unsloth.training.config import DatasetConfig
+    from unsloth.training.sft import load_dataset_from
+
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_dataset_from(DatasetConfig(name=str(tmp_path / "nope.jsonl")))
+    (tmp_path / "odd.jsonl").write_text('{"question": "q", "answer": "a"}\n')
+    with pytest.raises(ConfigError, match="none of the shapes SFT reads"):
+        load_dataset_from(DatasetConfig(name=str(tmp_path / "odd.jsonl")))
+    (tmp_path / "t.csv").write_text("body\nhello\nworld\n")
+    data = load_dataset_from(DatasetConfig(name=str(tmp_path / "t.csv"), text_field="body", limit=1))
+    assert data.column_names == ["text"] and len(data) == 1
+
+
+def test_cli_reports_config_errors_with_exit_code_2(tmp_path, capsys):
+    from unsloth.cli import main
+
+    (tmp_path / "c.toml").write_text('[model]\nname = "m"\n')
+    assert main(["train", str(tmp_path / "c.toml")]) == 2
+    assert "dataset: required" in capsys.readouterr().err
+    assert main(["train"]) == 2
+    assert "unsloth train --demo" in capsys.readouterr().err

@@ -1,0 +1,37 @@
+"""`unsloth train --demo` as a CPU user runs it: the loss falls, the answers are right, the model is saved."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_demo_learns_the_task_and_saves_a_llama_folder(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # a plain CPU machine: kernels off, stock torch path
+    out = tmp_path / "demo"
+    run = subprocess.run([sys.executable, "-m", "unsloth.cli", "train", "--demo", "--output-dir", str(out)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = run.stdout + run.stderr
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", text).groups())
+    assert last < 0.5 * first
+    right, shown = map(int, re.search(r"(\d+)/(\d+) answers right", text).groups())
+    assert shown >= 5 and right >= shown - 1
+    assert "[ok ] What is the capital of France? -> Paris" in text
+    losses = [json.loads(line)["loss"] for line in (out / "loss_log.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert len(losses) >= 10 and losses[-1] < losses[0]
+
+    merged = out / "merged"
+    config = json.loads((merged / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
+    tokenizer = json.loads((merged / "tokenizer.json").read_text())
+    assert tokenizer["model"]["type"] == "BPE" and tokenizer["pre_tokenizer"]["type"] == "ByteLevel"
+    assert (merged / "model.safetensors").is_file()
+    assert "chat_template" in (merged / "tokenizer_config.json").read_text() or (merged / "chat_template.jinja").is_file()

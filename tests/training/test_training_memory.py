@@ -1,0 +1,63 @@
+"""Gradient checkpointing of decoder layers (and offload on a GPU) keeps the gradients; OOM advice."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.models.tiny import VOCAB, tiny_model
+from unsloth.training.memory import apply_gradient_checkpointing, out_of_memory_advice
+
+
+def _lora_grads(model, ids, mode):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                                                  task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    layers = apply_gradient_checkpointing(peft_model.get_base_model(), mode)
+    peft_model.train()
+    loss = peft_model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return layers, loss.detach(), {n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("mode", [True, "unsloth"])
+def test_checkpointed_layers_give_the_same_gradients(mode, monkeypatch):
+    monkeypatch.setenv("UNSLOTH_KERNELS", "0")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # "unsloth" offloads only on a GPU
+    model = tiny_model("llama").to(device)
+    ids = torch.randint(0, VOCAB, (2, 16), device=device)
+    _, ref_loss, ref_grads = _lora_grads(copy.deepcopy(model), ids, False)
+    layers, loss, grads = _lora_grads(model, ids, mode)
+    assert layers == model.config.num_hidden_layers
+    torch.testing.assert_close(loss, ref_loss)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+
+
+def test_checkpointing_stays_out_of_inference():
+    model = tiny_model("llama")
+    apply_gradient_checkpointing(model, True)
+    ids = torch.randint(0, VOCAB, (1, 8))
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 11)
+    with pytest.raises(ValueError, match="True, False or"):
+        apply_gradient_checkpointing(model, "always")
+
+
+def test_out_of_memory_advice_names_the_fixes():
+    advice = out_of_memory_advice(batch_size=8, max_seq_length=4096, load_in_4bit=False)
+    assert "per_device_train_batch_size=4" in advice
+    assert "load_in_4bit=true" in advice
+    assert "max_seq_length=2048" in advice
+    assert "offload" in advice
+    minimal = out_of_memory_advice(batch_size=1, max_seq_length=256, load_in_4bit=True)
+    assert "smaller batch" not in minimal and "4-bit" not in minimal and "offload" in minimal
