@@ -57,28 +57,34 @@ def check_device(*tensors: torch.Tensor) -> None:
 
 # --- row-wise kernels (norms): tiling and work split, shared by rms_norm and layer_norm ---
 
-# Elements per forward tile: two 4096-wide rows share one weight load; at 16 warps that is 16
-# elements (two 16-byte loads) per thread and ~32 registers, so occupancy stays full.
-NORM_FORWARD_TILE = 8192
-# The backward keeps w, the dW accumulator, this tile and the prefetched next one live (~100
-# registers at 8 warps for a 4096 row): one row per tile leaves room for 2 programs per SM.
-NORM_BACKWARD_TILE = 4096
+# Launch parameters of the row-wise kernels, one table per direction. Module state on purpose:
+# bench/tune_kernels.py sweeps them on a GPU, and the values here are what it found best.
+#   tile            elements per tile: BLOCK_M stacks rows of BLOCK_N until a tile holds this many
+#   warps           None = the size heuristic (num_warps_for)
+#   programs_per_sm backward only: programs each walking a contiguous chunk of rows (see split_rows)
+NORM_TUNING = {
+    "forward": {"tile": 8192, "warps": None},
+    "backward": {"tile": 4096, "warps": None, "programs_per_sm": 4},
+}
 
-def row_tile(n_cols: int, target_elements: int) -> tuple[int, int, int]:
-    """BLOCK_N covers the row; BLOCK_M stacks rows until a tile holds ~target_elements."""
+
+def row_tile(n_cols: int, direction: str) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps): BLOCK_N covers the row; BLOCK_M stacks rows up to the tile size."""
+    tuning = NORM_TUNING[direction]
     block_n = block_size_for(n_cols)
-    block_m = max(1, min(64, target_elements // block_n))
-    return block_m, block_n, num_warps_for(block_m * block_n)
+    block_m = max(1, min(64, tuning["tile"] // block_n))
+    return block_m, block_n, tuning["warps"] or num_warps_for(block_m * block_n)
 
 
 def split_rows(n_rows: int, block_m: int, device: torch.device) -> tuple[int, int]:
     """(programs, rows each) for a backward that reduces over rows.
 
-    A few programs per SM keep enough loads in flight to saturate memory (one program per SM
+    Several programs per SM keep enough loads in flight to saturate memory (one program per SM
     walking rows one at a time is latency-bound); each walks a contiguous chunk of rows, a
     multiple of block_m, and leaves one fp32 partial row of the weight gradient.
     """
-    n_programs = max(1, min(triton.cdiv(n_rows, block_m), 4 * num_sms(device.index or 0)))
+    per_sm = NORM_TUNING["backward"]["programs_per_sm"]
+    n_programs = max(1, min(triton.cdiv(n_rows, block_m), per_sm * num_sms(device.index or 0)))
     rows_per_program = max(1, triton.cdiv(triton.cdiv(n_rows, n_programs), block_m)) * block_m
     return triton.cdiv(n_rows, rows_per_program), rows_per_program
 

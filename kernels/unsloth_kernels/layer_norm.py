@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import NORM_BACKWARD_TILE, NORM_FORWARD_TILE, as_rows, check_device, row_tile, split_rows
+from ._utils import as_rows, check_device, row_tile, split_rows
 
 
 @triton.jit
@@ -57,8 +57,8 @@ def _layer_norm_bwd(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    db = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)  # 1-D: BLOCK_M x fewer registers than a tile
+    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
     first = pid.to(tl.int64) * rows_per_program
     last = tl.minimum(first + rows_per_program, n_rows)
     # The next tile's loads are issued before this tile's math (see rms_norm's backward).
@@ -71,55 +71,67 @@ def _layer_norm_bwd(
         mask = (rows[:, None] < last) & col_mask[None, :]
         x_hat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
         dyf = dy.to(tl.float32)
-        dw += dyf * x_hat
-        db += dyf
+        dw += tl.sum(dyf * x_hat, axis=0)
+        db += tl.sum(dyf, axis=0)
         g = dyf * w[None, :]
         c1 = tl.sum(g * x_hat, axis=1) / n_cols
         c2 = tl.sum(g, axis=1) / n_cols
         dx = rstd[:, None] * (g - x_hat * c1[:, None] - c2[:, None])
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         rows, x, dy, mean, rstd = next_rows, x_next, dy_next, mean_next, rstd_next
-    tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw, axis=0), mask=col_mask)
+    tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
     if HAS_BIAS:
-        tl.store(DB_PARTIAL + pid * n_cols + cols, tl.sum(db, axis=0), mask=col_mask)
+        tl.store(DB_PARTIAL + pid * n_cols + cols, db, mask=col_mask)
+
+
+def layer_norm_forward(x, weight, bias, eps):
+    """y (shaped like x), and what backward needs: the rows of x, mean and rstd."""
+    n_cols = x.shape[-1]
+    x2 = as_rows(x, n_cols)
+    n_rows = x2.shape[0]
+    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    block_m, block_n, warps = row_tile(n_cols, "forward")
+    _layer_norm_fwd[(triton.cdiv(n_rows, block_m),)](
+        x2, weight, bias if bias is not None else weight, y, mean, rstd,
+        n_rows, n_cols, eps, x2.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+    )
+    return y.view(x.shape), x2, mean, rstd
+
+
+def layer_norm_backward(dy, x2, weight, bias, mean, rstd):
+    """(dx rows, dW, dB or None)."""
+    n_rows, n_cols = x2.shape
+    dy2 = as_rows(dy, n_cols)
+    dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
+    block_m, block_n, warps = row_tile(n_cols, "backward")
+    n_programs, rows_per_program = split_rows(n_rows, block_m, x2.device)
+    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device)
+    db_partial = torch.empty_like(dw_partial) if bias is not None else dw_partial
+    _layer_norm_bwd[(n_programs,)](
+        dy2, x2, weight, mean, rstd, dx, dw_partial, db_partial,
+        n_rows, n_cols, rows_per_program, dy2.stride(0), x2.stride(0), dx.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+    )
+    dw = dw_partial.sum(0).to(weight.dtype)
+    db = db_partial.sum(0).to(bias.dtype) if bias is not None else None
+    return dx, dw, db
 
 
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        n_cols = x.shape[-1]
-        x2 = as_rows(x, n_cols)
-        n_rows = x2.shape[0]
-        y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-        mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty_like(mean)
-        block_m, block_n, warps = row_tile(n_cols, NORM_FORWARD_TILE)
-        _layer_norm_fwd[(triton.cdiv(n_rows, block_m),)](
-            x2, weight, bias if bias is not None else weight, y, mean, rstd,
-            n_rows, n_cols, eps, x2.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-        )
+        y, x2, mean, rstd = layer_norm_forward(x, weight, bias, eps)
         ctx.save_for_backward(x2, weight, bias, mean, rstd)
         ctx.shape = x.shape
-        return y.view(x.shape)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x2, weight, bias, mean, rstd = ctx.saved_tensors
-        n_rows, n_cols = x2.shape
-        dy2 = as_rows(dy, n_cols)
-        dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
-        block_m, block_n, warps = row_tile(n_cols, NORM_BACKWARD_TILE)
-        n_programs, rows_per_program = split_rows(n_rows, block_m, x2.device)
-        dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device)
-        db_partial = torch.empty_like(dw_partial) if bias is not None else dw_partial
-        _layer_norm_bwd[(n_programs,)](
-            dy2, x2, weight, mean, rstd, dx, dw_partial, db_partial,
-            n_rows, n_cols, rows_per_program, dy2.stride(0), x2.stride(0), dx.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-        )
-        dw = dw_partial.sum(0).to(weight.dtype)
-        db = db_partial.sum(0).to(bias.dtype) if bias is not None else None
+        dx, dw, db = layer_norm_backward(dy, x2, weight, bias, mean, rstd)
         return dx.view(ctx.shape), dw, db, None
 
 

@@ -19,6 +19,7 @@ bitsandbytes itself is never imported here: `dequantize_bnb_4bit` reads its Quan
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from math import prod
 
@@ -36,8 +37,9 @@ NF4_CODE = (
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 )  # fmt: skip
 
-# Packed bytes per program: 2048 outputs, a few KiB of traffic, enough work to hide latency.
+# Packed bytes per program and its warps (bench/tune_kernels.py sweeps them).
 _BYTES_PER_PROGRAM = 1024
+_WARPS = 4
 
 
 @dataclass(frozen=True)
@@ -71,11 +73,13 @@ def _dequantize_4bit_kernel(
     absmax2_ptr,
     code2_ptr,
     offset_ptr,
+    offset,
     n_elements,
     n_bytes,
     BLOCKSIZE: tl.constexpr,
     BLOCKSIZE2: tl.constexpr,
     NESTED: tl.constexpr,
+    OFFSET_IN_MEMORY: tl.constexpr,
     OUT_BF16: tl.constexpr,
     BYTES: tl.constexpr,
 ):
@@ -90,7 +94,8 @@ def _dequantize_4bit_kernel(
     if NESTED:
         scale_q = tl.load(absmax_ptr + block, mask=live, other=0).to(tl.int32)
         scale = tl.load(code2_ptr + scale_q) * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=live, other=0.0)
-        scale = scale + tl.load(offset_ptr)
+        # bitsandbytes keeps the offset as a device tensor: read it there rather than sync the host
+        scale = scale + (tl.load(offset_ptr) if OFFSET_IN_MEMORY else offset)
     else:
         scale = tl.load(absmax_ptr + block, mask=live, other=0.0)
 
@@ -103,9 +108,15 @@ def _dequantize_4bit_kernel(
     tl.store(out_ptr + element, values.to(out_ptr.dtype.element_ty), mask=element < n_elements)
 
 
+@functools.lru_cache(maxsize=None)
+def _nf4_code(device: torch.device) -> torch.Tensor:
+    # Cached: building it each call is a host-to-device copy, which waits for the GPU.
+    return torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
+
+
 def _code_on(device: torch.device, code: torch.Tensor | None) -> torch.Tensor:
     if code is None:
-        return torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
+        return _nf4_code(device)
     if code.numel() != 16:
         raise ValueError(f"a 4-bit code has 16 entries, got {code.numel()}")
     return code.to(device=device, dtype=torch.float32).contiguous()
@@ -150,23 +161,28 @@ def dequantize_nf4(
             raise ValueError(f"nested absmax must be uint8 indices, got {absmax.dtype}")
         absmax2 = nested.absmax.to(device=device, dtype=torch.float32).contiguous()
         code2 = nested.code.to(device=device, dtype=torch.float32).contiguous()
-        offset = torch.as_tensor(nested.offset, dtype=torch.float32, device=device).reshape(1)
+        offset = nested.offset
+        if isinstance(offset, torch.Tensor):
+            offset = offset.to(device=device, dtype=torch.float32).reshape(1)
         blocksize2 = int(nested.blocksize)
         scales = absmax.contiguous()
     else:
         scales = absmax.to(torch.float32).contiguous()
-        absmax2 = code2 = offset = scales  # unused by the kernel
+        absmax2 = code2 = scales  # unused by the kernel
+        offset = 0.0
         blocksize2 = 1
 
     if n == 0:
         return out
+    in_memory = isinstance(offset, torch.Tensor)
     grid = (triton.cdiv(triton.cdiv(n, 2), _BYTES_PER_PROGRAM),)
     # Keep `scale * code2 + offset` as two roundings (no FMA) so the result is bit-identical to bnb.
     options = {} if INTERPRET else {"enable_fp_fusion": False}
     _dequantize_4bit_kernel[grid](
-        data, scales, _code_on(device, code), out, absmax2, code2, offset, n, data.numel(),
-        BLOCKSIZE=int(blocksize), BLOCKSIZE2=blocksize2, NESTED=nested is not None,
-        OUT_BF16=out.dtype == torch.bfloat16, BYTES=_BYTES_PER_PROGRAM, num_warps=4, **options,
+        data, scales, _code_on(device, code), out, absmax2, code2,
+        offset if in_memory else scales, 0.0 if in_memory else float(offset), n, data.numel(),
+        BLOCKSIZE=int(blocksize), BLOCKSIZE2=blocksize2, NESTED=nested is not None, OFFSET_IN_MEMORY=in_memory,
+        OUT_BF16=out.dtype == torch.bfloat16, BYTES=_BYTES_PER_PROGRAM, num_warps=_WARPS, **options,
     )  # fmt: skip
     return out
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import NORM_BACKWARD_TILE, NORM_FORWARD_TILE, as_rows, check_device, row_tile, split_rows
+from ._utils import as_rows, check_device, row_tile, split_rows
 
 _CASTS = ("llama", "gemma")
 
@@ -74,7 +74,7 @@ def _rms_norm_bwd(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-    dw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)  # 1-D: BLOCK_M x fewer registers than a tile
     first = pid.to(tl.int64) * rows_per_program
     last = tl.minimum(first + rows_per_program, n_rows)
     # Software pipelining by hand: the next tile's loads are issued before this tile's math, so
@@ -91,16 +91,16 @@ def _rms_norm_bwd(
         dyf = dy.to(tl.float32)
         # dW sees exactly the factor the forward multiplied by (Llama: the row rounded to dtype).
         if LLAMA_CAST:
-            dw += dyf * x_hat.to(x.dtype).to(tl.float32)
+            dw += tl.sum(dyf * x_hat.to(x.dtype).to(tl.float32), axis=0)
         else:
-            dw += dyf * x_hat
+            dw += tl.sum(dyf * x_hat, axis=0)
         g = dyf * w[None, :]
         dx = rstd[:, None] * (g - x_hat * (tl.sum(g * x_hat, axis=1) / n_cols)[:, None])
         if HAS_DS:
             dx += ds
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         rows, x, dy, rstd = next_rows, x_next, dy_next, rstd_next
-    tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw, axis=0), mask=col_mask)
+    tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
 
 
 def rms_norm_forward(x, weight, eps, offset, residual, cast):
@@ -113,7 +113,7 @@ def rms_norm_forward(x, weight, eps, offset, residual, cast):
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     s = torch.empty_like(x2, memory_format=torch.contiguous_format) if r2 is not None else None
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    block_m, block_n, warps = row_tile(n_cols, NORM_FORWARD_TILE)
+    block_m, block_n, warps = row_tile(n_cols, "forward")
     _rms_norm_fwd[(triton.cdiv(n_rows, block_m),)](
         x2, r2 if r2 is not None else x2, s if s is not None else y, weight, y, rstd,
         n_rows, n_cols, eps, offset,
@@ -130,7 +130,7 @@ def rms_norm_backward(dy, ds, x2, weight, rstd, offset, cast, input_dtype):
     dy2 = as_rows(dy, n_cols)
     ds2 = as_rows(ds, n_cols) if ds is not None else None
     dx = torch.empty((n_rows, n_cols), dtype=input_dtype, device=x2.device)
-    block_m, block_n, warps = row_tile(n_cols, NORM_BACKWARD_TILE)
+    block_m, block_n, warps = row_tile(n_cols, "backward")
     n_programs, rows_per_program = split_rows(n_rows, block_m, x2.device)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device)
     _rms_norm_bwd[(n_programs,)](

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from reference import assert_close_dtype, compile_cases_for_gpu, f64, geglu_ref, swiglu_ref
+from reference import UNIT_ROUNDOFF, assert_close_dtype, compile_cases_for_gpu, f64, geglu_ref, swiglu_ref, tolerance
 
 import unsloth_kernels._utils as kernel_utils
 from unsloth_kernels import geglu, swiglu
@@ -37,9 +37,23 @@ def make_inputs(shape, dtype, device=DEVICE, seed=0):
     return gate, up, dy
 
 
+def exp_argument_factor(gate, dtype):
+    """Widening of the tolerance for results that went through exp(+-c * gate).
+
+    GPUs compute exp(x) as 2^(x * log2(e)); rounding that product to fp32 shifts the result by a
+    relative |x| * u(fp32). sigmoid, erf and their derivatives carry it into the activation and
+    both gradients, so a result may be off by up to max|gate| * u(fp32) more (relative) than the
+    usual rule allows: 1 ulp per unit of |gate|, e.g. 18 ulp at |gate| = 18. It matters in fp32
+    only; in 16-bit dtypes it is far below one rounding.
+    """
+    extra = gate.abs().max().item() * UNIT_ROUNDOFF[torch.float32] if gate.numel() else 0.0
+    return 1.0 + extra / tolerance(dtype)
+
+
 def check_against_float64(name, shape, dtype, device=DEVICE):
     fn, ref = ACTIVATIONS[name]
     gate, up, dy = make_inputs(shape, dtype, device)
+    factor = exp_argument_factor(gate, dtype)
     gate_leaf, up_leaf = gate.clone().requires_grad_(), up.clone().requires_grad_()
     y = fn(gate_leaf * 1, up_leaf * 1)  # intermediate activations, as in a model: in-place backward
     y.backward(dy)
@@ -47,9 +61,9 @@ def check_against_float64(name, shape, dtype, device=DEVICE):
     yr = ref(gr, ur)
     yr.backward(dy.double())
     assert y.dtype == dtype
-    assert_close_dtype(y, yr, dtype, name="y")
-    assert_close_dtype(gate_leaf.grad, gr.grad, dtype, name="d gate")
-    assert_close_dtype(up_leaf.grad, ur.grad, dtype, name="d up")
+    assert_close_dtype(y, yr, dtype, name="y", factor=factor)
+    assert_close_dtype(gate_leaf.grad, gr.grad, dtype, name="d gate", factor=factor)
+    assert_close_dtype(up_leaf.grad, ur.grad, dtype, name="d up", factor=factor)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

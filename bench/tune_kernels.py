@@ -1,0 +1,310 @@
+"""Sweep the launch parameters of the memory-bound kernels on a GPU, and split each op's time.
+
+For each op: the kernels alone under a sweep of their tunables (module state in unsloth_kernels,
+see _utils.NORM_TUNING), then the whole forward+backward step three ways: do_bench as
+bench_kernels.py measures it, the same step replayed from a CUDA graph (GPU time alone), and the
+host time to issue one step (launch overhead). If the step is far above its graph replay, the host
+is the bottleneck, not the kernels. Llama-3.1-8B shapes, bf16. Prints one JSON line per result.
+
+    python bench/tune_kernels.py [--only rmsnorm,layernorm,rope,nf4,ce]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import json
+import time
+
+import torch
+import triton
+
+import unsloth_kernels as uk
+from unsloth_kernels import _utils
+
+rms = importlib.import_module("unsloth_kernels.rms_norm")
+ln = importlib.import_module("unsloth_kernels.layer_norm")
+rope = importlib.import_module("unsloth_kernels.rope")
+nf4 = importlib.import_module("unsloth_kernels.nf4")
+ce = importlib.import_module("unsloth_kernels.cross_entropy")
+
+DEV, DT = "cuda", torch.bfloat16
+T, H, NH, NKV, HD, B, S, V = 16384, 4096, 32, 8, 128, 8, 2048, 128256
+
+
+def emit(**row):
+    print(json.dumps(row), flush=True)
+
+
+def gpu_ms(fn, rep=40):
+    return round(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"), 4)
+
+
+def host_us(fn, n=50):
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return round((t1 - t0) / n * 1e6, 1)
+
+
+def graph_ms(step):
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        return gpu_ms(g.replay)
+    except Exception as e:  # noqa: BLE001 - a diagnostic only
+        return f"graph failed: {type(e).__name__}: {str(e)[:120]}"
+
+
+def step_report(op, step, n=50):
+    emit(op=op, what="step", do_bench_ms=gpu_ms(step), graph_ms=graph_ms(step), host_us=host_us(step, n))
+
+
+def sweep(op, direction, configs, fn, check=None):
+    best = None
+    ref = None
+    for cfg in configs:
+        _utils.NORM_TUNING[direction].update(cfg)
+        try:
+            out = fn()
+            err = None
+            if check is not None:
+                ref = out if ref is None else ref
+                err = check(out, ref)
+            ms = gpu_ms(fn)
+        except Exception as e:  # noqa: BLE001
+            emit(op=op, direction=direction, cfg=cfg, error=f"{type(e).__name__}: {str(e)[:200]}")
+            continue
+        emit(op=op, direction=direction, cfg=cfg, ms=ms, err=err)
+        if best is None or ms < best[0]:
+            best = (ms, dict(cfg))
+    emit(op=op, direction=direction, best=best)
+    _utils.NORM_TUNING[direction].update(best[1])
+    return best
+
+
+def maxdiff(a, b):
+    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b) if x is not None)
+
+
+FWD = [{"tile": t, "warps": w} for t, w in itertools.product((4096, 8192), (4, 8, 16))] + [{"tile": 16384, "warps": 16}]
+BWD = [{"tile": t, "warps": w, "programs_per_sm": p}
+       for t, w, p in itertools.product((4096, 8192), (8, 16), (2, 4, 8, 16))] + [
+       {"tile": 4096, "warps": 4, "programs_per_sm": p} for p in (8, 16)]  # fmt: skip
+
+
+def tune_rmsnorm():
+    x = torch.randn(T, H, device=DEV, dtype=DT, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(H, device=DEV)).to(DT).requires_grad_()
+    dy = torch.randn(T, H, device=DEV, dtype=DT)
+
+    def step():
+        x.grad = w.grad = None
+        uk.rms_norm(x, w, 1e-5).backward(dy)
+
+    step_report("rmsnorm", step)
+    sweep("rmsnorm", "forward", FWD, lambda: rms.rms_norm_forward(x.detach(), w.detach(), 1e-5, 0.0, None, "llama"))
+    _, x2, rstd = rms.rms_norm_forward(x.detach(), w.detach(), 1e-5, 0.0, None, "llama")
+    sweep("rmsnorm", "backward", BWD,
+          lambda: rms.rms_norm_backward(dy, None, x2, w.detach(), rstd, 0.0, "llama", DT), check=maxdiff)
+    step_report("rmsnorm tuned", step)
+    r = torch.randn_like(x, requires_grad=True)
+    ds = torch.randn_like(dy)
+
+    def step_res():
+        x.grad = r.grad = w.grad = None
+        torch.autograd.backward(uk.rms_norm(x, w, 1e-5, residual=r), (dy, ds))
+
+    step_report("add_rmsnorm tuned", step_res)
+
+
+def tune_layernorm():
+    x = torch.randn(T, H, device=DEV, dtype=DT, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(H, device=DEV)).to(DT).requires_grad_()
+    b = (0.1 * torch.randn(H, device=DEV)).to(DT).requires_grad_()
+    dy = torch.randn(T, H, device=DEV, dtype=DT)
+
+    def step():
+        x.grad = w.grad = b.grad = None
+        uk.layer_norm(x, w, b).backward(dy)
+
+    def eager():
+        x.grad = w.grad = b.grad = None
+        torch.nn.functional.layer_norm(x, (H,), w, b, 1e-5).backward(dy)
+
+    step_report("layernorm eager", eager)
+    step_report("layernorm", step)
+    sweep("layernorm", "forward", FWD, lambda: ln.layer_norm_forward(x.detach(), w.detach(), b.detach(), 1e-5))
+    _, x2, mean, rstd = ln.layer_norm_forward(x.detach(), w.detach(), b.detach(), 1e-5)
+    sweep("layernorm", "backward", BWD,
+          lambda: ln.layer_norm_backward(dy, x2, w.detach(), b.detach(), mean, rstd), check=maxdiff)
+    step_report("layernorm tuned", step)
+
+
+def tune_rope():
+    q = torch.randn(B, NH, S, HD, device=DEV, dtype=DT, requires_grad=True)
+    k = torch.randn(B, NKV, S, HD, device=DEV, dtype=DT, requires_grad=True)
+    inv = 1.0 / (500000 ** (torch.arange(0, HD, 2, device=DEV).float() / HD))
+    freqs = torch.outer(torch.arange(S, device=DEV).float(), inv)
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().to(DT)[None], emb.sin().to(DT)[None]
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+
+    def step():
+        q.grad = k.grad = None
+        torch.autograd.backward(list(uk.apply_rope(q, k, cos, sin)), [dq, dk])
+
+    step_report("rope", step)
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    # HF's layout: (B, S, heads * hd) projections viewed as (B, heads, S, hd)
+    qt = torch.randn(B, S, NH * HD, device=DEV, dtype=DT).view(B, S, NH, HD).transpose(1, 2)
+    kt = torch.randn(B, S, NKV * HD, device=DEV, dtype=DT).view(B, S, NKV, HD).transpose(1, 2)
+    qto, kto = torch.empty_like(qt), torch.empty_like(kt)
+    rope.ROPE_TOKENS, rope.ROPE_WARPS = 1, None
+    rope.rope_launch(q.detach(), k.detach(), qo, ko, cos, sin, None, False)
+    ref = (qo.clone(), ko.clone())
+    best = None
+    for tokens, warps in ((1, 4), (1, 8), (2, 8), (2, 16), (4, 8), (4, 16)):
+        rope.ROPE_TOKENS, rope.ROPE_WARPS = tokens, warps
+        qo.zero_()
+        rope.rope_launch(q.detach(), k.detach(), qo, ko, cos, sin, None, False)
+        same = bool(torch.equal(qo, ref[0]) and torch.equal(ko, ref[1]))
+        ms = gpu_ms(lambda: rope.rope_launch(q.detach(), k.detach(), qo, ko, cos, sin, None, False))
+        ms_t = gpu_ms(lambda: rope.rope_launch(qt, kt, qto, kto, cos, sin, None, False))
+        emit(op="rope", tokens=tokens, warps=warps, ms_contiguous=ms, ms_hf_layout=ms_t, same=same)
+        if best is None or ms + ms_t < best[0]:
+            best = (ms + ms_t, tokens, warps)
+    _, rope.ROPE_TOKENS, rope.ROPE_WARPS = best
+    emit(op="rope", best=best)
+    step_report("rope tuned", step)
+
+
+def tune_nf4():
+    try:
+        import bitsandbytes.functional as bnbf
+    except Exception:  # noqa: BLE001
+        bnbf = None
+    results = {}
+    for rows, cols in [(14336, H), (H, H)]:
+        n = rows * cols
+        packed = torch.randint(0, 256, (n // 2,), dtype=torch.uint8, device=DEV)
+        absmax = torch.randint(0, 256, (n // 64,), dtype=torch.uint8, device=DEV)
+        nested = nf4.NestedAbsmax(absmax=torch.rand(triton.cdiv(n // 64, 256), device=DEV),
+                                  code=torch.linspace(-1, 1, 256, device=DEV), blocksize=256, offset=0.1)
+        out = torch.empty(rows, cols, dtype=DT, device=DEV)
+        call = lambda: uk.dequantize_nf4(packed, absmax, (rows, cols), DT, nested=nested, out=out)  # noqa: E731
+        ref = call().clone()
+        for nbytes, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8)):
+            nf4._BYTES_PER_PROGRAM, nf4._WARPS = nbytes, warps
+            same = bool(torch.equal(call(), ref))
+            ms = gpu_ms(call, rep=100)
+            results.setdefault((nbytes, warps), []).append(ms)
+            emit(op=f"nf4 {rows}x{cols}", bytes=nbytes, warps=warps, ms=ms, same=same)
+        emit(op=f"nf4 {rows}x{cols}", host_us=host_us(call))
+        if bnbf is not None:
+            w = torch.randn(rows, cols, device=DEV, dtype=DT)
+            qw, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+            emit(op=f"nf4 {rows}x{cols}", impl="bitsandbytes", ms=gpu_ms(lambda: bnbf.dequantize_4bit(qw, state, out=out), rep=100))
+            mine = uk.dequantize_bnb_4bit(qw, state)
+            emit(op=f"nf4 {rows}x{cols}", impl="ours on bnb state", ms=gpu_ms(lambda: uk.dequantize_bnb_4bit(qw, state, out=out), rep=100),
+                 equal_to_bnb=bool(torch.equal(mine, bnbf.dequantize_4bit(qw, state))))
+    best = min(results.items(), key=lambda kv: sum(kv[1]))
+    nf4._BYTES_PER_PROGRAM, nf4._WARPS = best[0]
+    emit(op="nf4", best=best)
+
+
+def tune_ce():
+    h = torch.randn(T, H, device=DEV, dtype=DT, requires_grad=True)
+    W = torch.randn(V, H, device=DEV, dtype=DT) * 0.02
+    y = torch.randint(0, V, (T,), device=DEV)
+    y[::7] = -100
+
+    def step(chunk=None):
+        h.grad = None
+        uk.fused_linear_cross_entropy(h, W, y, chunk_size=chunk).backward()
+
+    step_report("flce", step, 5)
+    for rows in (256, 512, 1024):
+        x = h.detach()[:rows]
+        logits = torch.empty(rows, V, dtype=DT, device=DEV)
+        dx = torch.empty(rows, H, dtype=DT, device=DEV)
+        g1 = gpu_ms(lambda: torch.mm(x, W.t(), out=logits))
+        g2 = gpu_ms(lambda: torch.mm(logits, W, out=dx))
+        emit(op="flce parts", rows=rows, gemm_logits_ms=g1, gemm_dx_ms=g2,
+             tflops_logits=round(2 * rows * H * V / g1 / 1e9, 1), tflops_dx=round(2 * rows * H * V / g2 / 1e9, 1),
+             total_gemm_ms_all_chunks=round((g1 + g2) * T / rows, 2))
+    rows = 512
+    logits = torch.randn(rows, V, dtype=DT, device=DEV) * 2
+    losses = torch.empty(rows, dtype=torch.float32, device=DEV)
+    logits0 = logits.clone()
+    lf = logits0.float().requires_grad_()
+    expected = torch.nn.functional.cross_entropy(lf, y[:rows], ignore_index=-100, reduction="none")
+    expected.sum().backward()
+    expected, expected_grad = expected.detach(), lf.grad
+    best = None
+    configs = [(8, 8192, None), (16, 8192, None), (32, 16384, None), (4, 4096, None),
+               (16, 8192, 1), (32, 16384, 1), (16, 8192, 2), (32, 8192, 2)]
+    for warps, block_v, per_sm in configs:
+        ce._CE_PROGRAMS_PER_SM = per_sm
+        grid = (ce._ce_programs(rows, logits.device),)
+
+        def kernel():
+            ce._cross_entropy_rows_kernel[grid](
+                logits, logits.stride(0), y[:rows], losses, rows, V, -100, 0.0, 1.0,
+                HAS_SCALE=False, HAS_SOFTCAP=False, COMPUTE_GRAD=True, BLOCK_V=block_v, num_warps=warps)
+        try:
+            fresh = logits0.clone()
+            ce._cross_entropy_rows_kernel[grid](
+                fresh, fresh.stride(0), y[:rows], losses, rows, V, -100, 0.0, 1.0,
+                HAS_SCALE=False, HAS_SOFTCAP=False, COMPUTE_GRAD=True, BLOCK_V=block_v, num_warps=warps)
+            loss_err = float((losses - expected).abs().max())
+            grad_err = float((fresh.float() - expected_grad).abs().max())
+            emit(op="ce kernel", warps=warps, block_v=block_v, per_sm=per_sm, loss_err=loss_err, grad_err=grad_err)
+            ms = gpu_ms(kernel)
+        except Exception as e:  # noqa: BLE001
+            emit(op="ce kernel", warps=warps, block_v=block_v, per_sm=per_sm, error=str(e)[:200])
+            continue
+        emit(op="ce kernel", rows=rows, warps=warps, block_v=block_v, per_sm=per_sm, ms=ms,
+             GBps=round(3 * rows * V * 2 / ms / 1e6, 1), all_chunks_ms=round(ms * T / rows, 2))
+        if best is None or ms < best[0]:
+            best = (ms, warps, block_v, per_sm)
+    emit(op="ce kernel", best=best)
+    _, ce._CE_WARPS, ce._MAX_BLOCK_V, ce._CE_PROGRAMS_PER_SM = best
+    step_report("flce tuned", step, 5)
+    step_report("flce tuned chunk=1024", lambda: step(1024), 5)
+
+
+SECTIONS = {"rmsnorm": tune_rmsnorm, "rope": tune_rope, "ce": tune_ce, "nf4": tune_nf4, "layernorm": tune_layernorm}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default=",".join(SECTIONS))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    for name in args.only.split(","):
+        t0 = time.time()
+        try:
+            SECTIONS[name]()
+        except Exception as e:  # noqa: BLE001 - keep the other sections
+            emit(section=name, error=f"{type(e).__name__}: {str(e)[:300]}")
+        emit(section=name, seconds=round(time.time() - t0, 1))
+        torch.cuda.empty_cache()
+    emit(final_tuning=_utils.NORM_TUNING, rope=(rope.ROPE_TOKENS, rope.ROPE_WARPS),
+         nf4=(nf4._BYTES_PER_PROGRAM, nf4._WARPS), ce=(ce._CE_WARPS, ce._MAX_BLOCK_V, ce._CE_PROGRAMS_PER_SM))
+
+
+if __name__ == "__main__":
+    main()
