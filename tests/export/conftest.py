@@ -1,78 +1,10 @@
-"""Tiny random-weight models of every supported architecture, with a locally trained tokenizer.
-
-Random tiny models have many near ties between their top logits, which would make "identical
-greedy tokens" a coin toss rather than a check. Two adjustments make it a real check: the final
-norm is scaled up (logits spread out, as in trained models), and weights are rounded to float16
-so that an f16 export holds exactly the weights transformers runs, and any difference comes from
-the conversion. Gemma ties its input and output embeddings and scales inputs by sqrt(hidden): at
-random init every token then predicts itself, so its embeddings are shrunk.
-"""
+"""Session fixtures for the export tests; the models and tokenizer come from export_models.py."""
 
 from __future__ import annotations
 
 import pytest
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
-
-COMMON = dict(
-    vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.02,
-    bos_token_id=0, eos_token_id=1, pad_token_id=2,
-)
-PER_ARCH = {
-    "llama": dict(tie_word_embeddings=False),
-    "qwen2": dict(tie_word_embeddings=True),
-    "qwen3": dict(head_dim=64),
-    "gemma": dict(head_dim=64),
-    "gemma2": dict(head_dim=64, query_pre_attn_scalar=64),
-    "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64),
-}
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Hello world! How are you today? I'm fine, thanks.",
-    "def add(a, b):\n    return a + b\n",
-    "Numbers 123 4567 and symbols #@! ok. Paris is the capital of France.",
-    "Once upon a time, in a small village, there lived a curious child.",
-]
-
-
-def make_tokenizer(pre_tokenizer=None):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizer or pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", 0)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=CHAT_TEMPLATE,
-    )
-
-
-def make_model(arch: str, seed: int = 0, **overrides):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(arch, **{**COMMON, **PER_ARCH.get(arch, {}), **overrides})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
-    gemma = arch.startswith("gemma")
-    with torch.no_grad():
-        norm = model.model.norm.weight
-        norm.copy_((norm + 1) * 8 - 1 if gemma else norm * 8)  # gemma stores w - 1
-        if gemma:
-            model.get_input_embeddings().weight.mul_(0.1)
-        for param in model.parameters():
-            param.copy_(param.half().float())
-    return model
+from export_models import make_model, make_tokenizer
 
 
 @pytest.fixture(scope="session")

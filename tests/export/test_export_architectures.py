@@ -4,11 +4,13 @@ same, and `unsloth generate` runs on the result."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
 
-from conftest import ARCHITECTURES
+from export_models import ARCHITECTURES
 
 N_TOKENS = 16
 PROMPTS = ("The capital of France is", "def add(a, b):", "Once upon a time", "Hello world! How")
@@ -29,11 +31,7 @@ def exported(request, saved_model, tmp_path_factory):
     arch = request.param
     checkpoint = saved_model(arch)
     out = tmp_path_factory.mktemp(f"{arch}-gguf")
-    capsys = request.getfixturevalue("capsys") if False else None  # module scope: capture by hand below
-    import contextlib
-    import io
-
-    buffer = io.StringIO()
+    buffer = io.StringIO()  # capsys is function-scoped; this fixture is per module
     with contextlib.redirect_stdout(buffer):
         code = main(["export", str(checkpoint), "--gguf", "f16,q8_0", "--out", str(out), "--json"])
     report = json.loads(buffer.getvalue())

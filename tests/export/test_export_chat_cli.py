@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import make_model, make_tokenizer
+from export_models import make_model, make_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from collections import namedtuple
 
 import pytest
 
-from conftest import make_model, make_tokenizer
+from export_models import make_model, make_tokenizer
 from unsloth.export import ExportError
 from unsloth.export.gguf import save_pretrained_gguf
 

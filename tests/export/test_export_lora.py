@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from conftest import make_model
+from export_models import make_model
 
 DIMS = dict(hidden_size=128, intermediate_size=344)  # the demo model's shape: rows not a multiple of 256
 PROMPTS = ("The capital of France is", "def add(a, b):", "Once upon a time")
@@ -28,7 +28,7 @@ def lora_model(base_dir):
 
 @pytest.fixture(scope="module")
 def adapter_export(tmp_path_factory):
-    from conftest import make_tokenizer
+    from export_models import make_tokenizer
     from unsloth.cli import main
 
     tokenizer = make_tokenizer()
@@ -83,7 +83,7 @@ def test_k_quant_on_tiny_rows_and_modelfile(adapter_export):
 
 
 def test_save_pretrained_gguf_leaves_the_model_untouched(tmp_path):
-    from conftest import make_tokenizer
+    from export_models import make_tokenizer
     from peft.tuners.lora import LoraLayer
 
     from unsloth.export.gguf import save_pretrained_gguf
