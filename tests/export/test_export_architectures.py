@@ -12,6 +12,8 @@ import pytest
 
 from export_models import ARCHITECTURES
 
+pytestmark = pytest.mark.slow  # exports and runs models through llama.cpp
+
 N_TOKENS = 16
 PROMPTS = ("The capital of France is", "def add(a, b):", "Once upon a time", "Hello world! How")
 

@@ -12,6 +12,8 @@ import torch
 
 from export_models import make_model
 
+pytestmark = pytest.mark.slow  # exports and runs models through llama.cpp
+
 DIMS = dict(hidden_size=128, intermediate_size=344)  # the demo model's shape: rows not a multiple of 256
 PROMPTS = ("The capital of France is", "def add(a, b):", "Once upon a time")
 

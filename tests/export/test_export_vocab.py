@@ -12,6 +12,8 @@ from export_models import make_model, make_tokenizer
 from unsloth.export import ExportError
 from unsloth.export.vocab import _LLAMA3_SPLIT, _QWEN2_SPLIT, pre_tokenizer_name, token_table
 
+pytestmark = pytest.mark.slow  # exports and runs models through llama.cpp
+
 
 def split_then_bytes(regex: str):
     return pre_tokenizers.Sequence([
