@@ -37,13 +37,16 @@ def _unavailable_reason(device_type: str) -> str | None:
 _said: set[str] = set()
 
 
-def kernels_available(device: torch.device | str) -> bool:
-    """True when the Triton kernels can run on `device`; says once per device kind when they cannot."""
-    device_type = torch.device(device).type
+def unavailable_reason(device: torch.device | str) -> str | None:
+    """None when the Triton kernels can run on `device`, else why not."""
     if os.environ.get("UNSLOTH_KERNELS", "1") == "0":
-        reason = "UNSLOTH_KERNELS=0"
-    else:
-        reason = _unavailable_reason(device_type)
+        return "turned off by UNSLOTH_KERNELS=0"
+    return _unavailable_reason(torch.device(device).type)
+
+
+def kernels_available(device: torch.device | str) -> bool:
+    """True when the Triton kernels can run on `device`; says once per reason when they cannot."""
+    reason = unavailable_reason(device)
     if reason is not None and reason not in _said:
         _said.add(reason)
         log.warning("unsloth: kernels off, training through plain transformers + peft: %s.", reason)

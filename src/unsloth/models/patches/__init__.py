@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from unsloth.models.kernels import kernels_available
+from unsloth.models.kernels import kernels_available, unavailable_reason
 from unsloth.models.patches.loss import patch_loss
 from unsloth.models.patches.mlp import patch_mlps
 from unsloth.models.patches.norms import patch_rms_norms
@@ -65,7 +65,7 @@ def patch_model(model: nn.Module) -> PatchReport:
     if wanted is None:
         report.skipped = "no kernels for this family yet; LoRA/QLoRA train through transformers + peft"
     elif not kernels_available(device):
-        report.skipped = "kernels unavailable on " + device.type
+        report.skipped = f"kernels off: {unavailable_reason(device)}"
     else:
         if "rms_norm" in wanted:
             report.rms_norm = patch_rms_norms(model)
