@@ -63,10 +63,12 @@ def test_a_failed_step_keeps_its_full_log_and_shows_the_tail(tmp_path):
     assert "unsloth install --dry-run" in error.fix
 
 
-def test_a_good_step_returns_its_output(tmp_path):
+def test_a_good_step_returns_its_output_and_gets_exactly_its_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIP_FIND_LINKS", "/somewhere")
     console = Console(file=open(tmp_path / "screen", "w"))
-    out = run_step(Step("ok", "ok", [sys.executable, "-c", "print('hi')"]), tmp_path, console, 1)
-    assert out == "hi\n"
+    code = "import os; print(os.environ.get('PIP_FIND_LINKS'), os.environ['X'])"
+    out = run_step(Step("ok", "ok", [sys.executable, "-c", code], env={"PIP_FIND_LINKS": None, "X": "1"}), tmp_path, console, 1)
+    assert out == "None 1\n"
     assert "✓ ok" in (tmp_path / "screen").read_text()
 
 

@@ -1,5 +1,7 @@
 """pip configuration -> sources, and where PyTorch may come from."""
 
+import os
+
 from unsloth.envs.sources import Sources, TorchSource, parse_pip_config, torch_source, wheelhouse_torch, with_overrides
 from unsloth.plan import TorchChoice
 
@@ -25,7 +27,13 @@ def test_pip_config_follows_pips_precedence():
     assert sources.constraints == ("/etc/xdg/pip/constraints.txt",)
     assert sources.cert == "/etc/ssl/certs/ca-certificates.crt"
     assert sources.timeout == "180"
-    assert sources.env() == {"SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt", "UV_HTTP_TIMEOUT": "180"}
+    inherited = {"PIP_FIND_LINKS": "/opt/wheels", "UV_INDEX_URL": "https://elsewhere", "UV_CACHE_DIR": "/c", "HOME": "/h"}
+    env = sources.env(inherited)
+    assert env["PIP_FIND_LINKS"] is None and env["UV_INDEX_URL"] is None  # already folded into the flags
+    assert "UV_CACHE_DIR" not in env and "HOME" not in env
+    assert env["PIP_CONFIG_FILE"] == os.devnull and env["UV_NO_CONFIG"] == "1"
+    assert env["SSL_CERT_FILE"] == env["PIP_CERT"] == "/etc/ssl/certs/ca-certificates.crt"
+    assert env["UV_HTTP_TIMEOUT"] == env["PIP_DEFAULT_TIMEOUT"] == "180"
 
 
 def test_empty_or_garbled_pip_config_means_pypi():

@@ -8,6 +8,7 @@ from unsloth.envs.steps import (
     Tool,
     bitsandbytes_index_step,
     export_step,
+    llama_cpp_deps_step,
     llama_cpp_step,
     packages_step,
     pins_text,
@@ -70,12 +71,16 @@ def test_export_tools_leave_llama_cpp_to_its_own_step():
     assert export_step(TOOL, Request(source="/s", without=("export",)), PINS, EXPORT_REQUIRES) is None
 
 
-def test_llama_cpp_prebuilt_wheel_index_comes_first_and_binary_only():
+def test_llama_cpp_prebuilt_comes_from_its_wheel_index_alone_then_its_dependencies():
     plan = {"backend": "cuda", "how": "wheel", "index_url": "https://wheels/cu125", "cmake_args": "-DGGML_CUDA=on"}
-    step = llama_cpp_step(TOOL, Request(source="/s", sources=GENERAL), PINS, EXPORT_REQUIRES, plan)
-    assert flag_values(step.argv, "--extra-index-url") == ["https://wheels/cu125", "https://mirror/simple"]
-    assert flag_values(step.argv, "--only-binary") == ["llama-cpp-python"] and step.env == {}
+    request = Request(source="/s", sources=GENERAL)
+    step = llama_cpp_step(TOOL, request, PINS, EXPORT_REQUIRES, plan)
+    assert flag_values(step.argv, "--index-url") == ["https://wheels/cu125"]
+    assert flag_values(step.argv, "--extra-index-url") == [] and flag_values(step.argv, "--find-links") == []
+    assert "--no-deps" in step.argv and flag_values(step.argv, "--only-binary") == ["llama-cpp-python"] and step.env == {}
     assert step.argv[-1] == "llama-cpp-python>=0.3.16"
+    deps = llama_cpp_deps_step(TOOL, request, PINS, EXPORT_REQUIRES)
+    assert flag_values(deps.argv, "--extra-index-url") == ["https://mirror/simple"] and str(PINS) in deps.argv
 
 
 def test_llama_cpp_source_build_gets_the_plans_cmake_args():

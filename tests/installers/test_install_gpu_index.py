@@ -115,13 +115,13 @@ def gpu_plan(world, torch_index: str):
     return plan
 
 
-def run_build(world, plan, home: Path, monkeypatch):
+def run_build(world, plan, home: Path, monkeypatch, use_pip: bool = False):
     for key in ("UV_CACHE_DIR", "PIP_CACHE_DIR"):
         monkeypatch.setenv(key, world["env"][key])
     monkeypatch.setenv("UNSLOTH_HOME", str(home))
     request = Request(source=str(world["source"]), sources=Sources(extra_index_urls=(world["mirror"],)), without=("train",))
     console = Console(file=open(home.parent / f"{home.name}.screen", "w"), width=200)
-    return build(home, request, plan, world["platform"], console, doctor_checks=False)
+    return build(home, request, plan, world["platform"], console, use_pip=use_pip, doctor_checks=False)
 
 
 def origin_in(env: Path, module: str) -> str:
@@ -129,11 +129,13 @@ def origin_in(env: Path, module: str) -> str:
     return subprocess.run([str(env_python(env)), "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
 
-def test_each_package_comes_from_the_index_the_plan_names(world, tmp_path, monkeypatch):
+@pytest.mark.parametrize("tool", ["uv", "pip"])
+def test_each_package_comes_from_the_index_the_plan_names(world, tmp_path, monkeypatch, tool):
     plan = gpu_plan(world, world["torch_index"])
     assert plan.torch.backend == "cuda" and plan.torch.index_url == world["torch_index"]
     assert plan.bitsandbytes["source"] == "pypi"  # the plan takes bitsandbytes from the general index
-    env = run_build(world, plan, tmp_path / "home", monkeypatch)
+    env = run_build(world, plan, tmp_path / "home", monkeypatch, use_pip=tool == "pip")
+    assert read_receipt(env)["installer"]["tool"] == tool
     assert origin_in(env, "torch") == "torch-index"
     assert origin_in(env, "bitsandbytes") == "mirror"
     assert origin_in(env, "llama_cpp") == "llama-index"

@@ -95,11 +95,11 @@ def test_the_windows_plan_from_a_dump():
     step = torch_step(tool, torch, Sources(extra_index_urls=("https://mirror/simple",)), plan["torch"]["backend"])
     assert step.argv.count("--index-url") == 1 and "--extra-index-url" not in step.argv
     assert step.argv[step.argv.index("--index-url") + 1] == plan["torch"]["index_url"]
-    # ... and llama-cpp-python from its wheel index before any other, with no source build.
+    # ... and llama-cpp-python from its wheel index alone, with no source build.
     llama = llama_cpp_step(tool, Request(source="C:/src"), Path("pins.txt"), ["llama-cpp-python>=0.3"], plan["llama_cpp"])
     if plan["llama_cpp"]["how"] == "wheel":
-        assert llama.argv[llama.argv.index("--extra-index-url") + 1] == plan["llama_cpp"]["index_url"]
-        assert "--only-binary" in llama.argv
+        assert llama.argv[llama.argv.index("--index-url") + 1] == plan["llama_cpp"]["index_url"]
+        assert "--only-binary" in llama.argv and "--extra-index-url" not in llama.argv
     else:
         assert llama.env["CMAKE_ARGS"] == plan["llama_cpp"]["cmake_args"]
 

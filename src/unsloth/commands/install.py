@@ -127,7 +127,8 @@ def run_install(args: argparse.Namespace) -> int:
     base = Sources() if args.ignore_pip_config else manager.pip_config_sources(args.python)
     sources = with_overrides(base, index_url=args.index_url, extra_index_urls=args.extra_index_url,
                              find_links=args.find_links)
-    request = Request(source=source, sources=sources, without=tuple(sorted(set(args.without))), python=args.python)
+    request = Request(source=source, sources=sources, without=tuple(sorted(set(args.without))), python=args.python,
+                      torch_index_url=args.torch_index_url or os.environ.get("UNSLOTH_TORCH_INDEX_URL") or None)
     console = _console()
     _print_summary(console, plan)
     if not args.yes and sys.stdin.isatty() and sys.stdout.isatty():

@@ -155,7 +155,7 @@ def _build(
     count = iter(range(1, 100))
 
     def run(step: Step) -> str:
-        step.env = {**request.sources.env(), **step.env}  # the certificate and timeout from pip's configuration
+        step.env = {**request.sources.env(os.environ), **step.env}  # our sources only, nothing pip or uv adds
         return run_step(step, logs, console, next(count))
 
     env.mkdir(parents=True)
@@ -190,6 +190,9 @@ def _build(
     if llama:
         try:
             run(llama)
+            if "--no-deps" in llama.argv:  # prebuilt: now its dependencies, with it pinned
+                pins.write_text(plan_steps.pins_text(installed_versions(python), TORCH_FAMILY | {"llama-cpp-python"}), encoding="utf-8")
+                run(plan_steps.llama_cpp_deps_step(tool, request, pins, export_requires))
         except StepFailed as exc:  # optional: training works without it; doctor says how to add it
             console.print(f"[yellow]! {exc.step.title} failed[/]; continuing without it. Log: {exc.log}\n  {exc.fix}")
             optional_failed["llama-cpp"] = str(exc.log)

@@ -19,7 +19,7 @@ class Step:
     name: str  # short, used for the log file: "torch", "packages", "llama-cpp"
     title: str  # what the user reads: "PyTorch (cpu) from https://download.pytorch.org/whl/cpu"
     argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str | None] = field(default_factory=dict)  # on top of ours; None unsets a variable
 
 
 class StepFailed(Exception):
@@ -77,14 +77,14 @@ def run_step(step: Step, log_dir: Path, console: Console, index: int) -> str:
     with open(log, "w", encoding="utf-8") as handle, console.status(step.title):
         handle.write("$ " + redact(" ".join(step.argv)) + "\n")
         for key, value in sorted(step.env.items()):
-            handle.write(f"# {key}={redact(value)}\n")
+            handle.write(f"# {key}={redact(value) if value is not None else '(unset)'}\n")
         handle.flush()
         proc = subprocess.Popen(
             step.argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **step.env},
+            env={key: value for key, value in {**os.environ, **step.env}.items() if value is not None},
             text=True,
             encoding="utf-8",
             errors="replace",

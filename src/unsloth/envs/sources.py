@@ -9,6 +9,8 @@ or from a wheelhouse (find-links) holding exactly the build the plan asks for.
 from __future__ import annotations
 
 import ast
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -49,13 +51,19 @@ class Sources:
             out += ["--constraint", path]
         return out
 
-    def env(self) -> dict[str, str]:
-        """Settings uv takes from the environment rather than flags."""
-        out = {}
+    def env(self, inherited: Mapping[str, str]) -> dict[str, str | None]:
+        """The environment of every install command: these sources and nothing else.
+
+        pip would add its configuration files and PIP_* variables to our flags, and uv its UV_*
+        index variables; both are already folded into these Sources, so they are switched off
+        (None = unset) and only the certificate and timeout are passed on.
+        """
+        out: dict[str, str | None] = {name: None for name in inherited if name in _INDEX_VARIABLES}
+        out.update(PIP_CONFIG_FILE=os.devnull, UV_NO_CONFIG="1")
         if self.cert:
-            out["SSL_CERT_FILE"] = self.cert
+            out.update(SSL_CERT_FILE=self.cert, PIP_CERT=self.cert)
         if self.timeout:
-            out["UV_HTTP_TIMEOUT"] = self.timeout
+            out.update(UV_HTTP_TIMEOUT=self.timeout, PIP_DEFAULT_TIMEOUT=self.timeout)
         return out
 
     def to_json(self) -> dict:
@@ -67,6 +75,13 @@ class Sources:
             "no_index": self.no_index,
         }
 
+
+# Variables through which pip or uv would take package sources we did not choose.
+_INDEX_VARIABLES = frozenset(
+    {f"PIP_{name}" for name in ("INDEX_URL", "EXTRA_INDEX_URL", "FIND_LINKS", "NO_INDEX", "CONSTRAINT", "CONFIG_FILE")}
+    | {f"UV_{name}" for name in ("INDEX_URL", "EXTRA_INDEX_URL", "FIND_LINKS", "INDEX", "DEFAULT_INDEX", "NO_INDEX",
+                                 "CONSTRAINT", "OVERRIDE", "INDEX_STRATEGY", "TORCH_BACKEND")}
+)
 
 # pip reads [global], then the command's own section, then PIP_* variables (shown as ":env:").
 _SECTION_RANK = {"global": 0, "install": 1, ":env:": 2}

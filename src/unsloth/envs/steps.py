@@ -125,7 +125,33 @@ def export_step(tool: Tool, request: Request, pins: Path, export_requires: list[
 
 
 def llama_cpp_step(tool: Tool, request: Request, pins: Path, export_requires: list[str], plan_llama: dict[str, Any]) -> Step | None:
-    """llama-cpp-python as the plan says: its prebuilt wheel index, or a source build with CMAKE_ARGS."""
+    """llama-cpp-python as the plan says: from its prebuilt wheel index only (its dependencies follow in
+    `llama_cpp_deps_step`), or built from source with the plan's CMAKE_ARGS."""
+    req = _llama_requirement(request, export_requires)
+    if req is None:
+        return None
+    backend = plan_llama.get("backend", "cpu")
+    if plan_llama.get("how") == "wheel" and plan_llama.get("index_url"):
+        # That index alone, so no other index can supply a package of the same name (uv and pip alike).
+        argv = [*tool.install, "--index-url", plan_llama["index_url"], "--no-deps", "--only-binary", "llama-cpp-python",
+                "--constraint", str(pins), str(req)]
+        return Step("llama-cpp", f"llama-cpp-python ({backend}, prebuilt) from {plan_llama['index_url']}", argv)
+    cmake_args = plan_llama.get("cmake_args") or ""
+    env = {"CMAKE_ARGS": " ".join(cmake_args) if isinstance(cmake_args, list) else str(cmake_args)}
+    argv = [*tool.install, *request.sources.args(), "--no-binary", "llama-cpp-python", "--constraint", str(pins), str(req)]
+    return Step("llama-cpp", f"llama-cpp-python ({backend}), built from source (minutes)", argv, env=env)
+
+
+def llama_cpp_deps_step(tool: Tool, request: Request, pins: Path, export_requires: list[str]) -> Step | None:
+    """The prebuilt llama-cpp-python's own dependencies, from the general sources; it is pinned in ``pins``."""
+    req = _llama_requirement(request, export_requires)
+    if req is None:
+        return None
+    argv = [*tool.install, *request.sources.args(), "--constraint", str(pins), str(req)]
+    return Step("llama-cpp-deps", "llama-cpp-python's dependencies", argv)
+
+
+def _llama_requirement(request: Request, export_requires: list[str]) -> Requirement | None:
     if {"export", "llama-cpp"} & set(request.without):
         return None
     spec = next((text for text in export_requires if Requirement(text).name == "llama-cpp-python"), None)
@@ -133,21 +159,7 @@ def llama_cpp_step(tool: Tool, request: Request, pins: Path, export_requires: li
         return None
     req = Requirement(spec)
     req.marker = None
-    backend = plan_llama.get("backend", "cpu")
-    cmake_args = plan_llama.get("cmake_args") or ""
-    first: list[str] = []
-    if plan_llama.get("how") == "wheel" and plan_llama.get("index_url"):
-        # First in the list: with uv, the earlier index wins, so no other index can supply it.
-        first = ["--extra-index-url", plan_llama["index_url"]]
-        where = ["--only-binary", "llama-cpp-python"]
-        title = f"llama-cpp-python ({backend}, prebuilt) from {plan_llama['index_url']}"
-        env = {}
-    else:
-        where = ["--no-binary", "llama-cpp-python"]
-        title = f"llama-cpp-python ({backend}), built from source (minutes)"
-        env = {"CMAKE_ARGS": " ".join(cmake_args) if isinstance(cmake_args, list) else str(cmake_args)}
-    argv = [*tool.install, *first, *request.sources.args(), *where, "--constraint", str(pins), str(req)]
-    return Step("llama-cpp", title, argv, env=env)
+    return req
 
 
 def _as_url(source: str) -> str:
