@@ -125,5 +125,10 @@ def test_cli_reports_errors_as_json(tmp_path, capsys):
     assert main(["export", str(tmp_path / "missing"), "--gguf", "q8_0", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False and "is not a model or adapter directory" in report["error"]
+    (tmp_path / "run" / "lora").mkdir(parents=True)
+    (tmp_path / "run" / "lora" / "adapter_config.json").write_text('{"base_model_name_or_path": "%s"}' % (tmp_path / "gone"))
+    assert main(["export", str(tmp_path / "run"), "--gguf", "q8_0", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["error"].startswith(f"could not load {tmp_path / 'run' / 'lora'}") and "merged/" in report["fix"]
     assert main(["export", str(tmp_path), "--gguf", "q4_k_x"]) == 1
     assert "unknown GGUF method 'q4_k_x'" in capsys.readouterr().err

@@ -37,15 +37,14 @@ def adapter_export(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     make_model("llama", **DIMS).save_pretrained(root / "base")
     model = lora_model(root / "base")
-    model.save_pretrained(root / "adapter")
-    tokenizer.save_pretrained(root / "adapter")
-    out = root / "gguf"
+    model.save_pretrained(root / "run" / "lora")  # the layout `unsloth train` writes
+    tokenizer.save_pretrained(root / "run" / "lora")
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
-        code = main(["export", str(root / "adapter"), "--gguf", "f16", "--gguf", "q4_k_m", "--out", str(out), "--modelfile", "--json"])
+        code = main(["export", str(root / "run"), "--gguf", "f16", "--gguf", "q4_k_m", "--modelfile", "--json"])
     report = json.loads(buffer.getvalue())
     assert code == 0, report
-    return model, tokenizer, report, out
+    return model, tokenizer, report, root / "run-gguf"
 
 
 def _greedy_hf(model, ids):
@@ -79,7 +78,8 @@ def test_k_quant_on_tiny_rows_and_modelfile(adapter_export):
     q4 = report["validation"]["q4_k_m"]
     assert q4["threshold"] == 0.6 and q4["agreement"] >= 0.6 and q4["passed"], q4  # k-quant fallbacks still agree
     modelfile = (out / "Modelfile").read_text()
-    assert modelfile.startswith("FROM ./adapter.F16.gguf\n")
+    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "run.F16.gguf", "run.Q4_K_M.gguf"]
+    assert modelfile.startswith("FROM ./run.F16.gguf\n")
     assert '{{ if eq .Role "user" }}<|im_start|>user\n{{ .Content }}<|im_end|>\n' in modelfile
     assert 'PARAMETER stop "<|im_end|>"' in modelfile
 

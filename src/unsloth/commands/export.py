@@ -21,11 +21,11 @@ def register(subparsers) -> None:
         epilog="methods: " + ", ".join(f"{m.name} ({m.description})" for m in METHODS.values())
         + "; aliases: " + ", ".join(f"{a}={t}" for a, t in ALIASES.items()),
     )
-    p.add_argument("checkpoint", help="model or LoRA adapter directory")
+    p.add_argument("checkpoint", help="model or LoRA adapter directory, or an `unsloth train` output directory")
     p.add_argument("--gguf", action="append", metavar="METHOD", required=True,
                    help="output type, e.g. q4_k_m; repeat or comma-separate for several (q8_0,q4_k_m)")
     p.add_argument("--out", help="output directory (default: CHECKPOINT-gguf beside the checkpoint)")
-    p.add_argument("--name", help="file name stem (default: the checkpoint directory's name)")
+    p.add_argument("--name", help="file name stem (default: the checkpoint's, or the training run's, directory name)")
     p.add_argument("--modelfile", action="store_true", help="also write an Ollama Modelfile")
     p.add_argument("--no-validate", dest="validate", action="store_false",
                    help="skip the llama.cpp vs transformers comparison")
@@ -35,13 +35,18 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from unsloth.export import ExportError
+    from unsloth.export.merge import resolve_checkpoint
+    from unsloth.export.methods import resolve_all
 
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
-    checkpoint = Path(args.checkpoint).resolve()
-    out = Path(args.out) if args.out else checkpoint.with_name(checkpoint.name + "-gguf")
     methods = [m for value in args.gguf for m in value.split(",") if m.strip()]
     try:
-        result = _export(checkpoint, out, methods, args)
+        resolve_all(methods)  # a typo fails before anything is loaded
+        checkpoint = resolve_checkpoint(Path(args.checkpoint).resolve())
+        # unsloth-demo/merged -> files named after the run, beside it: unsloth-demo-gguf/unsloth-demo.Q8_0.gguf
+        run_dir = checkpoint.parent if checkpoint.name in ("merged", "lora") else checkpoint
+        out = Path(args.out) if args.out else run_dir.with_name(run_dir.name + "-gguf")
+        result = _export(checkpoint, out, methods, args, default_name=run_dir.name)
     except ExportError as exc:
         if args.json:
             print(json.dumps({"ok": False, "error": exc.problem, "fix": exc.fix}))
@@ -69,15 +74,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export(checkpoint: Path, out: Path, methods: list[str], args: argparse.Namespace):
+def _export(checkpoint: Path, out: Path, methods: list[str], args: argparse.Namespace, default_name: str):
     from unsloth.export.gguf import save_pretrained_gguf
     from unsloth.export.merge import load_checkpoint
-    from unsloth.export.methods import resolve_all
 
-    resolve_all(methods)  # a typo fails before the model is loaded
     model, tokenizer = load_checkpoint(checkpoint, dtype=_load_dtype(checkpoint))
     return save_pretrained_gguf(
-        model, out, tokenizer, methods, name=args.name or checkpoint.name,
+        model, out, tokenizer, methods, name=args.name or default_name,
         validate_export=args.validate, modelfile=args.modelfile,
     )
 

@@ -95,28 +95,42 @@ def merged_tensors(model: Any) -> dict[str, TensorSource]:
     return sources
 
 
+def _is_checkpoint(path: Path) -> bool:
+    return (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A model or adapter directory; a training output directory means its merged/ (else lora/) model."""
+    path = Path(path)
+    for candidate in (path, path / "merged", path / "lora"):
+        if _is_checkpoint(candidate):
+            return candidate
+    raise ExportError(
+        f"{path} is not a model or adapter directory (no config.json or adapter_config.json)",
+        fix="pass the directory written by `unsloth train` (or its merged/ or lora/ folder) or by save_pretrained",
+    )
+
+
 def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> tuple[Any, Any]:
     """A merged model directory or a LoRA adapter directory -> (model, tokenizer), on the CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(path)
-    if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
-        raise ExportError(
-            f"{path} is not a model or adapter directory (no config.json or adapter_config.json)",
-            fix="pass the directory written by `unsloth train` or by save_pretrained",
-        )
-    tokenizer_dir = path
-    if (path / "adapter_config.json").is_file():
-        from peft import PeftModel
+    path = resolve_checkpoint(path)
+    adapter = path / "adapter_config.json"
+    base = json.loads(adapter.read_text()).get("base_model_name_or_path") if adapter.is_file() else None
+    if adapter.is_file() and not base:
+        raise ExportError(f"{adapter} names no base model", fix="set base_model_name_or_path to the base model's directory")
+    tokenizer_dir = path if (path / "tokenizer_config.json").is_file() or not base else base
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base or path, dtype=dtype or "auto")
+        if base:
+            from peft import PeftModel
 
-        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        if not base:
-            raise ExportError(f"{path}/adapter_config.json names no base model", fix="set base_model_name_or_path to the base model's directory")
-        if not (path / "tokenizer_config.json").is_file():
-            tokenizer_dir = Path(base)
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype or "auto")
-        model = PeftModel.from_pretrained(model, path)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+            model = PeftModel.from_pretrained(model, path)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except OSError as exc:  # a missing base model or tokenizer, offline hub lookups
+        raise ExportError(
+            f"could not load {path}: {exc}",
+            fix="export the merged/ folder, or make the adapter's base model (base_model_name_or_path) available locally",
+        ) from exc
     return model.eval(), tokenizer
