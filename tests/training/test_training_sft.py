@@ -82,3 +82,18 @@ def test_resume_from_checkpoint_gives_the_same_losses(tiny, tmp_path, monkeypatc
     resumed = train(resumed_config, echo=lambda _: None)
     assert len(resumed.losses) == 3
     assert resumed.losses == pytest.approx(whole.losses[3:], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_padding_free_packing_trains_without_pad_tokens(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("UNSLOTH_KERNELS", "0")  # TRL's packing and the attention masks are under test
+    config = _config(tiny, tmp_path)
+    config.packing = True
+    config.model.max_seq_length = 96  # room for several ~20-token examples per row
+    result = train(config, echo=lambda _: None)
+    rows = result.trainer.train_dataset
+    assert len(rows) < 24  # the 24 short examples share rows
+    batch = result.trainer.data_collator([rows[0], rows[1]])
+    assert batch["input_ids"].shape[0] == 1 and "position_ids" in batch  # one flat row, positions restart
+    assert (batch["position_ids"][0] == 0).sum() > 2
+    assert result.losses[-1] < result.losses[0]

@@ -71,7 +71,7 @@ class TrainConfig:
     training: dict[str, Any] = field(default_factory=dict)  # checked against TRL's SFTConfig by the trainer
     output_dir: str = "outputs"
     gradient_checkpointing: Union[bool, str] = "unsloth"  # true | false | "unsloth" (offloaded)
-    packing: bool = False  # padding-free: sequences concatenated, no pad tokens
+    packing: bool = False  # padding-free packing: several sequences per row, no pad tokens
     resume: Union[bool, str] = False  # true = the latest checkpoint in output_dir, or a checkpoint path
     save_merged: bool = False  # also write 16-bit merged weights to output_dir/merged
     seed: int = 3407

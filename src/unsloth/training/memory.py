@@ -21,7 +21,9 @@ class _Offloader:
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.saved: list[_Saved] = []
 
-    def save(self, hidden: torch.Tensor) -> "_Saved":
+    def save(self, hidden: torch.Tensor, layer_index: int) -> "_Saved":
+        if layer_index == 0:  # a new forward pass (whatever happened to the last one)
+            self.saved.clear()
         entry = _Saved(self, hidden, len(self.saved))
         self.saved.append(entry)
         return entry
@@ -55,10 +57,9 @@ class _Saved:
         torch.cuda.current_stream(self.device).wait_event(self.event)
         hidden, self.gpu = self.gpu, None
         hidden.record_stream(torch.cuda.current_stream(self.device))
-        if self.index > 0:  # the layer below runs its backward next: start its copy now
-            self.offloader.saved[self.index - 1].prefetch()
-        else:
-            self.offloader.saved.clear()
+        saved = self.offloader.saved
+        if 0 < self.index < len(saved) and saved[self.index] is self:
+            saved[self.index - 1].prefetch()  # the layer below runs its backward next: start its copy now
         return hidden
 
 
@@ -66,12 +67,12 @@ class _CheckpointedLayer(torch.autograd.Function):
     """Run a layer without keeping its activations; recompute them from its input in backward."""
 
     @staticmethod
-    def forward(ctx, run, offloader, hidden):
+    def forward(ctx, run, offloader, layer_index, hidden):
         ctx.run = run
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
         if offloader is not None:
-            ctx.saved = offloader.save(hidden)
+            ctx.saved = offloader.save(hidden, layer_index)
         else:
             ctx.save_for_backward(hidden)
         ctx.offloaded = offloader is not None
@@ -90,7 +91,7 @@ class _CheckpointedLayer(torch.autograd.Function):
             with torch.enable_grad():
                 output = ctx.run(hidden)
         torch.autograd.backward(output, grad_output)
-        return (None, None, hidden.grad)
+        return (None, None, None, hidden.grad)
 
 
 def _checkpointed_forward(self, hidden_states, *args, **kwargs):
@@ -114,7 +115,7 @@ def _checkpointed_forward(self, hidden_states, *args, **kwargs):
         return out
 
     offloader = self._unsloth_offloader if hidden_states.is_cuda else None
-    output = _CheckpointedLayer.apply(run, offloader, hidden_states)
+    output = _CheckpointedLayer.apply(run, offloader, self._unsloth_layer_index, hidden_states)
     return (output, *returns_tuple[0]) if returns_tuple else output
 
 
@@ -142,13 +143,14 @@ def apply_gradient_checkpointing(model: nn.Module, mode: bool | str) -> int:
     layers = decoder_layers(model)
     # One offloader for all layers of the model: its list of saved inputs empties after each backward.
     offloader = _Offloader() if mode == "unsloth" and torch.cuda.is_available() else None
-    for layer in layers:
+    for index, layer in enumerate(layers):
         if mode is False:
             layer.__dict__.pop("forward", None)
             continue
         if "_unsloth_original_forward" not in layer.__dict__:
             layer._unsloth_original_forward = layer.forward
         layer._unsloth_offloader = offloader
+        layer._unsloth_layer_index = index
         layer.forward = types.MethodType(_checkpointed_forward, layer)
     if mode is not False and hasattr(model, "enable_input_require_grads"):
         # With frozen embeddings nothing upstream requires grad, and the checkpoint would cut the graph.

@@ -29,6 +29,7 @@ class TrainResult:
     losses: list[float]
     output_dir: str
     merged_dir: str | None
+    trainer: Any = None
 
 
 def load_dataset_from(config: DatasetConfig):
@@ -86,7 +87,8 @@ def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool):
         "fp16": fp16,
         # Checkpointing is ours (per layer, offloaded); the Trainer's would recompute twice.
         "gradient_checkpointing": False,
-        "padding_free": config.packing,
+        # Packing (best-fit decreasing) is padding-free: sequences share a row, positions restart per sequence.
+        "packing": config.packing,
     }
     arguments.update(config.training)
     return SFTConfig(**arguments)
@@ -168,7 +170,7 @@ def train(config: TrainConfig, echo: Callable[[str], None] = print, callbacks=()
     trainer.train(resume_from_checkpoint=resume or None)
     model = trainer.model
     merged_dir = _save(model, tokenizer, trainer, config)
-    return TrainResult(model, tokenizer, losses, config.output_dir, merged_dir)
+    return TrainResult(model, tokenizer, losses, config.output_dir, merged_dir, trainer)
 
 
 def _has_checkpoint(output_dir: str) -> bool:
