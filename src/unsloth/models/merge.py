@@ -86,6 +86,7 @@ def save_pretrained_merged(self, save_directory: str, tokenizer=None, save_metho
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.dtype = dtype
+        config.use_cache = True  # a saved model is for inference; training turned the cache off
         state = merged_state_dict(self, dtype)
         if getattr(config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # the loader ties it back to the embeddings
