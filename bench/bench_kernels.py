@@ -3,7 +3,9 @@
 Measured the way the project's anchor harness measures PyTorch eager, torch.compile and Liger, in
 the same process, so the numbers line up with the published anchors: 16,384 tokens (8 x 2048),
 hidden 4096, 32 q / 8 kv heads of 128, MLP 14336, vocab 128256; time = median of
-triton.testing.do_bench(warmup=25, rep=100); peak = extra device memory over the inputs (GiB);
+triton.testing.do_bench(warmup=25, rep=100); for the memory-bound ops also "graph ms", the same step
+replayed from a CUDA graph: the GPU time alone, without the host's launch overhead (when "ms" is
+well above it, the step is host-bound: Python, autograd and kernel launches); peak = extra device memory over the inputs (GiB);
 GB/s and the floor use the fewest bytes the op must move, against a device-to-device copy
 roofline measured in this run.
 
@@ -33,7 +35,25 @@ RANK = 16
 ROWS: list[dict] = []
 
 
-def bench(fn, op, impl, *, bytes_moved=None, flops=None):
+def graph_ms(fn):
+    """Median time of `fn` replayed from a CUDA graph (None if it cannot be captured)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return round(triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median"), 4)
+    except Exception as e:  # noqa: BLE001 - a diagnostic column only
+        print(json.dumps({"graph": f"{type(e).__name__}: {e}"[:200]}), file=sys.stderr)
+        return None
+
+
+def bench(fn, op, impl, *, bytes_moved=None, flops=None, graph=False):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -48,6 +68,8 @@ def bench(fn, op, impl, *, bytes_moved=None, flops=None):
         row["GBps"] = round(bytes_moved / ms / 1e6, 1)
     if flops:
         row["TFLOPs"] = round(flops / ms / 1e9, 1)
+    if graph and not impl.startswith("compile"):
+        row["graph_ms"] = graph_ms(fn)
     ROWS.append(row)
     print(json.dumps(row), file=sys.stderr, flush=True)
     return ms
@@ -100,7 +122,7 @@ def bench_rmsnorm(liger, compile_):
             x.grad = w.grad = None
             f(x, w).backward(dy)
         # read x, dy, x again; write y, dx (weight and rstd are negligible)
-        bench(step, "rmsnorm_fwd_bwd", impl, bytes_moved=5 * T * H * 2)
+        bench(step, "rmsnorm_fwd_bwd", impl, bytes_moved=5 * T * H * 2, graph=True)
 
     # the fused residual add: read x, r, dy, ds, s; write s, y, dx (dx doubles as d residual)
     r = torch.randn_like(x, requires_grad=True)
@@ -118,7 +140,7 @@ def bench_rmsnorm(liger, compile_):
         def step(f=f):
             x.grad = r.grad = w.grad = None
             torch.autograd.backward(f(x, r, w), (dy, ds))
-        bench(step, "add_rmsnorm_fwd_bwd", impl, bytes_moved=8 * T * H * 2)
+        bench(step, "add_rmsnorm_fwd_bwd", impl, bytes_moved=8 * T * H * 2, graph=True)
 
 
 def bench_layernorm(compile_):
@@ -131,7 +153,7 @@ def bench_layernorm(compile_):
         def step(f=f):
             x.grad = w.grad = b.grad = None
             f(x, w, b).backward(dy)
-        bench(step, "layernorm_fwd_bwd", impl, bytes_moved=5 * T * H * 2)
+        bench(step, "layernorm_fwd_bwd", impl, bytes_moved=5 * T * H * 2, graph=True)
 
 
 def bench_rope(liger, compile_):
@@ -156,7 +178,7 @@ def bench_rope(liger, compile_):
             oq, ok = f(q, k, cos, sin)
             torch.autograd.backward([oq, ok], [dq, dk])
         # read q, k and write them, forward and backward
-        bench(step, "rope_fwd_bwd", impl, bytes_moved=4 * (q.numel() + k.numel()) * 2)
+        bench(step, "rope_fwd_bwd", impl, bytes_moved=4 * (q.numel() + k.numel()) * 2, graph=True)
 
 
 def bench_gated(liger, compile_):
@@ -299,14 +321,14 @@ SECTIONS = ("rmsnorm", "layernorm", "rope", "swiglu", "linear_ce", "nf4", "lora_
 
 def report():
     copy_gbps = next((r["GBps"] for r in ROWS if r["op"] == "copy_2GiB"), None)
-    lines = ["| op | impl | ms | peak GiB | GB/s | % of copy | floor ms | x floor | TFLOP/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| op | impl | ms | graph ms | peak GiB | GB/s | % of copy | floor ms | x floor | TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in ROWS:
         if copy_gbps and "bytes" in r:
             floor = r["bytes"] / copy_gbps / 1e6
             r["floor_ms"], r["x_floor"] = round(floor, 4), round(r["ms"] / floor, 2)
             r["pct_copy"] = round(100 * r["GBps"] / copy_gbps, 1)
-        cells = [r["op"], r["impl"], r["ms"], r["peak_gib"], r.get("GBps", ""), r.get("pct_copy", ""),
+        cells = [r["op"], r["impl"], r["ms"], r.get("graph_ms") or "", r["peak_gib"], r.get("GBps", ""), r.get("pct_copy", ""),
                  r.get("floor_ms", ""), r.get("x_floor", ""), r.get("TFLOPs", "")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     print("\n".join(lines))

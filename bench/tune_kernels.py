@@ -172,23 +172,8 @@ def tune_rope():
     qt = torch.randn(B, S, NH * HD, device=DEV, dtype=DT).view(B, S, NH, HD).transpose(1, 2)
     kt = torch.randn(B, S, NKV * HD, device=DEV, dtype=DT).view(B, S, NKV, HD).transpose(1, 2)
     qto, kto = torch.empty_like(qt), torch.empty_like(kt)
-    rope.ROPE_TOKENS, rope.ROPE_WARPS = 1, None
-    rope.rope_launch(q.detach(), k.detach(), qo, ko, cos, sin, None, False)
-    ref = (qo.clone(), ko.clone())
-    best = None
-    for tokens, warps in ((1, 4), (1, 8), (2, 8), (2, 16), (4, 8), (4, 16)):
-        rope.ROPE_TOKENS, rope.ROPE_WARPS = tokens, warps
-        qo.zero_()
-        rope.rope_launch(q.detach(), k.detach(), qo, ko, cos, sin, None, False)
-        same = bool(torch.equal(qo, ref[0]) and torch.equal(ko, ref[1]))
-        ms = gpu_ms(lambda: rope.rope_launch(q.detach(), k.detach(), qo, ko, cos, sin, None, False))
-        ms_t = gpu_ms(lambda: rope.rope_launch(qt, kt, qto, kto, cos, sin, None, False))
-        emit(op="rope", tokens=tokens, warps=warps, ms_contiguous=ms, ms_hf_layout=ms_t, same=same)
-        if best is None or ms + ms_t < best[0]:
-            best = (ms + ms_t, tokens, warps)
-    _, rope.ROPE_TOKENS, rope.ROPE_WARPS = best
-    emit(op="rope", best=best)
-    step_report("rope tuned", step)
+    emit(op="rope kernel", ms_contiguous=gpu_ms(lambda: rope.rope_launch(q.detach(), k.detach(), qo, ko, cos, sin, None, False)),
+         ms_hf_layout=gpu_ms(lambda: rope.rope_launch(qt, kt, qto, kto, cos, sin, None, False)))
 
 
 def tune_nf4():
@@ -254,34 +239,26 @@ def tune_ce():
     expected.sum().backward()
     expected, expected_grad = expected.detach(), lf.grad
     best = None
-    configs = [(8, 8192, None), (16, 8192, None), (32, 16384, None), (4, 4096, None),
-               (16, 8192, 1), (32, 16384, 1), (16, 8192, 2), (32, 8192, 2)]
-    for warps, block_v, per_sm in configs:
-        ce._CE_PROGRAMS_PER_SM = per_sm
-        grid = (ce._ce_programs(rows, logits.device),)
-
-        def kernel():
-            ce._cross_entropy_rows_kernel[grid](
-                logits, logits.stride(0), y[:rows], losses, rows, V, -100, 0.0, 1.0,
+    for warps, block_v in [(8, 8192), (16, 8192), (32, 16384), (16, 16384)]:
+        def kernel(t=logits):
+            ce._cross_entropy_rows_kernel[(rows,)](
+                t, t.stride(0), y[:rows], losses, V, -100, 0.0, 1.0,
                 HAS_SCALE=False, HAS_SOFTCAP=False, COMPUTE_GRAD=True, BLOCK_V=block_v, num_warps=warps)
         try:
             fresh = logits0.clone()
-            ce._cross_entropy_rows_kernel[grid](
-                fresh, fresh.stride(0), y[:rows], losses, rows, V, -100, 0.0, 1.0,
-                HAS_SCALE=False, HAS_SOFTCAP=False, COMPUTE_GRAD=True, BLOCK_V=block_v, num_warps=warps)
-            loss_err = float((losses - expected).abs().max())
-            grad_err = float((fresh.float() - expected_grad).abs().max())
-            emit(op="ce kernel", warps=warps, block_v=block_v, per_sm=per_sm, loss_err=loss_err, grad_err=grad_err)
+            kernel(fresh)
+            emit(op="ce kernel", warps=warps, block_v=block_v, loss_err=float((losses - expected).abs().max()),
+                 grad_err=float((fresh.float() - expected_grad).abs().max()))
             ms = gpu_ms(kernel)
         except Exception as e:  # noqa: BLE001
-            emit(op="ce kernel", warps=warps, block_v=block_v, per_sm=per_sm, error=str(e)[:200])
+            emit(op="ce kernel", warps=warps, block_v=block_v, error=str(e)[:200])
             continue
-        emit(op="ce kernel", rows=rows, warps=warps, block_v=block_v, per_sm=per_sm, ms=ms,
+        emit(op="ce kernel", rows=rows, warps=warps, block_v=block_v, ms=ms,
              GBps=round(3 * rows * V * 2 / ms / 1e6, 1), all_chunks_ms=round(ms * T / rows, 2))
         if best is None or ms < best[0]:
-            best = (ms, warps, block_v, per_sm)
+            best = (ms, warps, block_v)
     emit(op="ce kernel", best=best)
-    _, ce._CE_WARPS, ce._MAX_BLOCK_V, ce._CE_PROGRAMS_PER_SM = best
+    _, ce._CE_WARPS, ce._MAX_BLOCK_V = best
     step_report("flce tuned", step, 5)
     step_report("flce tuned chunk=1024", lambda: step(1024), 5)
 
@@ -302,8 +279,7 @@ def main():
             emit(section=name, error=f"{type(e).__name__}: {str(e)[:300]}")
         emit(section=name, seconds=round(time.time() - t0, 1))
         torch.cuda.empty_cache()
-    emit(final_tuning=_utils.NORM_TUNING, rope=(rope.ROPE_TOKENS, rope.ROPE_WARPS),
-         nf4=(nf4._BYTES_PER_PROGRAM, nf4._WARPS), ce=(ce._CE_WARPS, ce._MAX_BLOCK_V, ce._CE_PROGRAMS_PER_SM))
+    emit(final_tuning=_utils.NORM_TUNING, nf4=(nf4._BYTES_PER_PROGRAM, nf4._WARPS), ce=(ce._CE_WARPS, ce._MAX_BLOCK_V))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_device
+from ._utils import cdiv, check_device
 
 _SILU, _GELU, _GELU_TANH = 0, 1, 2
 _BLOCK = 1024  # elements per program: 8 per thread at 4 warps, 16-byte loads for 16-bit dtypes
@@ -77,7 +77,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _grid(n_rows: int, n_cols: int) -> tuple[int, int]:
-    n_col_blocks = triton.cdiv(n_cols, _BLOCK)
+    n_col_blocks = cdiv(n_cols, _BLOCK)
     return n_rows * n_col_blocks, n_col_blocks
 
 

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_device
+from ._utils import cdiv, check_device
 from .nf4 import dequantize_bnb_4bit
 
 ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
@@ -141,7 +141,7 @@ def _gated_forward(e: torch.Tensor, g: torch.Tensor, activation: str) -> torch.T
     n = e.numel()
     if n == 0:
         return h
-    _gated_forward_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](
+    _gated_forward_kernel[(cdiv(n, _ELEMENTWISE_BLOCK),)](
         e, g, h, n, ACTIVATION=activation, BLOCK=_ELEMENTWISE_BLOCK
     )
     return h
@@ -151,7 +151,7 @@ def _gated_backward_(e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, activat
     n = e.numel()
     if n == 0:
         return
-    _gated_backward_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](
+    _gated_backward_kernel[(cdiv(n, _ELEMENTWISE_BLOCK),)](
         e, g, dh, n, ACTIVATION=activation, BLOCK=_ELEMENTWISE_BLOCK
     )
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import as_rows, check_device, row_tile, split_rows
+from ._utils import as_rows, cdiv, check_device, row_tile, split_rows
 
 _CASTS = ("llama", "gemma")
 
@@ -114,7 +114,7 @@ def rms_norm_forward(x, weight, eps, offset, residual, cast):
     s = torch.empty_like(x2, memory_format=torch.contiguous_format) if r2 is not None else None
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     block_m, block_n, warps = row_tile(n_cols, "forward")
-    _rms_norm_fwd[(triton.cdiv(n_rows, block_m),)](
+    _rms_norm_fwd[(cdiv(n_rows, block_m),)](
         x2, r2 if r2 is not None else x2, s if s is not None else y, weight, y, rstd,
         n_rows, n_cols, eps, offset,
         x2.stride(0), r2.stride(0) if r2 is not None else 0, s.stride(0) if s is not None else 0, y.stride(0),
@@ -122,7 +122,7 @@ def rms_norm_forward(x, weight, eps, offset, residual, cast):
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )
     x_used = s if s is not None else x2
-    return y.view(x.shape[:-1] + (n_cols,)), x_used, rstd
+    return y.view(x.shape), x_used, rstd
 
 
 def rms_norm_backward(dy, ds, x2, weight, rstd, offset, cast, input_dtype):

@@ -22,20 +22,15 @@ import triton.language as tl
 
 from ._utils import block_size_for, check_device, num_warps_for
 
-# Tokens per program, and its warps (None = the size heuristic). bench/tune_kernels.py sweeps them.
-ROPE_TOKENS = 1
-ROPE_WARPS = None
-
 
 @triton.jit
-def _rotate_heads(X, XO, x_base, xo_base, stride_h, stride_ho, n_heads, tok_mask, c1, c2, s1, s2,
+def _rotate_heads(X, XO, x_base, xo_base, stride_h, stride_ho, n_heads, c1, c2, s1, s2,
                   HALF: tl.constexpr, N_PASS: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
                   COPY_PASS: tl.constexpr):
-    """Rotate a (heads, tokens, half) tile; x_base / xo_base are (1, tokens, 1) token offsets."""
-    h = tl.arange(0, BLOCK_H)[:, None, None]
-    d = tl.arange(0, BLOCK_HALF)[None, None, :]
-    mask = (h < n_heads) & tok_mask & (d < HALF)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < n_heads) & (d < HALF)
     x_row = X + x_base + h * stride_h
     xo_row = XO + xo_base + h * stride_ho
     x1 = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
@@ -43,41 +38,40 @@ def _rotate_heads(X, XO, x_base, xo_base, stride_h, stride_ho, n_heads, tok_mask
     tl.store(xo_row + d, (x1 * c1 - x2 * s1).to(XO.dtype.element_ty), mask=mask)
     tl.store(xo_row + HALF + d, (x2 * c2 + x1 * s2).to(XO.dtype.element_ty), mask=mask)
     if COPY_PASS:  # out of place: the dims past the rotary part are copied unchanged
-        p = tl.arange(0, BLOCK_PASS)[None, None, :]
-        pmask = (h < n_heads) & tok_mask & (p < N_PASS)
+        p = tl.arange(0, BLOCK_PASS)[None, :]
+        pmask = (h < n_heads) & (p < N_PASS)
         tl.store(xo_row + 2 * HALF + p, tl.load(x_row + 2 * HALF + p, mask=pmask), mask=pmask)
 
 
 @triton.jit
 def _rope_kernel(
     Q, K, QO, KO, COS, SIN, POS,
-    seq_len, n_seq_blocks, n_q_heads, n_k_heads,
+    seq_len, n_q_heads, n_k_heads,
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s,
     sqo_b, sqo_h, sqo_s, sko_b, sko_h, sko_s,
     scos_b, scos_s, spos_b, spos_s,
-    HALF: tl.constexpr, N_PASS: tl.constexpr, TOKENS: tl.constexpr,
+    HALF: tl.constexpr, N_PASS: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
     HAS_POS: tl.constexpr, BACKWARD: tl.constexpr, COPY_PASS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    b = pid // n_seq_blocks
-    s = (pid % n_seq_blocks) * TOKENS + tl.arange(0, TOKENS)[None, :, None]  # (1, TOKENS, 1)
-    tok_mask = s < seq_len
+    b = pid // seq_len
+    s = pid % seq_len
     if HAS_POS:  # cos/sin are a table indexed by each token's position (packed sequences)
-        cs = tl.load(POS + b * spos_b + s * spos_s, mask=tok_mask, other=0).to(tl.int64) * scos_s
+        cs = tl.load(POS + b * spos_b + s * spos_s).to(tl.int64) * scos_s
     else:
         cs = b * scos_b + s * scos_s
-    d = tl.arange(0, BLOCK_HALF)[None, None, :]
-    cmask = tok_mask & (d < HALF)
-    c1 = tl.load(COS + cs + d, mask=cmask, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + cs + HALF + d, mask=cmask, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + cs + d, mask=cmask, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + cs + HALF + d, mask=cmask, other=0.0).to(tl.float32)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    dmask = d < HALF
+    c1 = tl.load(COS + cs + d, mask=dmask, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + cs + d, mask=dmask, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)
     if BACKWARD:  # transpose of the forward map
         s1, s2 = -s2, -s1
-    _rotate_heads(Q, QO, b * sq_b + s * sq_s, b * sqo_b + s * sqo_s, sq_h, sqo_h, n_q_heads, tok_mask,
+    _rotate_heads(Q, QO, b * sq_b + s * sq_s, b * sqo_b + s * sqo_s, sq_h, sqo_h, n_q_heads,
                   c1, c2, s1, s2, HALF, N_PASS, BLOCK_QH, BLOCK_HALF, BLOCK_PASS, COPY_PASS)
-    _rotate_heads(K, KO, b * sk_b + s * sk_s, b * sko_b + s * sko_s, sk_h, sko_h, n_k_heads, tok_mask,
+    _rotate_heads(K, KO, b * sk_b + s * sk_s, b * sko_b + s * sko_s, sk_h, sko_h, n_k_heads,
                   c1, c2, s1, s2, HALF, N_PASS, BLOCK_KH, BLOCK_HALF, BLOCK_PASS, COPY_PASS)
 
 
@@ -88,6 +82,7 @@ def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
 def rope_launch(q, k, q_out, k_out, cos, sin, position_ids, backward: bool) -> None:
     """Rotate q, k into q_out, k_out (which may be q, k themselves). cos/sin: (B|1, S|P, R)."""
     batch, n_q_heads, seq_len, head_dim = q.shape
+    n_k_heads = k.shape[1]
     rot = cos.shape[-1]
     n_pass = head_dim - rot
     copy_pass = n_pass > 0 and q_out.data_ptr() != q.data_ptr()
@@ -99,20 +94,17 @@ def rope_launch(q, k, q_out, k_out, cos, sin, position_ids, backward: bool) -> N
         pos = cos  # unused
         spos = (0, 0)
         scos = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1))
-    block_qh, block_kh = block_size_for(n_q_heads), block_size_for(k.shape[1])
+    block_qh, block_kh = block_size_for(n_q_heads), block_size_for(n_k_heads)
     block_half = block_size_for(rot // 2)
-    tokens = min(ROPE_TOKENS, block_size_for(seq_len))
-    n_seq_blocks = triton.cdiv(seq_len, tokens)
-    _rope_kernel[(batch * n_seq_blocks,)](
+    _rope_kernel[(batch * seq_len,)](
         q, k, q_out, k_out, cos, sin, pos,
-        seq_len, n_seq_blocks, n_q_heads, k.shape[1],
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        seq_len, n_q_heads, n_k_heads,
+        *q.stride()[:3], *k.stride()[:3], *q_out.stride()[:3], *k_out.stride()[:3],
         *scos, *spos,
-        HALF=rot // 2, N_PASS=n_pass, TOKENS=tokens,
+        HALF=rot // 2, N_PASS=n_pass,
         BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, BLOCK_PASS=block_size_for(n_pass),
         HAS_POS=position_ids is not None, BACKWARD=backward, COPY_PASS=copy_pass,
-        num_warps=ROPE_WARPS or num_warps_for(2 * (block_qh + block_kh) * block_half * tokens),
+        num_warps=num_warps_for(2 * (block_qh + block_kh) * block_half),
     )
 
 
@@ -135,13 +127,15 @@ class RoPEFunction(torch.autograd.Function):
 
 
 def _check_rope_args(q, k, cos, sin, position_ids):
+    # Shapes compared as tuples of ints: comparing torch.Size objects is slower, and this runs
+    # on every call, where host time is the step time for an op this fast.
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"apply_rope: q and k must be (batch, heads, seq, head_dim); got {tuple(q.shape)} and {tuple(k.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+    if q.shape[0] != k.shape[0] or tuple(q.shape[2:]) != tuple(k.shape[2:]):
         raise ValueError(f"apply_rope: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, seq or head_dim")
     if q.dtype != k.dtype:
         raise ValueError(f"apply_rope: q dtype {q.dtype} != k dtype {k.dtype}")
-    if cos.shape != sin.shape:
+    if tuple(cos.shape) != tuple(sin.shape):
         raise ValueError(f"apply_rope: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ in shape")
     batch, _, seq_len, head_dim = q.shape
     rot = cos.shape[-1]

@@ -169,7 +169,7 @@ COMPILE_CASES = [  # Llama-3.1-8B rows, 4096 wide, tiled as the launcher tiles t
     ("unsloth_kernels.rms_norm", "_rms_norm_fwd", dict(HAS_RESIDUAL=r, LLAMA_CAST=c, BLOCK_M=2, BLOCK_N=4096), 16)
     for r in (False, True) for c in (False, True)
 ] + [
-    ("unsloth_kernels.rms_norm", "_rms_norm_bwd", dict(HAS_DS=d, LLAMA_CAST=c, BLOCK_M=1, BLOCK_N=4096), 8)
+    ("unsloth_kernels.rms_norm", "_rms_norm_bwd", dict(HAS_DS=d, LLAMA_CAST=c, BLOCK_M=2, BLOCK_N=4096), 16)
     for d in (False, True) for c in (False, True)
 ]
 
