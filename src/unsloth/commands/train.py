@@ -41,8 +41,27 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _quiet_libraries() -> None:
+    """Our own log lines at INFO; the libraries' deprecation notices and dataset-map bars stay out of the way."""
+    import warnings
+
+    log = logging.getLogger("unsloth")
+    log.setLevel(logging.INFO)
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+    except ImportError:
+        pass
+
+
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _quiet_libraries()
     if args.demo:
         return _demo(args)
     if not args.config:
