@@ -95,8 +95,8 @@ class GatedActivationFunction(torch.autograd.Function):
         ctx.reuse = (not gate.is_leaf or g2.data_ptr() != gate.data_ptr(),
                      not up.is_leaf or u2.data_ptr() != up.data_ptr())
         ctx.save_for_backward(g2, u2)
-        ctx.act, ctx.shape = act, gate.shape
-        return y.view(gate.shape)
+        ctx.act, ctx.shape = act, tuple(gate.shape)  # a tuple: view(torch.Size) is slower
+        return y.view_as(gate)  # view_as: view(torch.Size) costs µs per call
 
     @staticmethod
     def backward(ctx, dy):
