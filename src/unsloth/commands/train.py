@@ -52,6 +52,8 @@ def _quiet_libraries() -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
     warnings.filterwarnings("ignore", category=FutureWarning)
+    # bitsandbytes' CPU backend suggests an optional package on import; irrelevant to training here.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         import datasets
 

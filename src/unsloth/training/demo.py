@@ -144,7 +144,8 @@ def run_demo(output_dir: str = DEFAULT_OUTPUT, max_steps: int = 150, show: int =
     echo(f"unsloth demo: a {_describe(base_dir)} learns the capitals of 50 countries ({max_steps} steps)")
     result = train(config, echo=echo)
     FastLanguageModel.for_inference(result.model)
-    examples = load_examples()[::3][: max(show, 0)]  # one phrasing per country
+    countries = load_examples()[::3]  # one phrasing per country
+    examples = countries[:: max(1, len(countries) // max(show, 1))][:show]
     got = ask(result.model, result.tokenizer, [q for q, _ in examples])
     answers = [(q, a, g) for (q, a), g in zip(examples, got)]
     demo = DemoResult(result.losses, answers, result.merged_dir)

@@ -87,11 +87,18 @@ def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool):
         "fp16": fp16,
         # Checkpointing is ours (per layer, offloaded); the Trainer's would recompute twice.
         "gradient_checkpointing": False,
+        "dataloader_pin_memory": _on_gpu(),
         # Packing (best-fit decreasing) is padding-free: sequences share a row, positions restart per sequence.
         "packing": config.packing,
     }
     arguments.update(config.training)
     return SFTConfig(**arguments)
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _callbacks(output_dir: str, echo: Callable[[str], None], losses: list[float]):

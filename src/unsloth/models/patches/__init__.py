@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from unsloth.models.kernels import kernels_available, unavailable_reason
+from unsloth.models.kernels import unavailable_reason
 from unsloth.models.patches.loss import patch_loss
 from unsloth.models.patches.mlp import patch_mlps
 from unsloth.models.patches.norms import patch_rms_norms
@@ -64,7 +64,7 @@ def patch_model(model: nn.Module) -> PatchReport:
     device, dtype = module_device_dtype(model)
     if wanted is None:
         report.skipped = "no kernels for this family yet; LoRA/QLoRA train through transformers + peft"
-    elif not kernels_available(device):
+    elif unavailable_reason(device) is not None:
         report.skipped = f"kernels off: {unavailable_reason(device)}"
     else:
         if "rms_norm" in wanted:
