@@ -131,13 +131,12 @@ def run_install(args: argparse.Namespace) -> int:
                       torch_index_url=args.torch_index_url or os.environ.get("UNSLOTH_TORCH_INDEX_URL") or None)
     console = _console()
     _print_summary(console, plan)
+    confirm = None
     if not args.yes and sys.stdin.isatty() and sys.stdout.isatty():
-        if console.input("Build this environment? [Y/n] ").strip().lower() not in ("", "y", "yes"):
-            console.print("Nothing changed.")
-            return 1
+        confirm = lambda: console.input("Build this environment? [Y/n] ").strip().lower() in ("", "y", "yes")  # noqa: E731
     options = manager.Options(request=request, root=root, use_pip=args.pip, force=args.force,
                               modify_path=not args.no_modify_path, upgrade=args.upgrade)
-    return manager.install(options, plan, platform, console)
+    return manager.install(options, plan, platform, console, confirm)
 
 
 def _print_summary(console, plan) -> None:

@@ -14,7 +14,7 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from rich.console import Console
 
@@ -97,7 +97,8 @@ def locked(root: Path, console: Console) -> InstallLock:
     return InstallLock(root / LOCK_NAME, on_wait=waiting)
 
 
-def install(options: Options, plan, platform, console: Console) -> int:
+def install(options: Options, plan, platform, console: Console, confirm: Callable[[], bool] | None = None) -> int:
+    """Build and switch to a new environment unless the active one already matches; ``confirm`` asks first."""
     root, request = options.root, options.request
     with locked(root, console), signals_as_interrupt():
         swept = state.sweep(root)
@@ -112,6 +113,9 @@ def install(options: Options, plan, platform, console: Console) -> int:
             _expose(options, console)
             console.print(f"[green]Up to date[/]: {current.name} already matches this plan ({plan.torch.backend}). Nothing to do.")
             return 0
+        if confirm is not None and not confirm():
+            console.print("Nothing changed.")
+            return 1
         console.print(f"Building a new environment beside {'the current one' if current else 'nothing'} …")
         try:
             env = build(root, request, plan, platform, console, use_pip=options.use_pip)
