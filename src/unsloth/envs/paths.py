@@ -1,16 +1,10 @@
 """Where managed environments live and which one is active. Reads only; never writes.
 
-Layout under the install home (``UNSLOTH_HOME``, default: the platformdirs user data dir)::
-
-    envs/<name>/            one virtual environment per build, never moved after creation
-    envs/<name>/receipt.json   written last: an env without it is unfinished
-    envs/<name>/logs/       the full output of every install step
-    current, previous       one line each: the name of an env under envs/
-    bootstrap/              the small env install.sh creates to run the first `unsloth install`
-    install.lock            held while anything changes the environments
-
-The pointer files are plain text so that the launcher (sh or cmd) can read them and so that a
-switch is one atomic rename on every OS.
+Under the install home (``UNSLOTH_HOME``, default: the platformdirs user data dir): ``envs/<name>/``
+(one environment per build, never moved; finished once ``receipt.json`` is written), and the
+``current`` / ``previous`` pointers, one line each naming an env. The pointers are plain text so
+that the launcher (sh or cmd) can read them and a switch is one atomic rename on every OS.
+The full layout is in docs/environment.md.
 """
 
 from __future__ import annotations
