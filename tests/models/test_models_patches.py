@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from tests.models.tiny import VOCAB, tiny_model
+from tiny_families import VOCAB, tiny_model
 from unsloth.models.patches import FAMILIES, patch_model, patch_peft_model
 
 FAMILY_NAMES = sorted(FAMILIES)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.training.tiny_setup import write_tiny_model
+from tiny_setup import write_tiny_model
 from unsloth.training.grpo import completion_logprobs, grpo_trainer
 
 

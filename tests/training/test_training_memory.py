@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from tests.models.tiny import VOCAB, tiny_model
+from tiny_setup import VOCAB, tiny_llama
 from unsloth.training.memory import apply_gradient_checkpointing, out_of_memory_advice
 
 
@@ -32,7 +32,7 @@ def _lora_grads(model, ids, mode):
 def test_checkpointed_layers_give_the_same_gradients(mode, monkeypatch):
     monkeypatch.setenv("UNSLOTH_KERNELS", "0")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # "unsloth" offloads only on a GPU
-    model = tiny_model("llama").to(device)
+    model = tiny_llama().to(device)
     ids = torch.randint(0, VOCAB, (2, 16), device=device)
     _, ref_loss, ref_grads = _lora_grads(copy.deepcopy(model), ids, False)
     layers, loss, grads = _lora_grads(model, ids, mode)
@@ -43,7 +43,7 @@ def test_checkpointed_layers_give_the_same_gradients(mode, monkeypatch):
 
 
 def test_checkpointing_stays_out_of_inference():
-    model = tiny_model("llama")
+    model = tiny_llama()
     apply_gradient_checkpointing(model, True)
     ids = torch.randint(0, VOCAB, (1, 8))
     with torch.no_grad():

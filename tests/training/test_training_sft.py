@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.training.tiny_setup import write_dataset, write_tiny_model
+from tiny_setup import write_dataset, write_tiny_model
 from unsloth.training.config import from_dict
 from unsloth.training.sft import train
 
