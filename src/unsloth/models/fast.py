@@ -218,4 +218,7 @@ def _config(model):
 
 
 def _attach_saving(model) -> None:
+    from unsloth.export.gguf import save_pretrained_gguf
+
     model.save_pretrained_merged = types.MethodType(save_pretrained_merged, model)
+    model.save_pretrained_gguf = types.MethodType(save_pretrained_gguf, model)
