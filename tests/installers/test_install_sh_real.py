@@ -156,6 +156,8 @@ def test_env_export_reproduces_the_environment_exactly(sandbox, installed, tmp_p
     packages = receipt(sandbox)["packages"]
     assert f"torch=={packages['torch']}" in text.splitlines()
     assert f"unsloth-installer @ {sandbox.source.as_uri()}" in text.splitlines()
+    options = [line for line in text.splitlines() if line.startswith("--")]
+    assert len(options) == len(set(options))  # each index or wheelhouse once
     uv = str(sandbox.unsloth_home / "bootstrap" / "bin" / "uv")
     copy = tmp_path / "copy"
     python = sandbox.run([str(sandbox.launcher), "env", "path", "--python"]).stdout.strip()

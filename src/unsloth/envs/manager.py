@@ -253,7 +253,8 @@ def export_lock(env: Path) -> str:
     if indexes.get("index_url"):
         lines.append(f"--index-url {indexes['index_url']}")
     lines += [f"--extra-index-url {url}" for url in indexes.get("extra_index_urls", [])]
-    lines += [f"--find-links {link}" for link in indexes.get("find_links", []) + ([torch["url"]] if torch.get("mode") == "wheelhouse" else [])]
+    wheelhouses = indexes.get("find_links", []) + ([torch["url"]] if torch.get("mode") == "wheelhouse" else [])
+    lines += [f"--find-links {link}" for link in dict.fromkeys(wheelhouses)]
     source = receipt["unsloth"]["source"]
     source_url = source if "://" in source else Path(source).as_uri()
     for name, version in sorted(receipt["packages"].items()):
