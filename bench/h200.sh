@@ -1,0 +1,55 @@
+#!/bin/sh
+# Everything measured on the lent H200, in one call per section, beside the anchors.
+# Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
+# and carried, and pytest wheels carried in .whl):  sh bench/h200.sh kernels|trainer|all
+# Results land in $OUT (logs and JSON lines).
+set -u
+OUT=${OUT:-/tmp/h200-out}
+mkdir -p "$OUT"
+ROOT=$(pwd)
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+# Our source first: .anchors/site also holds the public `unsloth` package, whose import name is ours.
+export PYTHONPATH="/tmp/site:$ROOT/src:$ROOT/kernels:$ROOT/.anchors/site" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+
+machine() {
+  nvidia-smi | tee "$OUT/nvidia-smi.txt"
+  python3 -c "import unsloth, unsloth_kernels; print('unsloth from', unsloth.__file__)"
+  python3 src/unsloth/doctor/env_probe.py --backend cuda 2>&1 | tee "$OUT/env-probe.json"
+  python3 - <<'PY' 2>&1 | tee "$OUT/detect.json"
+import json, os
+from unsloth.platform.detect import detect_live
+from unsloth.platform.dump import write_dump
+platform, results = detect_live()
+write_dump(os.path.join(os.environ.get("OUT", "/tmp"), "h200-dump"), results)
+print(json.dumps(platform.to_json()))
+PY
+}
+
+kernels() {
+  UNSLOTH_TEST_REAL_SHAPES=1 timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -25 | tee "$OUT/kernel-tests.txt"
+  timeout 240 python3 .anchors/anchor_kernels.py 2>&1 | tee "$OUT/anchor-kernels.jsonl"
+  timeout 300 python3 bench/bench_kernels.py --no-compile --no-liger 2>&1 | tee "$OUT/bench-kernels.txt"
+}
+
+trainer() {
+  python3 .anchors/anchor_lora.py --impl make >/dev/null
+  for four in "" "--four-bit --batch 2"; do
+    # ours first, through the very same harness loop (our package answers `import unsloth`)
+    # shellcheck disable=SC2086
+    timeout 200 python3 .anchors/anchor_lora.py --impl unsloth $four 2>&1 | tail -4 | sed 's/"impl": "unsloth"/"impl": "ours"/' | tee -a "$OUT/trainer.jsonl"
+    for impl in unsloth hf; do
+      # the public packages: the anchors' site first, without our source
+      # shellcheck disable=SC2086
+      PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 200 python3 .anchors/anchor_lora.py --impl $impl $four 2>&1 | tail -1 | tee -a "$OUT/trainer.jsonl"
+    done
+  done
+}
+
+case ${1:-all} in
+  kernels) machine; kernels ;;
+  trainer) trainer ;;
+  all) machine; kernels; trainer ;;
+esac
