@@ -263,7 +263,80 @@ def tune_ce():
     step_report("flce tuned chunk=1024", lambda: step(1024), 5)
 
 
-SECTIONS = {"rmsnorm": tune_rmsnorm, "rope": tune_rope, "ce": tune_ce, "nf4": tune_nf4, "layernorm": tune_layernorm}
+def tune_host():
+    """Where the host time of an RMSNorm step goes: autograd, our launcher, a bare Triton launch."""
+    x = torch.randn(T, H, device=DEV, dtype=DT, requires_grad=True)
+    w = torch.ones(H, device=DEV, dtype=DT, requires_grad=True)
+    dy = torch.randn(T, H, device=DEV, dtype=DT)
+
+    class Trivial(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return torch.empty_like(x)
+
+        @staticmethod
+        def backward(ctx, dy):
+            return torch.empty_like(dy), torch.empty_like(ctx.saved_tensors[1])
+
+    def trivial():
+        x.grad = w.grad = None
+        Trivial.apply(x, w).backward(dy)
+
+    def ours():
+        x.grad = w.grad = None
+        uk.rms_norm(x, w, 1e-5).backward(dy)
+
+    xd, wd = x.detach(), w.detach()
+    y = torch.empty_like(xd)
+    rstd = torch.empty(T, device=DEV)
+
+    def bare_launch():
+        rms._rms_norm_fwd[(T // 2,)](xd, xd, y, wd, y, rstd, T, H, 1e-5, 0.0, H, 0, 0, H,
+                                    HAS_RESIDUAL=False, LLAMA_CAST=True, BLOCK_M=2, BLOCK_N=H, num_warps=16)
+
+    rows = {"trivial autograd fn": trivial, "ours rms step": ours,
+            "ours rms forward, no autograd": lambda: rms.rms_norm_forward(xd, wd, 1e-5, 0.0, None, "llama"),
+            "bare triton launch (rms fwd)": bare_launch, "torch.empty": lambda: torch.empty(T, device=DEV)}
+    try:
+        from liger_kernel.ops import rms_norm as liger
+
+        def liger_step():
+            x.grad = w.grad = None
+            liger.LigerRMSNormFunction.apply(x, w, 1e-5, 0.0, "llama", False).backward(dy)
+
+        yl, rl = torch.empty_like(xd), torch.empty(T, device=DEV)
+
+        def liger_launch():
+            liger._rms_norm_forward_kernel[(T,)](yl, H, xd, H, wd, 1, rl, 1, H, 1e-5, 0.0, 1,
+                                                 elementwise_affine=True, BLOCK_SIZE=H, num_warps=8)
+        rows.update({"liger rms step": liger_step, "bare triton launch (liger rms fwd)": liger_launch})
+    except Exception as e:  # noqa: BLE001
+        emit(section="host", liger=str(e)[:200])
+    for name, fn in rows.items():
+        emit(op="host", what=name, host_us=host_us(fn, 100))
+
+
+def tune_flce_split():
+    """The FLCE step with the logits GEMM whole or in 256-row pieces, alternated to see drift."""
+    h = torch.randn(T, H, device=DEV, dtype=DT, requires_grad=True)
+    W = torch.randn(V, H, device=DEV, dtype=DT) * 0.02
+    y = torch.randint(0, V, (T,), device=DEV)
+    y[::7] = -100
+
+    def step():
+        h.grad = None
+        uk.fused_linear_cross_entropy(h, W, y).backward()
+
+    for _ in range(3):
+        for rows in (256, 1 << 30):
+            ce._LOGITS_GEMM_ROWS = rows
+            emit(op="flce", logits_gemm_rows=rows, ms=gpu_ms(step, rep=300))
+    ce._LOGITS_GEMM_ROWS = 256
+
+
+SECTIONS = {"rmsnorm": tune_rmsnorm, "rope": tune_rope, "ce": tune_ce, "nf4": tune_nf4, "layernorm": tune_layernorm,
+            "host": tune_host, "flce_split": tune_flce_split}
 
 
 def main():

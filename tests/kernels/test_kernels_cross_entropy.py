@@ -187,6 +187,8 @@ def test_chunk_rows_bounds_the_logits_chunk():
 
 
 REAL = os.environ.get("UNSLOTH_TEST_REAL_SHAPES") == "1"
+# Norm-wise bound of dX against fp32 math at the real shape (bf16 logits; see the test).
+DX_FP32_RELATIVE = 2e-2
 
 
 @pytest.mark.skipif(not (REAL and torch.cuda.is_available()), reason="real shapes: UNSLOTH_TEST_REAL_SHAPES=1 on a GPU")
@@ -211,4 +213,14 @@ def test_real_shape_on_gpu_memory_and_accuracy():
     expected = reference(x_ref, w.float(), None, labels)
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=2e-3, atol=0)
-    torch.testing.assert_close(x.grad.float(), x_ref.grad, rtol=2e-2, atol=2e-2 * x_ref.grad.abs().mean().item())
+    # dX as a whole against fp32 math: the logits (and their gradient) are rounded to bf16 before
+    # the dX GEMM, which moves single elements that cancel by far more than 2% of their size.
+    relative = ((x.grad.float() - x_ref.grad).norm() / x_ref.grad.norm()).item()
+    assert relative <= DX_FP32_RELATIVE, f"dX differs from fp32 math by {relative:.3g} (norm-wise)"
+    del x_ref, expected
+    # Element by element against the same rounding in the model's dtype, which is what HF's
+    # eager head computes: bf16 logits, softmax in fp32, its gradient rounded to bf16 for dX.
+    x_hf = x.detach().clone().requires_grad_()
+    F.cross_entropy(F.linear(x_hf, w).float(), labels, ignore_index=-100).backward()
+    expected_dx = x_hf.grad.float()
+    torch.testing.assert_close(x.grad.float(), expected_dx, rtol=2e-2, atol=2e-2 * expected_dx.abs().mean().item())
