@@ -185,7 +185,7 @@ uv_ok() {
 
 find_uv() {
   UV=""
-  for candidate in "${UNSLOTH_UV:-}" "$BOOT/bin/uv" uv; do
+  for candidate in "${UNSLOTH_UV:-}" "$BOOT/bin/uv" "$UNSLOTH_HOME/uv/uv" uv; do
     if [ -n "$candidate" ] && have "$candidate" && uv_ok "$candidate"; then
       UV=$(command -v "$candidate")
       return

@@ -47,8 +47,8 @@ class Sandbox:
         folder = self.unsloth_home / "envs"
         return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
 
-    def run(self, argv: list[str], timeout: float = 900, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=timeout, cwd=self.home, **kwargs)
+    def run(self, argv: list[str], timeout: float = 900, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, env=env or self.env, capture_output=True, text=True, timeout=timeout, cwd=self.home)
 
     def files(self) -> set[str]:
         """Every path under HOME but the caches we pointed elsewhere anyway."""
