@@ -317,26 +317,8 @@ def tune_host():
         emit(op="host", what=name, host_us=host_us(fn, 100))
 
 
-def tune_flce_split():
-    """The FLCE step with the logits GEMM whole or in 256-row pieces, alternated to see drift."""
-    h = torch.randn(T, H, device=DEV, dtype=DT, requires_grad=True)
-    W = torch.randn(V, H, device=DEV, dtype=DT) * 0.02
-    y = torch.randint(0, V, (T,), device=DEV)
-    y[::7] = -100
-
-    def step():
-        h.grad = None
-        uk.fused_linear_cross_entropy(h, W, y).backward()
-
-    for _ in range(3):
-        for rows in (256, 1 << 30):
-            ce._LOGITS_GEMM_ROWS = rows
-            emit(op="flce", logits_gemm_rows=rows, ms=gpu_ms(step, rep=300))
-    ce._LOGITS_GEMM_ROWS = 256
-
-
 SECTIONS = {"rmsnorm": tune_rmsnorm, "rope": tune_rope, "ce": tune_ce, "nf4": tune_nf4, "layernorm": tune_layernorm,
-            "host": tune_host, "flce_split": tune_flce_split}
+            "host": tune_host}
 
 
 def main():

@@ -38,10 +38,6 @@ _CHUNK_BYTES = 128 * 1024 * 1024
 # ROCm's warps are 64 wide and a program holds at most 1024 threads, hence 8 there.
 _MAX_BLOCK_V = 16384
 _CE_WARPS = 8 if is_hip() else 32
-# The logits GEMM runs in pieces of this many rows. On an H200 (cuBLAS, torch 2.11), x @ W^T at
-# V = 128256, H = 4096 ran at 679 and 676 TFLOP/s for 256 and 1024 rows but 624 for 512, the
-# default chunk: two 256-row GEMMs save ~2 ms of a ~55 ms step. (The dX GEMM is fastest whole.)
-_LOGITS_GEMM_ROWS = 256
 
 
 @triton.jit
@@ -162,12 +158,10 @@ def _fused_linear_cross_entropy_forward(
         end = min(start + rows, n_rows)
         x = hidden[start:end]
         logits = logits_buffer[: end - start]
-        for sub in range(0, end - start, _LOGITS_GEMM_ROWS):
-            rows_sub = slice(sub, sub + _LOGITS_GEMM_ROWS)
-            if bias is None:
-                torch.mm(x[rows_sub], weight_t, out=logits[rows_sub])
-            else:
-                torch.addmm(bias, x[rows_sub], weight_t, out=logits[rows_sub])
+        if bias is None:
+            torch.mm(x, weight_t, out=logits)
+        else:
+            torch.addmm(bias, x, weight_t, out=logits)
         _cross_entropy_rows_kernel[(end - start,)](
             logits, logits.stride(0), labels[start:end], losses[start:end],
             vocab, ignore_index, float(softcap or 0.0), float(logit_scale or 1.0),
