@@ -154,6 +154,7 @@ def test_a_cpu_torch_on_a_gpu_plan_is_refused_and_nothing_is_left(world, tmp_pat
     with pytest.raises(BuildFailed) as failed:
         run_build(world, plan, home, monkeypatch)
     assert failed.value.found == ["torch 2.9.0+cpu is a cpu build, but the plan needs cuda"]
+    assert world["cpu_only"] in failed.value.fix and "--torch-index-url" in failed.value.fix
     assert list((home / "envs").iterdir()) == [] and active_env(home) is None
     kept = sorted(p.name for p in failed.value.log.iterdir())  # the failed build's logs survive it
     assert "02-torch.log" in kept and failed.value.log.parent == home / "logs"

@@ -35,10 +35,9 @@ TRAIN_IMPORTS = ["transformers", "peft", "trl", "accelerate", "datasets"]
 class BuildFailed(Exception):
     """The new environment does not fit the plan; it has been removed, the active one is untouched."""
 
-    def __init__(self, message: str, found: list[str] | None = None, log: Path | None = None):
+    def __init__(self, message: str, found: list[str], fix: str, log: Path | None = None):
         super().__init__(message)
-        self.found = found or []
-        self.log = log
+        self.found, self.fix, self.log = found, fix, log
 
 
 def find_uv() -> str | None:
@@ -234,7 +233,11 @@ def _verify(run, python: Path, plan, request: Request, optional_failed: dict[str
     probe = json.loads(run(probe_step).strip().splitlines()[-1])
     found = problems(plan.torch.backend, probe, required)
     if found:
-        raise BuildFailed("the new environment does not match the plan", found)
+        wrong_torch = any(problem.startswith("torch ") for problem in found)
+        fix = (f"PyTorch must come from the plan's index ({plan.torch.index_url}) or a mirror of it: "
+               "unsloth install --torch-index-url <that mirror>") if wrong_torch else (
+               "See the verify log for the failing import; `unsloth install --force` builds again from scratch.")
+        raise BuildFailed("the new environment does not match the plan", found, fix)
     return probe
 
 
@@ -246,9 +249,11 @@ def _doctor_checks(python: Path, plan, platform, request: Request, logs: Path, c
         run = run_env_probe(python, plan.torch.backend)
     findings = probe_findings(run, platform, plan, request.without)
     (logs / "doctor.json").write_text(json.dumps([f.to_json() for f in findings], indent=2), encoding="utf-8")
-    failed = [f"{f.title}: {f.message}" for f in findings if f.fails]
+    failed = [f for f in findings if f.fails]
     if failed:
-        raise BuildFailed("doctor's environment checks failed in the new environment", failed)
+        fixes = "; ".join(dict.fromkeys(f.fix for f in failed if f.fix)) or "see logs/doctor.json"
+        raise BuildFailed("doctor's environment checks failed in the new environment",
+                          [f"{f.title}: {f.message}" for f in failed], fixes)
     console.print(f"[green]✓[/] Doctor's environment checks [dim]({run.seconds:.1f}s)[/]")
 
 

@@ -129,13 +129,14 @@ def install(options: Options, plan, platform, console: Console, confirm: Callabl
             for problem in exc.found:
                 console.print(f"  - {problem}")
             console.print(f"Logs: {exc.log}  (that build was removed)")
-            console.print(f"Likely fix: unsloth install --torch-index-url {plan.torch.index_url}  (the plan's own index)")
+            console.print(f"Likely fix: {exc.fix}")
             return _kept(current, console)
         except KeyboardInterrupt:
             console.print("[yellow]Interrupted[/]: the half-built environment was removed.")
             _kept(current, console)
             return 130
-        if options.upgrade and receipt and read_receipt(env)["packages"] == receipt.get("packages"):
+        same = receipt and receipt.get("request_hash") == wanted and read_receipt(env)["packages"] == receipt.get("packages")
+        if options.upgrade and same:
             state.remove_env(env)  # identical to what is active: keep the active one, which is proven
             _expose(options, console)
             console.print(f"[green]Up to date[/]: {current.name} already has the newest versions for this plan.")
