@@ -40,7 +40,7 @@ trainer() {
     # ours first, through the very same harness loop (our package answers `import unsloth`)
     # shellcheck disable=SC2086
     timeout 200 python3 .anchors/anchor_lora.py --impl unsloth $four 2>&1 | tail -4 | sed 's/"impl": "unsloth"/"impl": "ours"/' | tee -a "$OUT/trainer.jsonl"
-    for impl in unsloth hf; do
+    for impl in ${ANCHOR_IMPLS-unsloth hf}; do
       # the public packages: the anchors' site first, without our source
       # shellcheck disable=SC2086
       PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 200 python3 .anchors/anchor_lora.py --impl $impl $four 2>&1 | tail -1 | tee -a "$OUT/trainer.jsonl"

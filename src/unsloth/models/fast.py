@@ -217,8 +217,13 @@ def _config(model):
     return model.get_base_model().config if hasattr(model, "get_base_model") else model.config
 
 
-def _attach_saving(model) -> None:
-    from unsloth.export.gguf import save_pretrained_gguf
+def _save_pretrained_gguf(model, *args, **kwargs):
+    """`model.save_pretrained_gguf(dir, tokenizer, quantization_method=...)`; see unsloth.export.gguf."""
+    from unsloth.export.gguf import save_pretrained_gguf  # needs the [export] extra: import on use
 
+    return save_pretrained_gguf(model, *args, **kwargs)
+
+
+def _attach_saving(model) -> None:
     model.save_pretrained_merged = types.MethodType(save_pretrained_merged, model)
-    model.save_pretrained_gguf = types.MethodType(save_pretrained_gguf, model)
+    model.save_pretrained_gguf = types.MethodType(_save_pretrained_gguf, model)
