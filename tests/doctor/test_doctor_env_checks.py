@@ -64,7 +64,7 @@ def test_a_cpu_torch_where_the_plan_wants_cuda(make_plan, rtx4090):
     finding = by_id(probe_findings(run, Platform(gpus=[rtx4090]), make_plan("cuda", "cu130", rtx4090)))["env-torch"]
     assert finding.fails
     assert finding.message == "torch 2.13.0+cpu (cpu build), but the plan needs a cuda build (cu130)"
-    assert finding.fix == "unsloth install"
+    assert finding.fix == "unsloth install --force"  # a plain install keeps an unchanged request
 
 
 def test_torch_that_sees_no_gpu_fails_and_one_that_sees_another_arch_warns(make_plan, rx7800):

@@ -27,7 +27,7 @@ from unsloth.platform.facts import Platform
 from unsloth.plan import Plan
 
 DEFAULT_TIMEOUT_S = 180  # torch + bitsandbytes imports and a first Triton compile; a hang is far longer
-REINSTALL = "unsloth install"
+REINSTALL = "unsloth install --force"  # a plain install is a no-op while the request is unchanged
 TITLES = {
     "torch": "torch",
     "gpu": "torch sees the GPU",
@@ -115,7 +115,7 @@ def check_env(target: EnvTarget | None, platform: Platform | None) -> Finding:
     """The managed environment exists, its receipt reads, its Python is there, and it was built for this machine."""
     title = "Managed environment"
     if target is None:
-        return Finding("env", title, "warning", "No managed environment yet", fix=REINSTALL)
+        return Finding("env", title, "warning", "No managed environment yet", fix="unsloth install")
     if target.origin == "--python":
         if not target.python.is_file():
             return Finding("env", title, "error", f"{target.python} (given with --python) does not exist",
@@ -234,7 +234,7 @@ def _judge_matmul(result: dict[str, Any], context: _Context) -> Verdict:
     if (skipped := _could_not_run(result)) is not None:
         return skipped
     if not result["ok"]:
-        return "error", f"Wrong or failed: {result['message']}", "Update the GPU driver, then reinstall: unsloth install", True
+        return "error", f"Wrong or failed: {result['message']}", "Update the GPU driver, then reinstall: unsloth install --force", True
     return "ok", result["message"], None, True
 
 
@@ -257,7 +257,7 @@ def _judge_triton(result: dict[str, Any], context: _Context) -> Verdict:
         if required:
             return "error", f"Failed: {result['message']}", REINSTALL, True
         return ("warning", f"Failed: {result['message']}",
-                "Training falls back to plain PyTorch; to repair: unsloth install", False)
+                "Training falls back to plain PyTorch; to repair: unsloth install --force", False)
     return "ok", result["message"], None, required
 
 
