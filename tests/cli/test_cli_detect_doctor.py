@@ -191,7 +191,7 @@ def test_a_managed_environment_without_torch_fails_doctor(capsys, empty_home):
     found = findings(report)
     assert found["env"]["status"] == "ok"
     assert found["env-torch"]["status"] == "error"
-    assert "ModuleNotFoundError" in found["env-torch"]["message"] and found["env-torch"]["fix"] == "unsloth install"
+    assert "ModuleNotFoundError" in found["env-torch"]["message"] and found["env-torch"]["fix"] == "unsloth install --force"
     assert "env-torch" in report["summary"]["failed_required"] and code == 1
 
 
