@@ -19,7 +19,9 @@ row's scale, not of its own size.
 from __future__ import annotations
 
 import math
+import os
 
+import pytest
 import torch
 
 # Unit roundoff (half an ulp at 1.0) of each storage dtype: 2^-(significand bits).
@@ -154,6 +156,23 @@ def compile_for_gpu(kernel, constexprs: dict, target: str, num_warps: int = 4):
              if signature[name] not in ("constexpr", "fp32")}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton_compile(source, target=GPUTarget(*GPU_TARGETS[target]), options={"num_warps": num_warps})
+
+
+# Real model shapes take a GPU and a while; the GPU run turns them on.
+real_shapes = pytest.mark.skipif(
+    not (os.environ.get("UNSLOTH_TEST_REAL_SHAPES") == "1" and torch.cuda.is_available()),
+    reason="real shapes: UNSLOTH_TEST_REAL_SHAPES=1 on a GPU",
+)
+
+# On a machine with a GPU the kernel launches already compile the kernels for real.
+without_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run compiles the kernels for real")
+
+
+def assert_compile_for_gpus(cases) -> None:
+    """Compile `cases` for CUDA and ROCm GPUs (catching what the CPU interpreter cannot) and check
+    that each has 16-byte vector loads on sm_90: the GPU needs them to reach memory bandwidth."""
+    vectorised = compile_cases_for_gpu(cases)["sm90"]
+    assert all(vectorised), [case[1] for case, v in zip(cases, vectorised) if not v]
 
 
 def compile_cases_for_gpu(cases) -> dict[str, list[bool]]:

@@ -11,12 +11,10 @@ instead of rounding to bf16 (twice the error), hence 4.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import assert_close_dtype, f64
+from reference import assert_close_dtype, f64, real_shapes
 
 import unsloth_kernels._utils as kernel_utils
 from unsloth_kernels.cross_entropy import chunk_rows, fused_linear_cross_entropy
@@ -186,12 +184,11 @@ def test_chunk_rows_bounds_the_logits_chunk():
     assert chunk_rows(3, 128256, 2) == 4  # never more than the batch needs (next power of two)
 
 
-REAL = os.environ.get("UNSLOTH_TEST_REAL_SHAPES") == "1"
 # Norm-wise bound of dX against fp32 math at the real shape (bf16 logits; see the test).
 DX_FP32_RELATIVE = 2e-2
 
 
-@pytest.mark.skipif(not (REAL and torch.cuda.is_available()), reason="real shapes: UNSLOTH_TEST_REAL_SHAPES=1 on a GPU")
+@real_shapes
 def test_real_shape_on_gpu_memory_and_accuracy():
     # Llama-3 head, 16k tokens, frozen lm_head: extra memory beyond inputs and dX stays under
     # 0.15 GiB (the unfused path needs ~23.5 GiB); loss/dX match an fp32 reference.

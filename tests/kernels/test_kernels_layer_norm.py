@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from reference import assert_close_dtype, compile_cases_for_gpu, f64, layer_norm_ref, tolerance
+from reference import (
+    assert_close_dtype, assert_compile_for_gpus, f64, layer_norm_ref, real_shapes, tolerance,
+    without_gpu,
+)
 
 import unsloth_kernels._utils as kernel_utils
 from unsloth_kernels import LayerNorm, layer_norm
@@ -88,19 +89,12 @@ COMPILE_CASES = [  # Llama-3.1-8B-wide rows, tiled as the launcher tiles them (s
 ]
 
 
-# Compiling for real GPUs catches what the CPU interpreter cannot (see reference.compile_for_gpu);
-# on a machine with a GPU the launches above already compile these for real.
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run compiles the kernels for real")
+@without_gpu
 def test_kernels_compile_for_cuda_and_rocm_gpus():
-    vectorised = compile_cases_for_gpu(COMPILE_CASES)["sm90"]
-    # 16-byte vector loads on the GPU are needed to reach memory bandwidth
-    assert all(vectorised), [case[1] for case, v in zip(COMPILE_CASES, vectorised) if not v]
+    assert_compile_for_gpus(COMPILE_CASES)
 
 
-REAL = os.environ.get("UNSLOTH_TEST_REAL_SHAPES") == "1" and torch.cuda.is_available()
-
-
-@pytest.mark.skipif(not REAL, reason="real shapes run on a GPU with UNSLOTH_TEST_REAL_SHAPES=1")
+@real_shapes
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_real_shapes(dtype):
     check_against_float64((8, 2048, 4096), dtype, bias=True, device="cuda")

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import assert_close_dtype, f64
+from reference import assert_close_dtype, f64, real_shapes, without_gpu
 
 import unsloth_kernels._utils as kernel_utils
 from unsloth_kernels.lora import LoraWeights, lora_linear, lora_mlp, lora_o, lora_qkv
@@ -297,10 +297,7 @@ def test_bad_inputs_are_named():
         lora_mlp(torch.randn(2, 4, device=DEVICE), p, wide, make_lora(4, 8, torch.float32))
 
 
-REAL = os.environ.get("UNSLOTH_TEST_REAL_SHAPES") == "1"
-
-
-@pytest.mark.skipif(not (REAL and torch.cuda.is_available()), reason="real shapes: UNSLOTH_TEST_REAL_SHAPES=1 on a GPU")
+@real_shapes
 def test_real_shape_mlp_on_gpu():
     # Llama-3.1-8B MLP (4096 -> 14336 -> 4096), r=16, 2048 tokens, bf16; fp32 reference.
     dtype, hidden, inter, rows = torch.bfloat16, 4096, 14336, 2048
@@ -376,7 +373,7 @@ def _kernel_cases():
     return cases
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run compiles the kernels for real")
+@without_gpu
 def test_kernels_compile_for_cuda_and_rocm_gpus():
     import json
     import subprocess

@@ -6,12 +6,11 @@ absmax) as bitsandbytes and rounds once to the output dtype, to nearest-even lik
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 import unsloth_kernels._utils as kernel_utils
+from reference import real_shapes
 from unsloth_kernels.nf4 import NF4_CODE, dequantize_bnb_4bit, dequantize_nf4
 
 try:  # the reference; the GPU bench machine may lack it, and then only the real-shape test runs
@@ -128,10 +127,7 @@ def test_bad_inputs_are_named():
         dequantize_bnb_4bit(packed, state)
 
 
-REAL = os.environ.get("UNSLOTH_TEST_REAL_SHAPES") == "1"
-
-
-@pytest.mark.skipif(not (REAL and torch.cuda.is_available()), reason="real shapes: UNSLOTH_TEST_REAL_SHAPES=1 on a GPU")
+@real_shapes
 def test_real_shape_on_gpu():
     # Llama-3.1-8B's MLP weight (14336 x 4096), nested absmax; a GPU-side reference of the format
     # (bitsandbytes need not be installed on the GPU machine).

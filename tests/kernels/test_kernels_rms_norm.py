@@ -6,11 +6,12 @@ GPU, the same comparison runs at Llama-3.1-8B shapes (16384 x 4096).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from reference import UNIT_ROUNDOFF, assert_close_dtype, compile_cases_for_gpu, f64, rms_norm_ref
+from reference import (
+    UNIT_ROUNDOFF, assert_close_dtype, assert_compile_for_gpus, f64, real_shapes, rms_norm_ref,
+    without_gpu,
+)
 
 import unsloth_kernels._utils as kernel_utils
 from unsloth_kernels import RMSNorm, rms_norm
@@ -174,19 +175,12 @@ COMPILE_CASES = [  # Llama-3.1-8B rows, 4096 wide, tiled as the launcher tiles t
 ]
 
 
-# Compiling for real GPUs catches what the CPU interpreter cannot (see reference.compile_for_gpu);
-# on a machine with a GPU the launches above already compile these for real.
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run compiles the kernels for real")
+@without_gpu
 def test_kernels_compile_for_cuda_and_rocm_gpus():
-    vectorised = compile_cases_for_gpu(COMPILE_CASES)["sm90"]
-    # 16-byte vector loads on the GPU are needed to reach memory bandwidth
-    assert all(vectorised), [case[1] for case, v in zip(COMPILE_CASES, vectorised) if not v]
+    assert_compile_for_gpus(COMPILE_CASES)
 
 
-REAL = os.environ.get("UNSLOTH_TEST_REAL_SHAPES") == "1" and torch.cuda.is_available()
-
-
-@pytest.mark.skipif(not REAL, reason="real shapes run on a GPU with UNSLOTH_TEST_REAL_SHAPES=1")
+@real_shapes
 @pytest.mark.parametrize("cast,offset,residual", [("llama", 0.0, False), ("gemma", 1.0, False), ("llama", 0.0, True)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_real_shapes(dtype, cast, offset, residual):
