@@ -21,6 +21,7 @@ import torch
 import triton
 
 import unsloth_kernels as uk
+from bench_kernels import graph_ms  # the same CUDA-graph replay timing as the benchmark
 from unsloth_kernels import _utils
 
 rms = importlib.import_module("unsloth_kernels.rms_norm")
@@ -50,22 +51,6 @@ def host_us(fn, n=50):
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     return round((t1 - t0) / n * 1e6, 1)
-
-
-def graph_ms(step):
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
-        return gpu_ms(g.replay)
-    except Exception as e:  # noqa: BLE001 - a diagnostic only
-        return f"graph failed: {type(e).__name__}: {str(e)[:120]}"
 
 
 def step_report(op, step, n=50):
