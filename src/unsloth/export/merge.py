@@ -1,8 +1,9 @@
-"""The 16-bit weights to export: LoRA adapters merged in, 4-bit bases dequantized, the model untouched.
+"""A model's merged weights: LoRA adapters merged in, quantized bases dequantized, the model untouched.
 
-``merged_tensors`` yields each tensor on demand, so a merge never holds a second copy of the model
-in memory, and the user's model keeps its adapters (unlike ``merge_and_unload``). ``load_checkpoint``
-reads a saved model or adapter directory for the CLI.
+The one place that merges: the GGUF export and ``save_pretrained_merged`` both read
+``merged_tensors``, which yields each tensor on demand, so a merge never holds a second copy of the
+model in memory, and the user's model keeps its adapters (unlike ``merge_and_unload``).
+``load_checkpoint`` reads a saved model or adapter directory for the CLI.
 """
 
 from __future__ import annotations
@@ -37,10 +38,28 @@ def base_model(model: Any) -> Any:
     return get_base() if callable(get_base) else model
 
 
-def _lora_weight(module: Any) -> torch.Tensor:
+def dequantized_weight(layer: Any) -> torch.Tensor:
+    """A linear layer's weight as a floating tensor: bitsandbytes 4-bit through our NF4 kernel where
+    it runs (else bitsandbytes), 8-bit through peft; other weights as they are."""
+    weight = layer.weight
+    quant_state = getattr(weight, "quant_state", None)
+    if quant_state is not None:  # bitsandbytes Params4bit
+        from unsloth.models.kernels import unavailable_reason  # not kernels_available: no "training" warning
+
+        if unavailable_reason(weight.device) is None:
+            from unsloth_kernels.nf4 import dequantize_bnb_4bit
+
+            return dequantize_bnb_4bit(weight.data, quant_state)
+        import bitsandbytes.functional as bnbf
+
+        return bnbf.dequantize_4bit(weight.data, quant_state)
     from peft.utils.integrations import dequantize_module_weight
 
-    weight = dequantize_module_weight(module.get_base_layer()).detach().to(torch.float32)
+    return dequantize_module_weight(layer).detach()
+
+
+def _lora_weight(module: Any) -> torch.Tensor:
+    weight = dequantized_weight(module.get_base_layer()).to(torch.float32)
     if module.disable_adapters:
         return weight
     for adapter in module.active_adapters:
@@ -59,7 +78,6 @@ def merged_tensors(model: Any) -> dict[str, TensorSource]:
     """HF state-dict name -> a function returning that tensor with every active adapter merged in."""
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
-    from peft.utils.integrations import dequantize_module_weight
 
     sources: dict[str, TensorSource] = {}
     covered: list[str] = []  # prefixes whose parameters are handled by a wrapper above them
@@ -83,7 +101,7 @@ def merged_tensors(model: Any) -> dict[str, TensorSource]:
             continue
         if module.__class__.__name__ in ("Linear4bit", "Linear8bitLt"):  # bitsandbytes base layer
             shape = _logical_shape(module.weight)
-            sources[f"{prefix}weight"] = TensorSource(shape, lambda m=module: dequantize_module_weight(m).detach())
+            sources[f"{prefix}weight"] = TensorSource(shape, lambda m=module: dequantized_weight(m))
             if module.bias is not None:
                 sources[f"{prefix}bias"] = _as_is(module.bias)
             continue

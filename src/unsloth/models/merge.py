@@ -1,7 +1,8 @@
 """Save a LoRA model as plain 16-bit merged weights (W + scale * B @ A), leaving the model as it is.
 
-4-bit base weights are dequantized (our NF4 kernel where it runs, bitsandbytes otherwise), so the
-result is an ordinary transformers checkpoint that export (GGUF) and any loader read.
+The merged tensors come from ``unsloth.export.merge.merged_tensors`` (the one place that merges and
+dequantizes 4-bit bases), so the result is an ordinary transformers checkpoint that export (GGUF)
+and any loader read.
 """
 
 from __future__ import annotations
@@ -12,63 +13,15 @@ import os
 import torch
 from torch import nn
 
-
-def _dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A floating copy of a (possibly bitsandbytes-quantized) weight."""
-    quant_state = getattr(weight, "quant_state", None)
-    if quant_state is not None:  # bitsandbytes Params4bit
-        from unsloth.models.kernels import kernels_available
-
-        if kernels_available(weight.device):
-            from unsloth_kernels.nf4 import dequantize_bnb_4bit
-
-            return dequantize_bnb_4bit(weight.data, quant_state, dtype=dtype)
-        import bitsandbytes.functional as bnbf
-
-        return bnbf.dequantize_4bit(weight.data, quant_state).to(dtype)
-    if getattr(weight, "SCB", None) is not None or weight.dtype == torch.int8:
-        raise NotImplementedError("merging 8-bit weights is not supported: load the model in 16-bit or 4-bit")
-    return weight.detach().to(dtype)
+from unsloth.export.merge import base_model, merged_tensors
 
 
 def merged_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The base model's state dict with every LoRA layer merged and every weight dequantized (on the CPU)."""
-    from peft.tuners.lora import LoraLayer
-    from peft.utils import ModulesToSaveWrapper
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    state: dict[str, torch.Tensor] = {}
-    skip: set[str] = set()  # module paths already covered by a LoRA or modules_to_save wrapper
-
-    def put(prefix: str, module: nn.Module) -> None:
-        for name, p in module.named_parameters(recurse=False):
-            state[f"{prefix}{name}"] = _dequantized(p, dtype).cpu()
-        non_persistent = getattr(module, "_non_persistent_buffers_set", set())
-        for name, b in module.named_buffers(recurse=False):
-            if name not in non_persistent:
-                state[f"{prefix}{name}"] = b.detach().cpu()
-
-    for path, module in base.named_modules():
-        if any(path == s or path.startswith(s + ".") for s in skip):
-            continue
-        prefix = f"{path}." if path else ""
-        if isinstance(module, LoraLayer):
-            skip.add(path)
-            base_layer = module.get_base_layer()
-            weight = _dequantized(base_layer.weight, dtype)
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A:
-                    weight = weight + module.get_delta_weight(adapter).to(weight.device, dtype)
-            state[f"{prefix}weight"] = weight.cpu()
-            if getattr(base_layer, "bias", None) is not None:
-                state[f"{prefix}bias"] = base_layer.bias.detach().to(dtype).cpu()
-        elif isinstance(module, ModulesToSaveWrapper):
-            skip.add(path)
-            trained = module.modules_to_save[module.active_adapters[0]]
-            for sub, child in trained.named_modules():
-                put(f"{prefix}{sub}." if sub else prefix, child)
-        else:
-            put(prefix, module)
+    """The base model's state dict with every LoRA layer merged and every floating tensor in `dtype` (on the CPU)."""
+    state = {}
+    for name, source in merged_tensors(model).items():
+        tensor = source.load()
+        state[name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).cpu()
     return state
 
 
@@ -80,7 +33,7 @@ def save_pretrained_merged(self, save_directory: str, tokenizer=None, save_metho
     elif save_method == "merged_16bit":
         from huggingface_hub import save_torch_state_dict
 
-        base = self.get_base_model() if hasattr(self, "get_base_model") else self
+        base = base_model(self)
         config = copy.deepcopy(base.config)
         dtype = _save_dtype(base)
         if hasattr(config, "quantization_config"):
