@@ -156,14 +156,19 @@ def bench_layernorm(compile_):
         bench(step, "layernorm_fwd_bwd", impl, bytes_moved=5 * T * H * 2, graph=True)
 
 
-def bench_rope(liger, compile_):
+def rope_inputs():
+    """q, k (leaves that need grad), Llama-3's cos, sin (theta 500000) and the gradients dq, dk."""
     q = torch.randn(B, NH, S, HD, device=DEV, dtype=DT, requires_grad=True)
     k = torch.randn(B, NKV, S, HD, device=DEV, dtype=DT, requires_grad=True)
     inv = 1.0 / (500000 ** (torch.arange(0, HD, 2, device=DEV).float() / HD))
     freqs = torch.outer(torch.arange(S, device=DEV).float(), inv)
     emb = torch.cat([freqs, freqs], -1)
     cos, sin = emb.cos().to(DT)[None], emb.sin().to(DT)[None]
-    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    return q, k, cos, sin, torch.randn_like(q), torch.randn_like(k)
+
+
+def bench_rope(liger, compile_):
+    q, k, cos, sin, dq, dk = rope_inputs()
 
     def rotate_half(t):
         return torch.cat([-t[..., HD // 2:], t[..., : HD // 2]], -1)

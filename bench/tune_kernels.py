@@ -21,7 +21,7 @@ import torch
 import triton
 
 import unsloth_kernels as uk
-from bench_kernels import graph_ms  # the same CUDA-graph replay timing as the benchmark
+from bench_kernels import B, DEV, DT, H, HD, NH, NKV, S, T, V, graph_ms, rope_inputs  # its shapes, timing
 from unsloth_kernels import _utils
 
 rms = importlib.import_module("unsloth_kernels.rms_norm")
@@ -29,9 +29,6 @@ ln = importlib.import_module("unsloth_kernels.layer_norm")
 rope = importlib.import_module("unsloth_kernels.rope")
 nf4 = importlib.import_module("unsloth_kernels.nf4")
 ce = importlib.import_module("unsloth_kernels.cross_entropy")
-
-DEV, DT = "cuda", torch.bfloat16
-T, H, NH, NKV, HD, B, S, V = 16384, 4096, 32, 8, 128, 8, 2048, 128256
 
 
 def emit(**row):
@@ -139,13 +136,7 @@ def tune_layernorm():
 
 
 def tune_rope():
-    q = torch.randn(B, NH, S, HD, device=DEV, dtype=DT, requires_grad=True)
-    k = torch.randn(B, NKV, S, HD, device=DEV, dtype=DT, requires_grad=True)
-    inv = 1.0 / (500000 ** (torch.arange(0, HD, 2, device=DEV).float() / HD))
-    freqs = torch.outer(torch.arange(S, device=DEV).float(), inv)
-    emb = torch.cat([freqs, freqs], -1)
-    cos, sin = emb.cos().to(DT)[None], emb.sin().to(DT)[None]
-    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    q, k, cos, sin, dq, dk = rope_inputs()
 
     def step():
         q.grad = k.grad = None
