@@ -219,3 +219,11 @@ def test_the_probe_on_a_real_gpu():
     assert results["triton"]["ok"] and results["triton"]["mode"] == "cuda:0", results["triton"]
     if importlib.util.find_spec("bitsandbytes") is not None:
         assert results["bitsandbytes"]["ok"], results["bitsandbytes"]
+
+
+def test_triton_missing_on_a_cpu_plan_is_no_fault(make_plan):
+    """A CPU environment has no Triton on purpose (our kernels need a GPU): skipped, not a warning."""
+    run = healthy_gpu_run()
+    run.results["triton"] = line("triton", False, "ModuleNotFoundError: No module named 'triton'")
+    finding = by_id(probe_findings(run, Platform(), make_plan("cpu", "cpu", None)))["env-triton"]
+    assert finding.status == "skipped" and not finding.fails and finding.fix is None

@@ -91,6 +91,14 @@ def test_llama_cpp_source_build_gets_the_plans_cmake_args():
     assert llama_cpp_step(TOOL, Request(source="/s", without=("llama-cpp",)), PINS, EXPORT_REQUIRES, plan) is None
 
 
+def test_llama_cpp_fallback_builds_from_the_general_sources_when_the_wheel_index_fails():
+    plan = {"backend": "cpu", "how": "wheel", "index_url": "https://wheels/cpu", "cmake_args": ""}
+    step = llama_cpp_step(TOOL, Request(source="/s", sources=GENERAL), PINS, EXPORT_REQUIRES, plan, prebuilt=False)
+    assert flag_values(step.argv, "--index-url") != ["https://wheels/cpu"] and "--no-deps" not in step.argv
+    assert flag_values(step.argv, "--extra-index-url") == ["https://mirror/simple"]
+    assert flag_values(step.argv, "--no-binary") == ["llama-cpp-python"] and step.env == {"CMAKE_ARGS": ""}
+
+
 def test_pip_fallback_uses_the_same_flags():
     tool = Tool.pip(Path("/e/bin/python"))
     step = torch_step(tool, TorchSource("index", "https://download.pytorch.org/whl/cpu", ("torch",)), Sources(), "cpu")

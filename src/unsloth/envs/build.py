@@ -188,10 +188,19 @@ def _build(
     llama = plan_steps.llama_cpp_step(tool, request, pins, export_requires, plan.llama_cpp)
     if llama:
         try:
-            run(llama)
-            if "--no-deps" in llama.argv:  # prebuilt: now its dependencies, with it pinned
-                pins.write_text(plan_steps.pins_text(installed_versions(python), TORCH_FAMILY | {"llama-cpp-python"}), encoding="utf-8")
-                run(plan_steps.llama_cpp_deps_step(tool, request, pins, export_requires))
+            try:
+                run(llama)
+                if "--no-deps" in llama.argv:  # prebuilt: now its dependencies, with it pinned
+                    pins.write_text(plan_steps.pins_text(installed_versions(python), TORCH_FAMILY | {"llama-cpp-python"}),
+                                    encoding="utf-8")
+                    run(plan_steps.llama_cpp_deps_step(tool, request, pins, export_requires))
+            except StepFailed as exc:
+                if "--no-deps" not in llama.argv:
+                    raise
+                # The prebuilt index could not serve it (offline, a mirror, no wheel for this Python):
+                # build it from the general sources with the plan's CMAKE_ARGS instead.
+                console.print(f"[yellow]! {exc.step.title} failed[/]; building it from source instead. Log: {exc.log}")
+                run(plan_steps.llama_cpp_step(tool, request, pins, export_requires, plan.llama_cpp, prebuilt=False))
         except StepFailed as exc:  # optional: training works without it; doctor says how to add it
             console.print(f"[yellow]! {exc.step.title} failed[/]; continuing without it. Log: {exc.log}\n  {exc.fix}")
             optional_failed["llama-cpp"] = str(exc.log)

@@ -124,14 +124,16 @@ def export_step(tool: Tool, request: Request, pins: Path, export_requires: list[
     return Step("export", "GGUF export tools", argv)
 
 
-def llama_cpp_step(tool: Tool, request: Request, pins: Path, export_requires: list[str], plan_llama: dict[str, Any]) -> Step | None:
+def llama_cpp_step(tool: Tool, request: Request, pins: Path, export_requires: list[str], plan_llama: dict[str, Any],
+                   *, prebuilt: bool = True) -> Step | None:
     """llama-cpp-python as the plan says: from its prebuilt wheel index only (its dependencies follow in
-    `llama_cpp_deps_step`), or built from source with the plan's CMAKE_ARGS."""
+    `llama_cpp_deps_step`), or built from source with the plan's CMAKE_ARGS (also the fallback, with
+    ``prebuilt=False``, when that index cannot serve it)."""
     req = _llama_requirement(request, export_requires)
     if req is None:
         return None
     backend = plan_llama.get("backend", "cpu")
-    if plan_llama.get("how") == "wheel" and plan_llama.get("index_url"):
+    if prebuilt and plan_llama.get("how") == "wheel" and plan_llama.get("index_url"):
         # That index alone, so no other index can supply a package of the same name (uv and pip alike).
         argv = [*tool.install, "--index-url", plan_llama["index_url"], "--no-deps", "--only-binary", "llama-cpp-python",
                 "--constraint", str(pins), str(req)]
