@@ -18,12 +18,13 @@ import triton.language as tl
 from ._utils import cdiv, check_device
 
 _SILU, _GELU, _GELU_TANH = 0, 1, 2
+ACT_CODES = {"swiglu": _SILU, "geglu": _GELU, "geglu_tanh": _GELU_TANH}  # name -> the kernels' ACT
 _BLOCK = 1024  # elements per program: 8 per thread at 4 warps, 16-byte loads for 16-bit dtypes
 
 
 @triton.jit
-def _activation(g, ACT: tl.constexpr):
-    """(act(g), act'(g)) in fp32."""
+def activation_and_derivative(g, ACT: tl.constexpr):
+    """(act(g), act'(g)) in fp32; ACT is _SILU, _GELU or _GELU_TANH (the LoRA MLP kernels share it)."""
     if ACT == 0:  # silu
         sig = tl.sigmoid(g)
         return g * sig, sig * (1.0 + g * (1.0 - sig))
@@ -47,7 +48,7 @@ def _glu_fwd(G, U, Y, n_cols, n_col_blocks, stride_g, stride_u, stride_y,
     mask = cols < n_cols
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    act, _ = _activation(g, ACT)
+    act, _ = activation_and_derivative(g, ACT)
     tl.store(Y + row * stride_y + cols, (act * u).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -61,7 +62,7 @@ def _glu_bwd(DY, G, U, DG, DU, n_cols, n_col_blocks, stride_dy, stride_g, stride
     dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    act, dact = _activation(g, ACT)
+    act, dact = activation_and_derivative(g, ACT)
     tl.store(DG + row * stride_dg + cols, (dy * u * dact).to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + row * stride_du + cols, (dy * act).to(DU.dtype.element_ty), mask=mask)
 

@@ -34,9 +34,10 @@ import triton
 import triton.language as tl
 
 from ._utils import cdiv, check_device
+from .activations import ACT_CODES, activation_and_derivative
 from .nf4 import dequantize_bnb_4bit
 
-ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
+ACTIVATIONS = tuple(ACT_CODES)  # "swiglu", "geglu", "geglu_tanh"
 _ELEMENTWISE_BLOCK = 1024
 
 
@@ -88,49 +89,24 @@ class LoraWeights:
 
 
 @triton.jit
-def _tanh(x):
-    # Portable (no libdevice): saturates correctly at +-inf.
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def _activation_and_derivative(e, ACTIVATION: tl.constexpr):
-    """f(e) and f'(e) in fp32 for SiLU, exact GELU and tanh-approximated GELU."""
-    if ACTIVATION == "swiglu":
-        sig = 1.0 / (1.0 + tl.exp(-e))
-        f = e * sig
-        df = sig * (1.0 + e * (1.0 - sig))
-    elif ACTIVATION == "geglu":
-        cdf = 0.5 * (1.0 + tl.erf(e * 0.7071067811865476))
-        f = e * cdf
-        df = cdf + e * 0.3989422804014327 * tl.exp(-0.5 * e * e)
-    else:
-        inner = 0.7978845608028654 * (e + 0.044715 * e * e * e)
-        t = _tanh(inner)
-        f = 0.5 * e * (1.0 + t)
-        df = 0.5 * (1.0 + t) + 0.5 * e * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * e * e)
-    return f, df
-
-
-@triton.jit
-def _gated_forward_kernel(e_ptr, g_ptr, h_ptr, n, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_forward_kernel(e_ptr, g_ptr, h_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     e = tl.load(e_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    f, _ = _activation_and_derivative(e, ACTIVATION)
+    f, _ = activation_and_derivative(e, ACT)
     tl.store(h_ptr + offs, (f * g).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _gated_backward_kernel(e_ptr, g_ptr, dh_ptr, n, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_backward_kernel(e_ptr, g_ptr, dh_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
     """Reads e, g, dh; writes h over dh, d(e) over e, d(g) over g."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     e = tl.load(e_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    f, df = _activation_and_derivative(e, ACTIVATION)
+    f, df = activation_and_derivative(e, ACT)
     tl.store(dh_ptr + offs, (f * g).to(dh_ptr.dtype.element_ty), mask=mask)
     tl.store(e_ptr + offs, (dh * g * df).to(e_ptr.dtype.element_ty), mask=mask)
     tl.store(g_ptr + offs, (dh * f).to(g_ptr.dtype.element_ty), mask=mask)
@@ -142,7 +118,7 @@ def _gated_forward(e: torch.Tensor, g: torch.Tensor, activation: str) -> torch.T
     if n == 0:
         return h
     _gated_forward_kernel[(cdiv(n, _ELEMENTWISE_BLOCK),)](
-        e, g, h, n, ACTIVATION=activation, BLOCK=_ELEMENTWISE_BLOCK
+        e, g, h, n, ACT=ACT_CODES[activation], BLOCK=_ELEMENTWISE_BLOCK
     )
     return h
 
@@ -152,7 +128,7 @@ def _gated_backward_(e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, activat
     if n == 0:
         return
     _gated_backward_kernel[(cdiv(n, _ELEMENTWISE_BLOCK),)](
-        e, g, dh, n, ACTIVATION=activation, BLOCK=_ELEMENTWISE_BLOCK
+        e, g, dh, n, ACT=ACT_CODES[activation], BLOCK=_ELEMENTWISE_BLOCK
     )
 
 

@@ -14,15 +14,12 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import assert_close_dtype, f64, real_shapes, without_gpu
+from reference import DEVICE, assert_close_dtype, f64, needs_kernels, real_shapes, without_gpu
 
-import unsloth_kernels._utils as kernel_utils
+from unsloth_kernels.activations import ACT_CODES
 from unsloth_kernels.lora import LoraWeights, lora_linear, lora_mlp, lora_o, lora_qkv
 
-# Small shapes run on the GPU when there is one, else on the CPU through TRITON_INTERPRET=1.
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not kernel_utils.INTERPRET,
-                                reason="Triton kernels need a GPU or TRITON_INTERPRET=1")  # fmt: skip
+pytestmark = needs_kernels
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 CHAIN_FACTOR = 4
 ACTIVATION_REF = {
@@ -369,7 +366,7 @@ def _kernel_cases():
     for activation in ("swiglu", "geglu", "geglu_tanh"):
         for name, last in (("_gated_forward_kernel", "h_ptr"), ("_gated_backward_kernel", "dh_ptr")):
             signature = {"e_ptr": "*bf16", "g_ptr": "*bf16", last: "*bf16", "n": "i32"}
-            cases.append(("lora", name, signature, {"ACTIVATION": activation, "BLOCK": 1024}, {"num_warps": 4}))
+            cases.append(("lora", name, signature, {"ACT": ACT_CODES[activation], "BLOCK": 1024}, {"num_warps": 4}))
     return cases
 
 
