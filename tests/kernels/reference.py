@@ -24,6 +24,13 @@ import os
 import pytest
 import torch
 
+import unsloth_kernels._utils as kernel_utils
+
+# Small shapes run on the GPU when there is one, else on the CPU through TRITON_INTERPRET=1.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(DEVICE == "cpu" and not kernel_utils.INTERPRET,
+                                   reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+
 # Unit roundoff (half an ulp at 1.0) of each storage dtype: 2^-(significand bits).
 UNIT_ROUNDOFF = {
     torch.bfloat16: 2.0**-8,   # 8 significand bits (7 stored + implicit)

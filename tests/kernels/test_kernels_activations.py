@@ -5,16 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import (
-    UNIT_ROUNDOFF, assert_close_dtype, assert_compile_for_gpus, f64, geglu_ref, real_shapes, swiglu_ref,
-    tolerance, without_gpu,
+    DEVICE, UNIT_ROUNDOFF, assert_close_dtype, assert_compile_for_gpus, f64, geglu_ref, needs_kernels,
+    real_shapes, swiglu_ref, tolerance, without_gpu,
 )
 
-import unsloth_kernels._utils as kernel_utils
 from unsloth_kernels import geglu, swiglu
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [
-    pytest.mark.skipif(DEVICE == "cpu" and not kernel_utils.INTERPRET, reason="Triton kernels need a GPU or TRITON_INTERPRET=1"),
+    needs_kernels,
     # sigmoid(x) = 1 / (1 + exp(-x)) overflows exp to inf for very negative x and correctly gives 0;
     # the CPU interpreter (numpy) warns about that, the GPU does not.
     pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),

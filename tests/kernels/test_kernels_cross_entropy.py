@@ -14,15 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import assert_close_dtype, f64, real_shapes
+from reference import DEVICE, assert_close_dtype, f64, needs_kernels, real_shapes
 
-import unsloth_kernels._utils as kernel_utils
 from unsloth_kernels.cross_entropy import chunk_rows, fused_linear_cross_entropy
 
-# Small shapes run on the GPU when there is one, else on the CPU through TRITON_INTERPRET=1.
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not kernel_utils.INTERPRET,
-                                reason="Triton kernels need a GPU or TRITON_INTERPRET=1")  # fmt: skip
+pytestmark = needs_kernels
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 LOGIT_FACTOR = 4
 

@@ -5,16 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import (
-    assert_close_dtype, assert_compile_for_gpus, f64, layer_norm_ref, real_shapes, tolerance,
-    without_gpu,
+    DEVICE, assert_close_dtype, assert_compile_for_gpus, f64, layer_norm_ref, needs_kernels, real_shapes,
+    tolerance, without_gpu,
 )
 
-import unsloth_kernels._utils as kernel_utils
 from unsloth_kernels import LayerNorm, layer_norm
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not kernel_utils.INTERPRET,
-                                reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+pytestmark = needs_kernels
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # The last shape has enough rows (150) that each backward program walks several tiles.
 SHAPES = [(1, 129), (5, 1000), (2, 7, 129), (3, 50, 1000)]

@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import unsloth_kernels._utils as kernel_utils
-from reference import real_shapes
+from reference import DEVICE, needs_kernels, real_shapes
 from unsloth_kernels.nf4 import NF4_CODE, dequantize_bnb_4bit, dequantize_nf4
 
 try:  # the reference; the GPU bench machine may lack it, and then only the real-shape test runs
@@ -19,10 +18,7 @@ except ImportError:
     bnb_functional = None
 needs_bnb = pytest.mark.skipif(bnb_functional is None, reason="bitsandbytes is not installed")
 
-# Small shapes run on the GPU when there is one, else on the CPU through TRITON_INTERPRET=1.
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not kernel_utils.INTERPRET,
-                                reason="Triton kernels need a GPU or TRITON_INTERPRET=1")  # fmt: skip
+pytestmark = needs_kernels
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # Odd element counts, a single element, rows of whole blocks, and more than 256 absmax blocks (the
 # nested level's block) in the last one: 7 * 4096 / 64 = 448.

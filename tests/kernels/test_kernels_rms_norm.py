@@ -9,16 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import (
-    UNIT_ROUNDOFF, assert_close_dtype, assert_compile_for_gpus, f64, real_shapes, rms_norm_ref,
-    without_gpu,
+    DEVICE, UNIT_ROUNDOFF, assert_close_dtype, assert_compile_for_gpus, f64, needs_kernels, real_shapes,
+    rms_norm_ref, without_gpu,
 )
 
 import unsloth_kernels._utils as kernel_utils
 from unsloth_kernels import RMSNorm, rms_norm
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not kernel_utils.INTERPRET,
-                                reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+pytestmark = needs_kernels
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # A single row, hidden sizes that are not powers of two, a batch of 1, a 3-D batch, and enough
 # rows (150) that each backward program walks several tiles, the last one partial.

@@ -5,15 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import (
-    UNIT_ROUNDOFF, assert_close_dtype, assert_compile_for_gpus, f64, real_shapes, rope_ref, without_gpu,
+    DEVICE, UNIT_ROUNDOFF, assert_close_dtype, assert_compile_for_gpus, f64, needs_kernels, real_shapes,
+    rope_ref, without_gpu,
 )
 
-import unsloth_kernels._utils as kernel_utils
 from unsloth_kernels import apply_rope
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not kernel_utils.INTERPRET,
-                                reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+pytestmark = needs_kernels
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 MAX_POSITIONS = 64
 
