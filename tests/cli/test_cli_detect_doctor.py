@@ -138,6 +138,9 @@ def test_conflicting_options_and_bad_dumps_are_usage_errors(capsys, tmp_path):
     (tmp_path / "empty").mkdir()
     assert main(["doctor", "--from", str(tmp_path / "empty")]) == 2
     assert "no probe outputs here" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")
+    assert main(["doctor", "--quick", "--dump", str(tmp_path / "a-file")]) == 2
+    assert "cannot write the dump there" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         main(["doctor", "--timeout", "0"])
     assert exit_info.value.code == 2 and "above 0" in capsys.readouterr().err

@@ -59,7 +59,10 @@ def run(args: argparse.Namespace) -> int:
         return _usage(str(exc))
     timings = {"detect": time.monotonic() - start}
     if args.dump is not None:
-        write_dump(args.dump, results)
+        try:
+            write_dump(args.dump, results)
+        except OSError as exc:  # a file in the way, a read-only place: say where, before any checking
+            return _usage(f"--dump {args.dump}: cannot write the dump there ({exc.strerror or exc}); pick another folder")
         print(f"Wrote every probe's raw output to {args.dump.resolve()}: attach that folder to your bug report "
               f"(read it back with `unsloth doctor --from {args.dump}`).", file=sys.stderr)
     report = diagnose(platform, source=str(args.from_dir) if args.from_dir else "live", python=args.python,
