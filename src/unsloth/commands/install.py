@@ -161,7 +161,8 @@ def _print_plan(plan, as_json: bool) -> int:
     table.add_column()
     device = plan.device
     table.add_row("support", f"{plan.support}: {plan.reason}")
-    table.add_row("device", (f"{device.name or device.vendor} ({device.arch or '?'})" if device else "CPU") + f" — {plan.device_reason}")
+    # device_reason already opens with the chosen GPU's label (name, arch, family).
+    table.add_row("device", plan.device_reason if device else f"CPU — {plan.device_reason}")
     spec = plan.torch.version_spec or "torch"
     table.add_row("torch", f"{plan.torch.backend} ({plan.torch.variant}) {spec} from {plan.torch.index_url}")
     bnb = plan.bitsandbytes
