@@ -1,5 +1,11 @@
 """A built environment is switched to only if its torch build and imports fit the plan."""
 
+import sys
+from pathlib import Path
+
+import pytest
+
+from unsloth.envs.build import BuildFailed, _json_from
 from unsloth.envs.verify import problems, torch_backend
 
 CPU_TORCH = {"version": "2.13.0+cpu", "cuda": None, "hip": None, "gpu_seen": False}
@@ -38,3 +44,14 @@ def test_failed_imports_are_named():
     found = problems("cpu", probe({"error": "ImportError: libfoo.so"}, peft="ImportError: boom"), ["transformers", "peft", "trl"])
     assert found == ["torch does not import: ImportError: libfoo.so", "peft does not import: ImportError: boom",
                      "trl does not import: not checked"]
+
+
+def test_an_interpreter_that_fails_is_a_build_failure_not_a_traceback(tmp_path):
+    assert _json_from(Path(sys.executable), "print('[1, 2]')") == [1, 2]
+    with pytest.raises(BuildFailed) as failed:
+        _json_from(Path(sys.executable), "raise SystemExit('no json module here')")
+    assert "no json module here" in failed.value.found[0] and "--python" in failed.value.fix
+    with pytest.raises(BuildFailed):
+        _json_from(tmp_path / "missing-python", "print(1)")
+    with pytest.raises(BuildFailed):
+        _json_from(Path(sys.executable), "print('not json')")

@@ -89,9 +89,21 @@ def new_env_name() -> str:
     return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
+QUERY_TIMEOUT_S = 120  # a query in the new interpreter imports only the standard library
+
+
 def _json_from(python: Path, code: str) -> Any:
-    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
+    """Run ``code`` in the new environment's interpreter and read the JSON it prints. A broken
+    interpreter is a BuildFailed (the build is removed, the user told why), never a traceback."""
+    try:
+        out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True,
+                             timeout=QUERY_TIMEOUT_S)
+        return json.loads(out.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        detail = getattr(exc, "stderr", None) or str(exc)
+        raise BuildFailed(f"the new environment's Python ({python}) did not answer", [detail.strip()[-2000:]],
+                          "Check that the interpreter given with --python works (`PYTHON -c 'import json'`), "
+                          "then run `unsloth install` again.") from exc
 
 
 def installed_versions(python: Path) -> dict[str, str]:
@@ -239,7 +251,12 @@ def _verify(run, python: Path, plan, request: Request, optional_failed: dict[str
     if not {"export", "llama-cpp"} & (set(request.without) | set(optional_failed)):
         required.append("llama_cpp")
     probe_step = Step("verify", "Verify: imports, the torch build, the GPU", [str(python), "-m", "unsloth.envs.probe"])
-    probe = json.loads(run(probe_step).strip().splitlines()[-1])
+    output = run(probe_step).strip()
+    try:
+        probe = json.loads(output.splitlines()[-1])  # the probe prints its JSON last
+    except (IndexError, ValueError):
+        raise BuildFailed("the verify step printed no result", [output[-2000:] or "(no output)"],
+                          "See the verify log; `unsloth install --force` builds again from scratch.") from None
     found = problems(plan.torch.backend, probe, required)
     if found:
         wrong_torch = any(problem.startswith("torch ") for problem in found)
@@ -269,8 +286,8 @@ def _doctor_checks(python: Path, plan, platform, request: Request, logs: Path, c
 def _tool_version(tool: Tool) -> str:
     argv = [tool.install[0], "--version"] if tool.name == "uv" else [tool.install[0], "-m", "pip", "--version"]
     try:
-        return subprocess.run(argv, capture_output=True, text=True).stdout.strip()
-    except OSError:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=QUERY_TIMEOUT_S).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
         return "?"
 
 
