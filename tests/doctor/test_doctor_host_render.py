@@ -83,3 +83,12 @@ def test_summary_lines():
     assert render.summary_line(summarize(ok)).plain == "Ready (1 ok)"
     warned = ok + [Finding("b", "B", "warning", "meh"), Finding("c", "C", "warning", "meh")]
     assert render.summary_line(summarize(warned)).plain == "Ready, with warnings (1 ok, 2 warnings)"
+
+
+def test_a_uid_without_a_name_still_gathers(tmp_path, monkeypatch):
+    def no_name():
+        raise KeyError("getpwuid(): uid not found: 12345")  # what a container's bare uid gives
+
+    monkeypatch.setattr(getpass, "getuser", no_name)
+    facts = gather_host_facts(tmp_path)
+    assert facts.user == (str(os.getuid()) if hasattr(os, "getuid") else "?")

@@ -92,8 +92,15 @@ def _rc_overrides(home: Path) -> list[RcLine]:
     return found
 
 
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # a container's uid with no passwd entry and no $USER
+        return str(os.getuid()) if hasattr(os, "getuid") else "?"
+
+
 def gather_host_facts(data_dir: Path) -> HostFacts:
-    user = getpass.getuser()
+    user = _user()
     groups, member_of = _groups(user)
     return HostFacts(
         user=user,
