@@ -45,7 +45,7 @@ Usage: sh install.sh [options] [-- options for `unsloth install`]
       --extra-index-url U another index (UNSLOTH_EXTRA_INDEX_URL)
       --find-links DIR    a wheelhouse, for offline installs (UNSLOTH_FIND_LINKS)
       --torch-index-url U take PyTorch from this index, e.g. a mirror (UNSLOTH_TORCH_INDEX_URL)
-      --without PART      leave out llama-cpp, export or bitsandbytes (UNSLOTH_WITHOUT)
+      --without PART      leave out llama-cpp, export, bitsandbytes or train (UNSLOTH_WITHOUT)
       --pip               install with pip instead of uv (UNSLOTH_INSTALLER=pip)
       --no-modify-path    do not add the launcher's folder to PATH (UNSLOTH_NO_MODIFY_PATH=1)
   -h, --help              this help
