@@ -51,3 +51,9 @@ def test_bad_input_says_what_and_how(tmp_path):
     assert missing.returncode == 2 and "not a dump directory" in missing.stderr
     unknown = unsloth("install", "--yes", "--without", "gpu", home=tmp_path)
     assert unknown.returncode == 2 and "--without gpu: not an optional part" in unknown.stderr
+
+
+def test_json_without_dry_run_is_refused_before_any_build(tmp_path):
+    done = unsloth("install", "--json", home=tmp_path)
+    assert done.returncode == 2 and "add --dry-run" in done.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -7,6 +7,7 @@ from UNSLOTH_* variables, which is how `curl ... | sh` passes them (docs/install
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -90,11 +91,14 @@ def make_plan(args: argparse.Namespace):
     platform, _ = detect_platform(args.from_dir)
     overrides = Overrides.from_env(os.environ)
     if args.torch_index_url:
-        overrides = Overrides(**{**overrides.__dict__, "torch_index_url": args.torch_index_url})
+        overrides = dataclasses.replace(overrides, torch_index_url=args.torch_index_url)
     return platform, resolve(platform, load_matrix(), overrides=overrides)
 
 
 def run_install(args: argparse.Namespace) -> int:
+    if args.json and not args.dry_run:  # never start a build when only the plan was asked for
+        print("unsloth install: --json prints the plan; add --dry-run.", file=sys.stderr)
+        return EXIT_USAGE
     try:
         platform, plan = make_plan(args)
     except (OSError, ValueError) as exc:  # an unreadable dump or matrix: say which, change nothing
