@@ -122,6 +122,11 @@ class _Candidate:
         )
 
 
+def support_phrase(level: str) -> str:
+    """A support level as prose: "full support", "limited support", "unsupported"."""
+    return level if level == "unsupported" else f"{level} support"
+
+
 def os_cell(platform: Platform) -> str:
     """The matrix OS column for a platform: WSL is its own column."""
     if platform.os == "linux" and platform.wsl:
@@ -243,7 +248,7 @@ class _Resolver:
             else:
                 why.append(f"{other.label}: less VRAM or listed later")
         self.hide_others(best, others)
-        return best, f"{best.label}: {best.cell.level} support; preferred over " + "; ".join(why)
+        return best, f"{best.label}: {support_phrase(best.cell.level)}; preferred over " + "; ".join(why)
 
     def unidentified_nvidia(self, candidate: _Candidate) -> tuple[_Candidate, str]:
         """A working driver but a model name that fixes no generation (nvidia-smi truncates long

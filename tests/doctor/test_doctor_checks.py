@@ -53,6 +53,8 @@ def test_support_levels(make_plan, rtx4090):
     limited = checks.check_support(make_plan(warnings=[Advice("x", fix="buy a GPU")]))
     assert (limited.status, limited.fix) == ("warning", "buy a GPU")
     assert limited.message == "Limited support: no usable GPU"
+    unsupported = checks.check_support(make_plan(support="unsupported", reason="RDNA1 has no ROCm wheels"))
+    assert unsupported.message == "Unsupported: RDNA1 has no ROCm wheels"  # not "Unsupported support"
     missing = checks.check_support(None, "hardware_matrix.toml: not valid TOML")
     assert missing.fails and "not valid TOML" in missing.message
 

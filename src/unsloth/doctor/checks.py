@@ -15,7 +15,7 @@ from unsloth.doctor.findings import Finding
 from unsloth.doctor.host import HostFacts
 from unsloth.matrix import Matrix
 from unsloth.platform.facts import Gpu, Platform
-from unsloth.plan import Plan
+from unsloth.plan import Plan, support_phrase
 
 GIB = 2**30
 MIN_RAM_GIB = 8  # tokenizer, dataset and the model's CPU copy during load; below this loads swap
@@ -104,7 +104,7 @@ def check_support(plan: Plan | None, plan_error: str | None = None) -> Finding:
     if plan.support == "full":
         return Finding("support", title, "ok", f"Fully supported: {plan.reason}")
     fix = next((w.fix for w in plan.warnings if w.fix), None)
-    return Finding("support", title, "warning", f"{plan.support.capitalize()} support: {plan.reason}", fix=fix)
+    return Finding("support", title, "warning", f"{support_phrase(plan.support).capitalize()}: {plan.reason}", fix=fix)
 
 
 def check_plan_advice(plan: Plan | None, covered: set[str] | frozenset[str] = frozenset()) -> list[Finding]:
@@ -116,7 +116,7 @@ def check_plan_advice(plan: Plan | None, covered: set[str] | frozenset[str] = fr
     return [
         Finding(f"plan-advice-{n}", "Install plan", "warning", advice.message, fix=advice.fix)
         for n, advice in enumerate(plan.warnings, 1)
-        if getattr(advice, "check", None) not in covered
+        if advice.check not in covered
     ]
 
 
