@@ -65,7 +65,7 @@ class Plan:
     device: Gpu | None  # the compute device chosen, None for CPU
     device_reason: str
     torch: TorchChoice
-    bitsandbytes: dict[str, Any]  # {"source": "pypi"|"index"|"none", "spec": ..., "note": ...}
+    bitsandbytes: dict[str, Any]  # {"source": "pypi"|"none", "spec": ..., "note": ...}
     llama_cpp: dict[str, Any]  # {"backend": "cuda"|"hip"|"vulkan"|"metal"|"cpu", "cmake_args": ..., "how": ...}
     attention: str  # "sdpa" | "flash_attention_2" | "eager"
     env: dict[str, str]

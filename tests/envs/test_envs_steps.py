@@ -6,7 +6,6 @@ from unsloth.envs.sources import Sources, TorchSource
 from unsloth.envs.steps import (
     Request,
     Tool,
-    bitsandbytes_index_step,
     export_step,
     llama_cpp_deps_step,
     llama_cpp_step,
@@ -56,13 +55,6 @@ def test_packages_step_installs_our_source_never_the_pypi_name():
                             PINS, {"source": "pypi", "spec": "bitsandbytes>=0.46"})
     assert archive.argv[-1] == "unsloth-installer @ https://r/unsloth_installer-1.0.tar.gz"
     assert "--reinstall-package" not in archive.argv and "bitsandbytes>=0.46" not in archive.argv
-
-
-def test_bitsandbytes_from_its_own_index_only_when_the_plan_says_so():
-    request = Request(source="/s")
-    assert bitsandbytes_index_step(TOOL, request, PINS, {"source": "pypi", "spec": "bitsandbytes"}) is None
-    step = bitsandbytes_index_step(TOOL, request, PINS, {"source": "index", "spec": "bitsandbytes>=0.50", "index_url": "https://bnb/simple"})
-    assert flag_values(step.argv, "--index-url") == ["https://bnb/simple"] and "--no-deps" in step.argv
 
 
 def test_export_tools_leave_llama_cpp_to_its_own_step():

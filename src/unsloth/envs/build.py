@@ -185,9 +185,6 @@ def _build(
     pins = env / "unsloth-pins.txt"
     pins.write_text(plan_steps.pins_text(installed_versions(python), TORCH_FAMILY), encoding="utf-8")
     run(plan_steps.packages_step(tool, request, pins, plan.bitsandbytes))
-    bnb = plan_steps.bitsandbytes_index_step(tool, request, pins, plan.bitsandbytes)
-    if bnb:
-        run(bnb)
     export_requires = _json_from(
         python,
         "import importlib.metadata as m, json; "

@@ -2,10 +2,11 @@
 
 Order (each later step pins what the earlier ones installed, so nothing replaces them):
 1. the PyTorch family, from the torch source only (the plan's index, or a wheelhouse with that exact build);
-2. this package with its ``train`` extra, and bitsandbytes where the plan takes it from PyPI,
-   from the general sources (PyPI or the configured mirror), torch pinned by a constraints file;
-3. bitsandbytes from the plan's own index, where the plan says so;
-4. the ``export`` extra, with llama-cpp-python built with the plan's CMAKE_ARGS (unless left out).
+2. this package with its ``train`` extra, and bitsandbytes where the plan has it, from the general
+   sources (PyPI or the configured mirror), torch pinned by a constraints file;
+3. the ``export`` extra but llama-cpp-python;
+4. llama-cpp-python, from the plan's prebuilt wheel index alone (then its dependencies) or built
+   with the plan's CMAKE_ARGS (unless left out).
 """
 
 from __future__ import annotations
@@ -94,18 +95,6 @@ def packages_step(tool: Tool, request: Request, pins: Path, plan_bnb: dict[str, 
     refresh = ["--reinstall-package", DIST_NAME] if tool.name == "uv" and is_local_source(request.source) else []
     argv = [*tool.install, *request.sources.args(), "--constraint", str(pins), *refresh, *requirements]
     return Step("packages", "unsloth, transformers, PEFT, TRL and the rest", argv)
-
-
-def bitsandbytes_index_step(tool: Tool, request: Request, pins: Path, plan_bnb: dict[str, Any]) -> Step | None:
-    url = plan_bnb.get("index_url") or plan_bnb.get("url")
-    bnb = bitsandbytes_requirement(plan_bnb)
-    if plan_bnb.get("source") != "index" or not bnb or "bitsandbytes" in request.without:
-        return None
-    if url and url.endswith(".whl"):  # a direct wheel (e.g. a ROCm preview build)
-        argv = [*tool.install, "--no-deps", "--constraint", str(pins), url]
-    else:
-        argv = [*tool.install, "--no-deps", "--index-url", url or "", "--constraint", str(pins), bnb]
-    return Step("bitsandbytes", f"bitsandbytes from {url}", argv)
 
 
 def export_step(tool: Tool, request: Request, pins: Path, export_requires: list[str]) -> Step | None:
