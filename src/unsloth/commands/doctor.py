@@ -25,7 +25,7 @@ def register(subparsers) -> None:
         description="Check the GPU, drivers, device access, disk and the managed environment. "
         "Exit status 1 when a required check fails, 0 otherwise (warnings allowed), 2 for bad arguments.")
     parser.add_argument("--json", action="store_true",
-                        help='print {"findings", "platform", "plan", "summary"} as JSON')
+                        help="print the report as JSON: findings, platform, plan, summary, timings (docs/doctor.md)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the machine and each check's evidence")
     add_from_argument(parser)
     parser.add_argument("--dump", type=Path, metavar="DIR",
