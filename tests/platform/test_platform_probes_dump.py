@@ -58,6 +58,16 @@ def test_hung_tool_is_killed_with_its_children(tools, tmp_path):
     assert not child.exists() or child.read_text().split(")")[-1].split()[0] == "Z"
 
 
+@pytest.mark.skipif(not Path("/usr/bin/setsid").exists() and not Path("/bin/setsid").exists(), reason="needs setsid")
+def test_a_detached_grandchild_holding_the_pipe_cannot_hang_detection(tools):
+    """Killing the tool's group misses a grandchild that left it (Windows: a kill never reaches
+    grandchildren); waiting for the pipe to close would then last as long as that grandchild."""
+    fake_tool(tools, "nvidia-smi", "setsid sleep 30 &\nsleep 30\n")
+    started = time.monotonic()
+    result = run_command("nvidia-smi", ("nvidia-smi",), timeout=0.5)
+    assert result.status == "timeout" and time.monotonic() - started < 15
+
+
 def test_override_is_rerun_without_it(tools, monkeypatch):
     fake_tool(tools, "rocminfo", 'echo "  Name: gfx${HSA_OVERRIDE_GFX_VERSION:-none}"\n')
     monkeypatch.setenv("HSA_OVERRIDE_GFX_VERSION", "11.0.0")

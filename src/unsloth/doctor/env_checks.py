@@ -82,7 +82,10 @@ def run_env_probe(python: Path, plan_backend: str, timeout_s: float = DEFAULT_TI
             timed_out = False
         except subprocess.TimeoutExpired:
             _kill(process)
-            stdout, stderr = process.communicate()
+            try:
+                stdout, stderr = process.communicate(timeout=10)
+            except subprocess.TimeoutExpired:  # a grandchild still holds the pipes (Windows kills only the child)
+                stdout, stderr = "", ""
             timed_out = True
         seconds = time.monotonic() - start
     return ProbeRun(parse_probe_output(stdout), timed_out, None if timed_out else process.returncode, stderr,

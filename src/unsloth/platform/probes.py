@@ -210,7 +210,10 @@ def _kill(process: subprocess.Popen[bytes]) -> None:
             os.killpg(process.pid, signal.SIGKILL)
     except OSError:
         pass
-    process.communicate()
+    try:
+        process.communicate(timeout=5)
+    except subprocess.TimeoutExpired:  # a grandchild still holds the pipe (Windows kills only the child)
+        pass
 
 
 def run_probes(timeout: float = 5.0, platform: str = sys.platform) -> dict[str, ProbeResult]:
