@@ -88,3 +88,27 @@ def test_likely_fix_names_the_cause(output, words):
 def test_redact_hides_index_credentials_only():
     assert redact("--index-url https://me:tok@corp.example/simple x") == "--index-url https://***@corp.example/simple x"
     assert redact("https://download.pytorch.org/whl/cpu") == "https://download.pytorch.org/whl/cpu"
+
+
+def test_tool_output_that_looks_like_markup_is_shown_verbatim(tmp_path, monkeypatch):
+    """pip prints "[notice] ..."; a path may read "[/usr/lib]": rich must not eat or choke on them."""
+    from unsloth.envs import manager
+    from unsloth.envs.steps import Request
+    from unsloth.matrix import load_matrix
+    from unsloth.plan import resolve
+    from unsloth.platform.facts import Platform
+
+    tail = "[notice] A new release of pip is available\nerror: [/usr/lib/x] is not writable"
+
+    def failing_build(root, request, plan, platform, console, use_pip=False):
+        raise StepFailed(Step("packages", "the [packages]", []), tmp_path / "01-packages.log", tail, "fix [/this]")
+
+    monkeypatch.setattr(manager, "build", failing_build)
+    platform = Platform(os="linux")
+    screen = tmp_path / "screen"
+    with open(screen, "w") as out:
+        options = manager.Options(request=Request(source=str(tmp_path)), root=tmp_path / "home")
+        code = manager.install(options, resolve(platform, load_matrix()), platform, Console(file=out, width=200))
+    assert code == 1
+    text = screen.read_text()
+    assert tail in text and "the [packages] failed" in text and "Likely fix: fix [/this]" in text

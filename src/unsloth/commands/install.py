@@ -144,11 +144,20 @@ def run_install(args: argparse.Namespace) -> int:
 
 
 def _print_summary(console, plan) -> None:
+    from rich.markup import escape
+
     device = plan.device.name if plan.device else "CPU"
-    console.print(f"Plan: [bold]{plan.support}[/] support on {device} — PyTorch {plan.torch.backend}"
-                  f" ({plan.torch.variant}) from {plan.torch.index_url}")
-    for advice in plan.warnings:
-        console.print(f"[yellow]![/] {advice.message}" + (f"\n  fix: {advice.fix}" if advice.fix else ""))
+    console.print(f"Plan: [bold]{plan.support}[/] support on {escape(device)} — PyTorch {plan.torch.backend}"
+                  f" ({plan.torch.variant}) from {escape(str(plan.torch.index_url))}")
+    _print_advice(console, plan.warnings)
+
+
+def _print_advice(console, warnings) -> None:
+    from rich.markup import escape
+
+    # Messages quote GPU names and paths: plain text, never rich markup.
+    for advice in warnings:
+        console.print(f"[yellow]![/] {escape(advice.message)}" + (f"\n  fix: {escape(advice.fix)}" if advice.fix else ""))
 
 
 def _print_plan(plan, as_json: bool) -> int:
@@ -159,27 +168,29 @@ def _print_plan(plan, as_json: bool) -> int:
         return 0
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
+    bnb, llama = plan.bitsandbytes, plan.llama_cpp
+    how = (f"prebuilt from {llama.get('index_url')}" if llama.get("how") == "wheel"
+           else f"source build, CMAKE_ARGS={llama.get('cmake_args')!r}")
+    rows = {
+        "support": f"{plan.support}: {plan.reason}",
+        # device_reason already opens with the chosen GPU's label (name, arch, family).
+        "device": plan.device_reason if plan.device else f"CPU — {plan.device_reason}",
+        "torch": f"{plan.torch.backend} ({plan.torch.variant}) {plan.torch.version_spec or 'torch'} from {plan.torch.index_url}",
+        "bitsandbytes": (bnb.get("spec") or "none") + (f" — {bnb['note']}" if bnb.get("note") else ""),
+        "llama.cpp": f"{llama.get('backend')} — {how}",
+        "attention": plan.attention,
+        "env": " ".join(f"{k}={v}" for k, v in plan.env.items()) or "-",
+    }
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
     table.add_column()
-    device = plan.device
-    table.add_row("support", f"{plan.support}: {plan.reason}")
-    # device_reason already opens with the chosen GPU's label (name, arch, family).
-    table.add_row("device", plan.device_reason if device else f"CPU — {plan.device_reason}")
-    spec = plan.torch.version_spec or "torch"
-    table.add_row("torch", f"{plan.torch.backend} ({plan.torch.variant}) {spec} from {plan.torch.index_url}")
-    bnb = plan.bitsandbytes
-    table.add_row("bitsandbytes", (bnb.get("spec") or "none") + (f" — {bnb['note']}" if bnb.get("note") else ""))
-    llama = plan.llama_cpp
-    how = f"prebuilt from {llama.get('index_url')}" if llama.get("how") == "wheel" else f"source build, CMAKE_ARGS={llama.get('cmake_args')!r}"
-    table.add_row("llama.cpp", f"{llama.get('backend')} — {how}")
-    table.add_row("attention", plan.attention)
-    table.add_row("env", " ".join(f"{k}={v}" for k, v in plan.env.items()) or "-")
+    for name, value in rows.items():
+        table.add_row(name, Text(value))
     console = Console(highlight=False)
     console.print(table)
-    for advice in plan.warnings:
-        console.print(f"[yellow]![/] {advice.message}" + (f"\n  fix: {advice.fix}" if advice.fix else ""))
+    _print_advice(console, plan.warnings)
     return 0
 
 

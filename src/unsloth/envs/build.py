@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from unsloth import __version__
 from unsloth.envs import steps as plan_steps
@@ -208,10 +209,12 @@ def _build(
                     raise
                 # The prebuilt index could not serve it (offline, a mirror, no wheel for this Python):
                 # build it from the general sources with the plan's CMAKE_ARGS instead.
-                console.print(f"[yellow]! {exc.step.title} failed[/]; building it from source instead. Log: {exc.log}")
+                console.print(f"[yellow]! {escape(exc.step.title)} failed[/]; building it from source instead. "
+                              f"Log: {escape(str(exc.log))}")
                 run(plan_steps.llama_cpp_step(tool, request, pins, export_requires, plan.llama_cpp, prebuilt=False))
         except StepFailed as exc:  # optional: training works without it; doctor says how to add it
-            console.print(f"[yellow]! {exc.step.title} failed[/]; continuing without it. Log: {exc.log}\n  {exc.fix}")
+            console.print(f"[yellow]! {escape(exc.step.title)} failed[/]; continuing without it. "
+                          f"Log: {escape(str(exc.log))}\n  {escape(exc.fix)}")
             optional_failed["llama-cpp"] = str(exc.log)
 
     probe = _verify(run, python, plan, request, optional_failed)

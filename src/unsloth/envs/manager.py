@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from rich.console import Console
+from rich.markup import escape
 
 from unsloth.envs import launcher, state
 from unsloth.envs.build import BuildFailed, build, default_python, request_hash, source_identity
@@ -120,16 +121,17 @@ def install(options: Options, plan, platform, console: Console, confirm: Callabl
         try:
             env = build(root, request, plan, platform, console, use_pip=options.use_pip)
         except StepFailed as exc:
-            console.print(f"[red]✗ {exc.step.title} failed[/]\n{exc.tail}\n")
-            console.print(f"Full log: {exc.log}  (that build was removed)")
-            console.print(f"Likely fix: {exc.fix}")
+            # Tool output is not markup: pip's "[notice]" would vanish, a "[/path]" would raise.
+            console.print(f"[red]✗ {escape(exc.step.title)} failed[/]\n{escape(exc.tail)}\n")
+            console.print(f"Full log: {escape(str(exc.log))}  (that build was removed)")
+            console.print(f"Likely fix: {escape(exc.fix)}")
             return _kept(current, console)
         except BuildFailed as exc:
-            console.print(f"[red]✗ {exc}[/]")
+            console.print(f"[red]✗ {escape(str(exc))}[/]")
             for problem in exc.found:
-                console.print(f"  - {problem}")
-            console.print(f"Logs: {exc.log}  (that build was removed)")
-            console.print(f"Likely fix: {exc.fix}")
+                console.print(f"  - {escape(problem)}")
+            console.print(f"Logs: {escape(str(exc.log))}  (that build was removed)")
+            console.print(f"Likely fix: {escape(exc.fix)}")
             return _kept(current, console)
         except KeyboardInterrupt:
             console.print("[yellow]Interrupted[/]: the half-built environment was removed.")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 
 @dataclass
@@ -74,7 +75,7 @@ def run_step(step: Step, log_dir: Path, console: Console, index: int) -> str:
     tail: deque[str] = deque(maxlen=25)
     lines: list[str] = []
     started = time.monotonic()
-    with open(log, "w", encoding="utf-8") as handle, console.status(step.title):
+    with open(log, "w", encoding="utf-8") as handle, console.status(escape(step.title)):
         handle.write("$ " + redact(" ".join(step.argv)) + "\n")
         for key, value in sorted(step.env.items()):
             handle.write(f"# {key}={redact(value) if value is not None else '(unset)'}\n")
@@ -103,5 +104,5 @@ def run_step(step: Step, log_dir: Path, console: Console, index: int) -> str:
     output = "".join(lines)
     if code != 0:
         raise StepFailed(step, log, "\n".join(tail), likely_fix(output))
-    console.print(f"[green]✓[/] {step.title} [dim]({time.monotonic() - started:.1f}s)[/]")
+    console.print(f"[green]✓[/] {escape(step.title)} [dim]({time.monotonic() - started:.1f}s)[/]")
     return output
