@@ -22,7 +22,7 @@ from rich.markup import escape
 from unsloth.envs import launcher, state
 from unsloth.envs.build import BuildFailed, build, default_python, request_hash, source_identity
 from unsloth.envs.lock import InstallLock
-from unsloth.envs.paths import CURRENT, LOCK_NAME, PREVIOUS, active_env, bin_dir
+from unsloth.envs.paths import CURRENT, LOCK_NAME, PREVIOUS, active_env, bin_dir, is_windows
 from unsloth.envs.receipt import hardware_fingerprint, read_receipt
 from unsloth.envs.runner import StepFailed
 from unsloth.envs.sources import Sources, parse_pip_config
@@ -169,7 +169,8 @@ def _expose(options: Options, console: Console) -> None:
             console.print(f"Added {target} to PATH in {changed}")
     on_path = str(target) in os.environ.get("PATH", "").split(os.pathsep)
     if not on_path:
-        console.print(f"Open a new terminal (or run: export PATH=\"{target}:$PATH\") to use `{path.name}`.")
+        now = "" if is_windows() else f' (or run: export PATH="{target}:$PATH")'  # Windows: the user PATH is set
+        console.print(f"Open a new terminal{now} to use `{path.name}`.")
 
 
 def rollback(root: Path, console: Console) -> int:
