@@ -118,3 +118,30 @@ def test_cli_reports_config_errors_with_exit_code_2(tmp_path, capsys):
     assert "dataset: required" in capsys.readouterr().err
     assert main(["train"]) == 2
     assert "unsloth train --demo" in capsys.readouterr().err
+
+
+def test_resume_problems_are_named_before_loading(tmp_path):
+    from unsloth.training.sft import check_before_loading
+
+    config = from_dict({"model": {"name": "m"}, "dataset": {"name": "d"}, "output_dir": str(tmp_path),
+                        "resume": True})
+    with pytest.raises(ConfigError, match="no checkpoint-\\* folder"):
+        check_before_loading(config)
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    check_before_loading(config)
+    config.resume = str(tmp_path / "checkpoint-9")
+    with pytest.raises(ConfigError, match="checkpoint-9 is not a checkpoint folder.*checkpoint-2"):
+        check_before_loading(config)
+    config.resume = str(tmp_path / "checkpoint-2")
+    check_before_loading(config)
+
+
+def test_cli_names_a_model_that_cannot_be_loaded(tmp_path, capsys):
+    from unsloth.cli import main
+
+    (tmp_path / "d.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "c.toml").write_text(f'[model]\nname = "{tmp_path / "no-model"}"\n'
+                                     f'[dataset]\nname = "{tmp_path / "d.jsonl"}"\n')
+    assert main(["train", str(tmp_path / "c.toml"), "--output-dir", str(tmp_path / "out")]) == 2
+    assert "model.name: could not load" in capsys.readouterr().err

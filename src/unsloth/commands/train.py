@@ -101,6 +101,10 @@ def _train(config) -> int:
               file=sys.stderr)
         print(f"(checkpoints so far are kept in {config.output_dir}; add --resume to continue)", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:
+        print(f"\nunsloth train: interrupted; checkpoints so far are kept in {config.output_dir} "
+              "(add --resume to continue)", file=sys.stderr)
+        return 130
     print(f"done: adapters in {result.output_dir}/lora" + (f", merged model in {result.merged_dir}"
                                                             if result.merged_dir else ""))
     return 0

@@ -48,7 +48,12 @@ def load_dataset_from(config: DatasetConfig):
         else:
             data = load_dataset(_BUILDERS[path.suffix.lower()], data_files=str(path), split="train")
     else:
-        data = load_dataset(config.name, config.subset, split=config.split)
+        try:
+            data = load_dataset(config.name, config.subset, split=config.split)
+        except Exception as exc:  # not found, offline, gated, bad split: `datasets` raises many kinds
+            raise ConfigError(f"dataset.name: could not load {config.name!r} from the Hugging Face hub "
+                              f"({type(exc).__name__}: {exc}); give a local .jsonl/.json/.parquet/.csv "
+                              "file or a hub dataset name") from None
     if config.limit is not None:
         data = data.select(range(min(config.limit, len(data))))
     if config.text_field and config.text_field != "text":
@@ -64,8 +69,8 @@ def load_dataset_from(config: DatasetConfig):
     return data
 
 
-def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool):
-    """TRL SFTConfig from our defaults plus [training]; unknown keys are named with a suggestion."""
+def check_before_loading(config: TrainConfig) -> None:
+    """The mistakes that need no model: caught before minutes of loading, not after."""
     from trl import SFTConfig
 
     known = {f.name for f in dataclasses.fields(SFTConfig)}
@@ -74,6 +79,20 @@ def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool):
             close = difflib.get_close_matches(key, known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else " (see TRL's SFTConfig for the fields)"
             raise ConfigError(f"training.{key}: not a training argument{hint}")
+    if config.resume is True and not _checkpoints(config.output_dir):
+        raise ConfigError(f"resume: no checkpoint-* folder in {config.output_dir} to resume from; "
+                          "set resume = false to start over")
+    if isinstance(config.resume, str) and not (Path(config.resume) / "trainer_state.json").is_file():
+        found = ", ".join(str(p) for p in _checkpoints(config.output_dir)) or f"none in {config.output_dir}"
+        raise ConfigError(f"resume: {config.resume} is not a checkpoint folder (checkpoint-N, with "
+                          f"trainer_state.json); checkpoints: {found}")
+
+
+def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool):
+    """TRL SFTConfig from our defaults plus [training]; unknown keys are named with a suggestion."""
+    from trl import SFTConfig
+
+    check_before_loading(config)
     arguments = {
         "output_dir": config.output_dir,
         "per_device_train_batch_size": 2,
@@ -133,11 +152,15 @@ def load_model(config: TrainConfig):
     from unsloth.models.fast import FastLanguageModel
 
     m = config.model
-    model, tokenizer = FastLanguageModel.from_pretrained(
-        m.name, max_seq_length=m.max_seq_length, dtype=m.dtype, load_in_4bit=m.load_in_4bit,
-        load_in_8bit=m.load_in_8bit, full_finetuning=m.full_finetuning, trust_remote_code=m.trust_remote_code,
-        revision=m.revision, use_gradient_checkpointing=config.gradient_checkpointing, random_state=config.seed,
-    )
+    try:
+        model, tokenizer = FastLanguageModel.from_pretrained(
+            m.name, max_seq_length=m.max_seq_length, dtype=m.dtype, load_in_4bit=m.load_in_4bit,
+            load_in_8bit=m.load_in_8bit, full_finetuning=m.full_finetuning, trust_remote_code=m.trust_remote_code,
+            revision=m.revision, use_gradient_checkpointing=config.gradient_checkpointing, random_state=config.seed,
+        )
+    except OSError as exc:  # transformers' "not found / not a valid repo id / offline" errors
+        raise ConfigError(f"model.name: could not load {m.name!r}: {exc}\n  fix: a local model folder "
+                          "(with config.json) or a Hugging Face model name") from None
     if m.chat_template:
         tokenizer.chat_template = m.chat_template
     if not m.full_finetuning:
@@ -156,6 +179,7 @@ def train(config: TrainConfig, echo: Callable[[str], None] = print, callbacks=()
     from trl import SFTTrainer
     from transformers.trainer_callback import ProgressCallback
 
+    check_before_loading(config)
     dataset = load_dataset_from(config.dataset)
     model, tokenizer = load_model(config)
     if ("messages" in dataset.column_names or "prompt" in dataset.column_names) and not tokenizer.chat_template \
@@ -170,18 +194,14 @@ def train(config: TrainConfig, echo: Callable[[str], None] = print, callbacks=()
                          callbacks=list(callbacks))
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(_callbacks(config.output_dir, echo, losses))
-    resume = config.resume
-    if resume is True and not _has_checkpoint(config.output_dir):
-        raise ConfigError(f"resume: no checkpoint-* folder in {config.output_dir} to resume from; "
-                          "set resume = false to start over")
-    trainer.train(resume_from_checkpoint=resume or None)
+    trainer.train(resume_from_checkpoint=config.resume or None)
     model = trainer.model
     merged_dir = _save(model, tokenizer, trainer, config)
     return TrainResult(model, tokenizer, losses, config.output_dir, merged_dir, trainer)
 
 
-def _has_checkpoint(output_dir: str) -> bool:
-    return any(p.is_dir() for p in Path(output_dir).glob("checkpoint-*"))
+def _checkpoints(output_dir: str) -> list[Path]:
+    return sorted(p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir())
 
 
 def _save(model, tokenizer, trainer, config: TrainConfig) -> str | None:
