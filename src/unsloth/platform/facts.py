@@ -12,7 +12,7 @@ from typing import Any
 
 @dataclass
 class Gpu:
-    vendor: str  # "nvidia" | "amd" | "intel"
+    vendor: str  # "nvidia" | "amd" | "intel" | "apple"
     name: str | None = None
     arch: str | None = None  # "gfx1100" | "sm_86": the real silicon, never an HSA override
     family: str | None = None  # "RDNA3", "CDNA3", "Ada", ... (see docs/json.md)
@@ -39,10 +39,6 @@ class ProbeResult:
     status: str  # "ok" | "absent" | "failed" | "timeout"
     text: str = ""
     detail: str = ""  # exit code, error message, the command line
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
 
 
 @dataclass
