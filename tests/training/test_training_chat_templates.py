@@ -24,12 +24,14 @@ def test_named_templates_render_the_family_format():
         get_chat_template(tok, "llama-9")
 
 
-def test_sharegpt_rows_become_messages():
+def test_sharegpt_turns_become_role_content_in_the_same_column():
     from datasets import Dataset
 
-    data = Dataset.from_list([{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yo"}]}])
-    assert standardize_sharegpt(data)[0]["messages"] == [{"role": "user", "content": "Hi"},
-                                                          {"role": "assistant", "content": "Yo"}]
+    data = Dataset.from_list([{"id": 7, "conversations": [{"from": "human", "value": "Hi"},
+                                                          {"from": "gpt", "value": "Yo"}]}])
+    row = standardize_sharegpt(data)[0]
+    assert row["conversations"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    assert row["id"] == 7
 
 
 def test_only_reply_tokens_keep_labels():

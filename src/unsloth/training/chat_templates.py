@@ -68,7 +68,11 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assista
 
 def standardize_sharegpt(dataset, aliases_for_system=("system",), aliases_for_user=("human", "user"),
                          aliases_for_assistant=("gpt", "assistant", "model")):
-    """ShareGPT rows ({"conversations": [{"from", "value"}]}) as {"messages": [{"role", "content"}]}."""
+    """ShareGPT turns ({"from", "value"}) as {"role", "content"}, in the same column, other columns kept.
+
+    The column keeps its name ("conversations" stays "conversations") because notebooks go on to read
+    `examples["conversations"]`, as they do with the original Unsloth helper.
+    """
     roles = dict(_SHAREGPT_ROLES)
     roles.update({a: "system" for a in aliases_for_system})
     roles.update({a: "user" for a in aliases_for_user})
@@ -77,10 +81,10 @@ def standardize_sharegpt(dataset, aliases_for_system=("system",), aliases_for_us
 
     def convert(row):
         turns = row[column]
-        return {"messages": [{"role": roles.get(t.get("from", t.get("role")), t.get("from", t.get("role"))),
-                              "content": t.get("value", t.get("content"))} for t in turns]}
+        return {column: [{"role": roles.get(t.get("from", t.get("role")), t.get("from", t.get("role"))),
+                          "content": t.get("value", t.get("content"))} for t in turns]}
 
-    return dataset.map(convert, remove_columns=dataset.column_names)
+    return dataset.map(convert)
 
 
 def _find(sequence: list[int], part: list[int], start: int) -> int:
