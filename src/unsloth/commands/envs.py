@@ -65,10 +65,15 @@ def run_export(args: argparse.Namespace) -> int:
     env = _active_or_explain()
     if env is None:
         return 1
-    text = export_lock(env)
+    try:
+        text = export_lock(env)
+    except ValueError as exc:  # a receipt from a newer unsloth, or damaged
+        print(f"unsloth env export: {exc}; rebuild it with `unsloth install --force`.", file=sys.stderr)
+        return 1
     if args.output:
         write_atomic(args.output, text)
-        print(f"Wrote {args.output} ({text.count(chr(10)) - 2} lines) from {env.name}.", file=sys.stderr)
+        pinned = sum(1 for line in text.splitlines() if line and not line.startswith(("#", "--")))
+        print(f"Wrote {args.output} ({pinned} packages) from {env.name}.", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0

@@ -244,7 +244,7 @@ def export_lock(env: Path) -> str:
     """A requirements file that rebuilds ``env`` exactly: every version pinned, torch from its source."""
     receipt = read_receipt(env)
     if receipt is None:
-        raise ValueError(f"{env} has no receipt: it is not a finished environment")
+        raise ValueError(f"{env}: its receipt is missing, unreadable or from a newer unsloth")
     indexes = receipt.get("indexes") or {}
     torch = indexes.get("torch") or {}
     lines = [
