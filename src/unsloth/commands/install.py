@@ -202,6 +202,8 @@ def run_rollback(args: argparse.Namespace) -> int:
 
 
 def run_uninstall(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+
     from unsloth.envs import manager
     from unsloth.envs.paths import bin_dir, home
 
@@ -209,7 +211,7 @@ def run_uninstall(args: argparse.Namespace) -> int:
     root = home()
     if not args.yes and sys.stdin.isatty():
         what = root if args.purge else f"{root}/envs, the launcher in {bin_dir()} and the PATH line"
-        if console.input(f"Remove {what}? [y/N] ").strip().lower() not in ("y", "yes"):
+        if console.input(escape(f"Remove {what}? [y/N] ")).strip().lower() not in ("y", "yes"):  # not markup
             console.print("Nothing changed.")
             return 1
     return manager.uninstall(root, console, purge=args.purge)
