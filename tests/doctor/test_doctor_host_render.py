@@ -92,3 +92,14 @@ def test_a_uid_without_a_name_still_gathers(tmp_path, monkeypatch):
     monkeypatch.setattr(getpass, "getuser", no_name)
     facts = gather_host_facts(tmp_path)
     assert facts.user == (str(os.getuid()) if hasattr(os, "getuid") else "?")
+
+
+def test_probe_text_that_looks_like_markup_prints_verbatim():
+    from unsloth.platform.facts import Gpu, Platform
+
+    gpu = Gpu(vendor="amd", name="[/odd] GPU [bold]", pci_id="1002:744c", sources=["lspci"])
+    platform = Platform(os="linux", cpu="[/proc] cpu", gpus=[gpu], notes=["[/x] note"])
+    out = Console(width=200, record=True)
+    render.print_platform(platform, out)
+    text = out.export_text()
+    assert "[/odd] GPU [bold]" in text and "[/proc] cpu" in text and "[/x] note" in text

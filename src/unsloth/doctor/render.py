@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -62,13 +63,13 @@ def machine_table(platform: Platform) -> Table:
         ("HSA override", "hsa_override", override),
     ]
     for label, key, value in rows:
-        table.add_row(label, value or "unknown", platform.provenance.get(key, ""))
+        table.add_row(label, Text(value or "unknown"), platform.provenance.get(key, ""))  # probe text, not markup
     return table
 
 
 def gpu_table(n: int, gpu: Gpu) -> Table:
     """One GPU as a column of facts: readable in any terminal width, however many GPUs there are."""
-    table = _fact_table(f"GPU {n}: {gpu.name or 'unknown name'}", ("fact", "value"))
+    table = _fact_table(f"GPU {n}: {escape(gpu.name or 'unknown name')}", ("fact", "value"))
     arch = gpu.arch or "unknown"
     if gpu.reported_arch and gpu.reported_arch != gpu.arch:
         arch += f" (the runtime reports {gpu.reported_arch})"
@@ -83,7 +84,7 @@ def gpu_table(n: int, gpu: Gpu) -> Table:
         ("seen by", ", ".join(gpu.sources)),
     ]:
         if label != "compute capability" or value:
-            table.add_row(label, value or "unknown")
+            table.add_row(label, Text(value or "unknown"))
     return table
 
 
