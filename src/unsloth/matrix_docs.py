@@ -12,6 +12,7 @@ import sys
 from packaging.version import Version
 
 from unsloth.matrix import Family, Matrix, default_path, load_matrix
+from unsloth.plan import gfx_of
 
 OS_TITLES = {"linux": "Linux", "wsl": "WSL2", "windows": "Windows", "macos": "macOS"}
 
@@ -166,8 +167,7 @@ def _overrides(matrix: Matrix) -> str:
     ]
     for family in matrix.families.values():
         for arch, value in family.hsa_override.items():
-            major, minor, stepping = (int(part) for part in value.split("."))
-            lines.append(f"| {arch} | `{value}` | gfx{major}{minor:x}{stepping:x} | {family.source} |")
+            lines.append(f"| {arch} | `{value}` | {gfx_of(value)} | {family.source} |")
     return "\n".join(lines)
 
 

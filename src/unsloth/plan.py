@@ -375,7 +375,7 @@ class _Resolver:
         self.check_rocm_runtime()
         shipped = any(arch in index.archs for index in self.matrix.rocm_indexes)
         override = None if shipped else family.hsa_override.get(arch)  # run a shipped sibling's kernels
-        target = _gfx_of(override) if override else arch
+        target = gfx_of(override) if override else arch
         index = self.rocm_index(target)
         if index is None:
             return self.amd_index_torch(family, arch)
@@ -498,10 +498,10 @@ class _Resolver:
         spoofs = self.platform.hsa_override_spoofs
         if value == self.env.get("HSA_OVERRIDE_GFX_VERSION"):
             return  # exactly the override the plan sets
-        if spoofs is False or (spoofs is None and _gfx_of(value) == self.effective_arch):
+        if spoofs is False or (spoofs is None and gfx_of(value) == self.effective_arch):
             return  # it names the GPU's own target: harmless
         self.warn(
-            f"HSA_OVERRIDE_GFX_VERSION={value} makes ROCm report {_gfx_of(value) or 'another GPU'} instead of the real "
+            f"HSA_OVERRIDE_GFX_VERSION={value} makes ROCm report {gfx_of(value) or 'another GPU'} instead of the real "
             f"{self.effective_arch or 'GPU'}, which loads the wrong kernels (crashes, wrong results). "
             "The plan follows the real GPU.",
             "unset HSA_OVERRIDE_GFX_VERSION, and remove it from ~/.bashrc or ~/.profile",
@@ -602,7 +602,7 @@ def _compute_capability(gpu: Gpu) -> Version | None:
     return Version(f"{match[1]}.{match[2]}") if match else None
 
 
-def _gfx_of(override: str) -> str | None:
+def gfx_of(override: str) -> str | None:
     """HSA_OVERRIDE_GFX_VERSION "10.3.0" -> "gfx1030" (minor and stepping print as hex)."""
     match = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)", override.strip())
     if not match:
