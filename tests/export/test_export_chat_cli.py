@@ -51,6 +51,15 @@ def test_generate_on_a_missing_file(tmp_path, capsys):
     assert report["ok"] is False and "holds no .gguf file" in report["error"] and "unsloth export" in report["fix"]
 
 
+def test_generate_names_a_prompt_longer_than_the_context(gguf_file, capsys):
+    from unsloth.cli import main
+
+    prompt = "Once upon a time " * 200
+    assert main(["generate", str(gguf_file), prompt, "--raw", "--n-ctx", "64", "--json", "--cpu"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and "exceed context window" in report["error"] and "--n-ctx" in report["fix"]
+
+
 def test_chat_keeps_the_conversation_and_resets(gguf_file, capsys, monkeypatch):
     from unsloth.cli import main
     from unsloth.export import chat

@@ -74,6 +74,10 @@ def run_generate(args: argparse.Namespace) -> int:
                 sys.stdout.write(chunk["text"])
                 sys.stdout.flush()
             sys.stdout.write("\n")
+    except ValueError as exc:  # llama-cpp-python: the prompt does not fit the context
+        too_long = ExportError(str(exc), fix="shorten the prompt or --max-tokens, or raise --n-ctx "
+                               "(at most the model's trained length)")
+        return _fail("generate", too_long, args.json)
     finally:
         llm.close()
     return 0

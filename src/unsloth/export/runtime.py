@@ -63,7 +63,7 @@ def context_length(path: str | Path) -> int | None:
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """A .gguf file, or a directory holding exactly one (or an f16 one) -> the file to run."""
+    """A .gguf file, or a directory holding exactly one -> the file to run (several: the user picks)."""
     path = Path(model)
     if path.is_dir():
         found = sorted(path.glob("*.gguf"))
