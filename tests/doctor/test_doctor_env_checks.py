@@ -91,6 +91,9 @@ def test_a_hang_names_the_check_that_hung_and_the_rest_were_not_reached(make_pla
     assert "dmesg" in hung.fix and "--timeout 180" in hung.fix and hung.detail == "stuck in cuLaunchKernel"
     assert [found[i].status for i in IDS[3:]] == ["skipped"] * 3
     assert found["env-torch"].status == "ok"
+    run.timeout_s = 0.5  # a short --timeout is named as given, not rounded to "0 s"
+    hung = by_id(probe_findings(run, Platform(gpus=[rtx4090]), make_plan("cuda", "cu130", rtx4090)))["env-matmul"]
+    assert hung.message == "Hung: no answer within 0.5 s" and "--timeout 1.5" in hung.fix
 
 
 def test_a_crash_reports_the_exit_code(make_plan):

@@ -194,9 +194,9 @@ def _detail(result: dict[str, Any]) -> str:
 def _missing(name: str, run: ProbeRun) -> Finding:
     tail = "\n".join(run.stderr.strip().splitlines()[-15:])
     if run.timed_out:
-        return Finding(finding_id(name), TITLES[name], "error", f"Hung: no answer within {run.timeout_s:.0f} s",
+        return Finding(finding_id(name), TITLES[name], "error", f"Hung: no answer within {run.timeout_s:g} s",
                        fix="Look for GPU driver errors (`sudo dmesg | tail -50`); if the machine is only slow, "
-                       f"run `unsloth doctor --timeout {int(run.timeout_s * 3)}`", required=True, detail=tail)
+                       f"run `unsloth doctor --timeout {run.timeout_s * 3:g}`", required=True, detail=tail)
     how = f"exited with code {run.returncode}" if run.returncode is not None else "did not start"
     return Finding(finding_id(name), TITLES[name], "error", f"The environment's Python {how} during this check",
                    fix=f"See the error with `unsloth doctor --verbose`; then repair with `{REINSTALL}`",
