@@ -219,9 +219,14 @@ function Install-Unsloth {
         Write-Step 'Dry run: nothing will change.'
         Write-Step "install home: $unslothHome"
         Write-Step "package source: $packageSource"
-        Write-Step "Python: $pythonPath"
+        if ($pythonPath) { Write-Step "Python: $pythonPath" } else { Write-Step "Python: $UnslothPythonDefault, provided by uv" }
         $bootUnsloth = Join-Path $unslothHome 'bootstrap\Scripts\unsloth.exe'
-        if (Test-Path $bootUnsloth) { & $bootUnsloth install --dry-run @PassThrough }
+        if (Test-Path $bootUnsloth) {
+            Write-Step 'The plan for this machine:'
+            & $bootUnsloth install --dry-run @PassThrough
+        } else {
+            Write-Step 'The plan for this machine is shown by `unsloth install --dry-run` once the bootstrap exists.'
+        }
         return
     }
     if (-not $Yes -and -not $env:UNSLOTH_YES -and [Environment]::UserInteractive -and -not [Console]::IsInputRedirected) {
