@@ -35,3 +35,12 @@ def test_demo_learns_the_task_and_saves_a_llama_folder(tmp_path):
     assert tokenizer["model"]["type"] == "BPE" and tokenizer["pre_tokenizer"]["type"] == "ByteLevel"
     assert (merged / "model.safetensors").is_file()
     assert "chat_template" in (merged / "tokenizer_config.json").read_text() or (merged / "chat_template.jinja").is_file()
+
+
+def test_a_short_demo_still_logs_and_reports_its_loss(tmp_path, capsys, monkeypatch):
+    from unsloth.cli import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    main(["train", "--demo", "--max-steps", "3", "--output-dir", str(tmp_path / "demo")])
+    assert re.search(r"loss [\d.]+ -> [\d.]+; \d+/\d+ answers right", capsys.readouterr().out)
+    assert main(["train", "--demo", "--max-steps", "0"]) == 2

@@ -114,7 +114,10 @@ def _demo(args: argparse.Namespace) -> int:
     from unsloth.training.demo import DEFAULT_OUTPUT, run_demo
 
     kwargs = {"output_dir": args.output_dir or DEFAULT_OUTPUT}
-    if args.max_steps:
+    if args.max_steps is not None:
+        if args.max_steps < 1:
+            print("unsloth train: --max-steps must be 1 or more", file=sys.stderr)
+            return 2
         kwargs["max_steps"] = args.max_steps
     result = run_demo(**kwargs)
     return 0 if result.losses[-1] < result.losses[0] else 1

@@ -92,7 +92,9 @@ def demo_config(output_dir: str = DEFAULT_OUTPUT, max_steps: int = 150) -> Train
         gradient_checkpointing=False,
         training={
             "max_steps": max_steps, "per_device_train_batch_size": 16, "gradient_accumulation_steps": 1,
-            "learning_rate": 3e-3, "lr_scheduler_type": "cosine", "warmup_steps": 10, "logging_steps": 10,
+            "learning_rate": 3e-3, "lr_scheduler_type": "cosine", "warmup_steps": 10,
+            # At least one logged loss however short the run (the demo reports first -> last).
+            "logging_steps": max(1, min(10, max_steps // 10)),
             "save_strategy": "no", "seed": 0, "weight_decay": 0.0,
         },
     )
