@@ -141,7 +141,8 @@ def apply_gradient_checkpointing(model: nn.Module, mode: bool | str) -> int:
     if mode not in (True, False, "unsloth"):
         raise ValueError(f"use_gradient_checkpointing must be True, False or \"unsloth\", got {mode!r}")
     layers = decoder_layers(model)
-    # One offloader for all layers of the model: its list of saved inputs empties after each backward.
+    # One offloader for all layers of the model. Its list of saved inputs is emptied by the next forward's
+    # first layer, so the last step's pinned host copies stay allocated until then.
     offloader = _Offloader() if mode == "unsloth" and torch.cuda.is_available() else None
     for index, layer in enumerate(layers):
         if mode is False:
