@@ -57,3 +57,9 @@ def test_json_without_dry_run_is_refused_before_any_build(tmp_path):
     done = unsloth("install", "--json", home=tmp_path)
     assert done.returncode == 2 and "add --dry-run" in done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_source_is_refused_before_any_build(tmp_path):
+    done = unsloth("install", "--yes", "--source", str(tmp_path / "no-such-checkout"), home=tmp_path)
+    assert done.returncode == 2 and "no such file or folder" in done.stderr
+    assert list(tmp_path.iterdir()) == []

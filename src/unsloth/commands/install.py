@@ -126,6 +126,9 @@ def run_install(args: argparse.Namespace) -> int:
         print("unsloth install: where should unsloth be installed from? Pass --source PATH|URL "
               "(a checkout or a release archive).", file=sys.stderr)
         return EXIT_USAGE
+    if "://" not in source and not os.path.exists(source):  # before PyTorch is downloaded, not after
+        print(f"unsloth install: --source {source}: no such file or folder.", file=sys.stderr)
+        return EXIT_USAGE
     if args.upgrade and not args.without:  # `update` keeps what the active environment left out
         args.without = manager.active_request(root).get("without", [])
     base = Sources() if args.ignore_pip_config else manager.pip_config_sources(args.python)
