@@ -97,3 +97,19 @@ def test_padding_free_packing_trains_without_pad_tokens(tiny, tmp_path, monkeypa
     assert batch["input_ids"].shape[0] == 1 and "position_ids" in batch  # one flat row, positions restart
     assert (batch["position_ids"][0] == 0).sum() > 2
     assert result.losses[-1] < result.losses[0]
+
+
+def test_adapters_name_a_local_base_model_by_its_absolute_path(tiny, tmp_path, monkeypatch):
+    # Export reads the base model from adapter_config.json, from whatever directory it runs in.
+    from pathlib import Path
+
+    from unsloth.models.fast import FastLanguageModel
+
+    model_dir = Path(tiny[0])
+    monkeypatch.chdir(model_dir.parent)
+    model, _ = FastLanguageModel.from_pretrained(model_dir.name, max_seq_length=32, dtype="float32",
+                                                 load_in_4bit=False)
+    model = FastLanguageModel.get_peft_model(model, r=4, use_gradient_checkpointing=False)
+    model.save_pretrained(str(tmp_path / "lora"))
+    config = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(model_dir.resolve())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import types
+from pathlib import Path
 
 import torch
 
@@ -119,6 +120,10 @@ class FastLanguageModel:
             device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
         if rope_scaling is not None:
             kwargs["rope_scaling"] = rope_scaling
+        if Path(model_name).expanduser().is_dir():
+            # peft writes this name into adapter_config.json as the base model; a relative path would
+            # later resolve against whatever directory the export runs from.
+            model_name = str(Path(model_name).expanduser().resolve())
         model = AutoModelForCausalLM.from_pretrained(
             model_name,
             dtype=dtype,
