@@ -98,7 +98,7 @@ class FastLanguageModel:
         use_gradient_checkpointing: bool | str = "unsloth",
         random_state: int = 3407,
         attn_implementation: str = "sdpa",
-        fast_inference: bool = False,
+        fast_inference: bool = False,  # changes nothing: grpo_trainer uses vLLM whenever installed, on a GPU
         rope_scaling=None,
         tokenizer_name: str | None = None,
         **kwargs,
@@ -140,7 +140,6 @@ class FastLanguageModel:
             **{k: v for k, v in kwargs.items() if k in ("local_files_only", "cache_dir")},
         )
         model.max_seq_length = max_seq_length
-        model.fast_inference = fast_inference  # GRPO generates through vLLM when asked and installed
         patch_model(model)
         if full_finetuning:
             for p in model.parameters():
