@@ -8,6 +8,7 @@ inside the planner.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -220,7 +221,8 @@ def _families(data: dict[str, Any], path: str) -> dict[str, Family]:
             if arch not in archs:
                 raise entry.error(f"arch {arch!r} is not in its archs {list(archs)}")
         for arch, value in overrides.items():
-            _version(entry, f"hsa_override.{arch}", value)
+            if not re.fullmatch(r"\d+\.\d+\.\d+", value):  # ROCm reads MAJOR.MINOR.STEPPING, nothing else
+                raise entry.error(f"'hsa_override.{arch}' = {value!r} is not a version MAJOR.MINOR.STEPPING ('10.3.0')")
         families[name] = Family(
             name, entry.choice("vendor", VENDORS), archs, entry.text("products"), entry.source(), overrides, amd_index
         )

@@ -72,6 +72,11 @@ BAD_ENTRIES = [
     ),
     (
         'hsa_override = { gfx1103 = "11.0.0" }',
+        'hsa_override = { gfx1103 = "11.0" }',  # ROCm needs the stepping too
+        "family 'RDNA3': 'hsa_override.gfx1103' = '11.0' is not a version MAJOR.MINOR.STEPPING",
+    ),
+    (
+        'hsa_override = { gfx1103 = "11.0.0" }',
         'hsa_override = { gfx1199 = "11.0.0" }',
         "family 'RDNA3': arch 'gfx1199' is not in its archs",
     ),
