@@ -118,3 +118,6 @@ def test_windows_layout(monkeypatch, tmp_path):
     assert 'set /p UNSLOTH_ENV=<"C:/Users/u/AppData/Local/unsloth\\current"' in lines
     assert '"C:/Users/u/AppData/Local/unsloth\\envs\\%UNSLOTH_ENV%\\Scripts\\unsloth.exe" %*' in lines
     assert "exit /b %ERRORLEVEL%" in lines and launcher.MARKER[2:] in cmd
+    missing = 'if not exist "C:/Users/u/AppData/Local/unsloth\\current"'  # nothing installed: say so, exit 1
+    assert f"{missing} exit /b 1" in lines and lines.index(f"{missing} exit /b 1") < lines.index(
+        'set /p UNSLOTH_ENV=<"C:/Users/u/AppData/Local/unsloth\\current"')

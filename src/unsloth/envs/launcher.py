@@ -24,6 +24,10 @@ def launcher_text(home: Path, windows: bool) -> str:
     if windows:
         return (
             f"@echo off\r\nrem {MARKER[2:]}; `unsloth uninstall` removes it.\r\nsetlocal\r\n"
+            # The same message as the sh launcher's, rather than cmd's "not recognized" for a missing env.
+            # Two plain lines, no ( ) block: a path with ")" or "&" in it would break one.
+            f'if not exist "{home}\\{CURRENT}" echo unsloth: no environment is installed; run install.ps1 again 1>&2\r\n'
+            f'if not exist "{home}\\{CURRENT}" exit /b 1\r\n'
             f'set /p UNSLOTH_ENV=<"{home}\\{CURRENT}"\r\n'
             f'"{home}\\envs\\%UNSLOTH_ENV%\\Scripts\\unsloth.exe" %*\r\n'
             "exit /b %ERRORLEVEL%\r\n"
