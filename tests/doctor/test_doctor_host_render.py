@@ -103,3 +103,16 @@ def test_probe_text_that_looks_like_markup_prints_verbatim():
     render.print_platform(platform, out)
     text = out.export_text()
     assert "[/odd] GPU [bold]" in text and "[/proc] cpu" in text and "[/x] note" in text
+
+
+def test_an_override_is_not_set_when_the_environment_was_read_and_unknown_otherwise():
+    from unsloth.platform.facts import Platform
+
+    def shown(platform):
+        out = Console(width=200, record=True)
+        render.print_platform(platform, out)
+        return next(line for line in out.export_text().splitlines() if "HSA override" in line)
+
+    assert "not set" in shown(Platform(os="linux", probes={"env": "ok"}))
+    assert "unknown" in shown(Platform(os="linux", probes={}))
+    assert "11.0.0" in shown(Platform(os="linux", probes={"env": "ok"}, hsa_override="11.0.0"))

@@ -47,6 +47,8 @@ def machine_table(platform: Platform) -> Table:
     override = platform.hsa_override
     if override and platform.hsa_override_spoofs:
         override += " (changes the GPU the runtime reports)"
+    elif override is None and platform.probes.get("env") == "ok":
+        override = "not set"  # the environment was read and holds none; "unknown" is for dumps without it
     rows = [
         ("OS", "os", platform.os),
         ("WSL", "wsl", _yes_no(platform.wsl) + (f" (WSL {platform.wsl_version})" if platform.wsl_version else "")),
