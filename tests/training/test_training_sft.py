@@ -113,3 +113,19 @@ def test_adapters_name_a_local_base_model_by_its_absolute_path(tiny, tmp_path, m
     model.save_pretrained(str(tmp_path / "lora"))
     config = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(model_dir.resolve())
+
+
+def test_loss_log_restarts_with_a_fresh_run_and_continues_a_resumed_one(tmp_path):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from unsloth.training.sft import _callbacks
+
+    log = tmp_path / "loss_log.jsonl"
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", disable_tqdm=True)
+    progress = _callbacks(str(tmp_path), echo=lambda _: None, losses=[])()
+    for step, loss in ((1, 3.0), (2, 2.0), (3, 1.0)):
+        progress.on_log(args, TrainerState(global_step=step, max_steps=3), TrainerControl(), logs={"loss": loss})
+    progress.on_train_begin(args, TrainerState(global_step=2, max_steps=3), TrainerControl())  # resumed at 2
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
+    progress.on_train_begin(args, TrainerState(global_step=0, max_steps=3), TrainerControl())  # a new run
+    assert log.read_text() == ""

@@ -126,6 +126,16 @@ def _callbacks(output_dir: str, echo: Callable[[str], None], losses: list[float]
     class Progress(ProgressCallback):
         """The Trainer's progress bar, with one compact line per log instead of a dict, and loss_log.jsonl."""
 
+        def on_train_begin(self, args, state, control, **kwargs):
+            super().on_train_begin(args, state, control, **kwargs)
+            # The log continues the run being trained: a fresh run starts it over, and a resumed one
+            # drops what was logged after its checkpoint (those steps run again).
+            log = Path(output_dir) / "loss_log.jsonl"
+            if state.is_world_process_zero and log.is_file():
+                kept = [line for line in log.read_text().splitlines()
+                        if line.strip() and json.loads(line).get("step", 0) <= state.global_step]
+                log.write_text("".join(line + "\n" for line in kept))
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not state.is_world_process_zero or not logs:
                 return
