@@ -82,6 +82,31 @@ def test_chat_keeps_the_conversation_and_resets(gguf_file, capsys, monkeypatch):
     assert replies[0] == replies[2]  # same prompt after a reset, greedy: same reply
 
 
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(gguf_file, capsys, monkeypatch):
+    from unsloth.cli import main
+    from unsloth.export import chat
+
+    lines = iter(["hello", "again"])
+    seen = []
+
+    def fake_input(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    def interrupted(llm, messages, **kw):
+        seen.append(list(messages))
+        yield {"text": "par", "finish_reason": None}
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(builtins, "input", fake_input)
+    monkeypatch.setattr(chat, "chat_stream", interrupted)
+    assert main(["chat", str(gguf_file), "--cpu"]) == 0
+    assert "(stopped)" in capsys.readouterr().err
+    assert seen[1][1] == {"role": "assistant", "content": "par"}  # the partial reply stays in the conversation
+
+
 def test_modelfile_template_variants():
     from unsloth.export.modelfile import render_modelfile
 

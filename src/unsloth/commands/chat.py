@@ -26,7 +26,7 @@ def register(subparsers) -> None:
     chat = subparsers.add_parser(
         "chat", help="chat with an exported GGUF model (llama.cpp)",
         description="Interactive chat with a GGUF model through llama.cpp, streaming, with the "
-        "model's chat template. /reset clears the conversation; /exit or Ctrl-D quits.",
+        "model's chat template. /reset clears the conversation; Ctrl-C stops a reply; /exit or Ctrl-D quits.",
     )
     _common(chat)
     chat.set_defaults(func=run_chat, temperature_default=0.7)
@@ -121,6 +121,8 @@ def run_chat(args: argparse.Namespace) -> int:
                 messages.pop()
                 print(f"\n{exc}; /reset the conversation or restart with a larger --n-ctx", file=sys.stderr)
                 continue
+            except KeyboardInterrupt:  # Ctrl-C stops this reply, not the chat (Ctrl-D or /exit quits)
+                print("\n(stopped)", file=sys.stderr)
             sys.stdout.write("\n")
             messages.append({"role": "assistant", "content": "".join(reply)})
     finally:
