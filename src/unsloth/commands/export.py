@@ -95,5 +95,5 @@ def _load_dtype(checkpoint: Path):
     if adapter.is_file():
         base = Path(json.loads(adapter.read_text()).get("base_model_name_or_path") or checkpoint)
         weights += sum(f.stat().st_size for f in base.glob("*.safetensors"))
-    float32_bytes = weights * 2  # checkpoints are saved in 16 bits
+    float32_bytes = weights * 2  # 16-bit weights double in float32 (a float32 checkpoint loads as saved anyway)
     return torch.float32 if float32_bytes < psutil.virtual_memory().available * 0.4 else None
