@@ -49,6 +49,25 @@ def test_overrides_win_over_the_file(tmp_path):
     assert config.lora.target_modules == ["q_proj", "v_proj"] and config.packing is True
 
 
+@pytest.mark.parametrize("text, value", [
+    ("2e-4", 2e-4), ("1e-05", 1e-5), ("0.5", 0.5), ("10", 10), ("true", True), ('"7"', "7"),
+    ("[q_proj, v_proj]", ["q_proj", "v_proj"]), ('["a", "b"]', ["a", "b"]), ("out/checkpoint-2", "out/checkpoint-2"),
+])
+def test_command_line_values_read_as_written(text, value):
+    from unsloth.training.config import parse_value
+
+    assert parse_value(text) == value and type(parse_value(text)) is type(value)
+
+
+def test_the_learning_rate_flag_reaches_the_trainer_as_a_number(tmp_path):
+    # --learning-rate 1e-5 becomes the override text "training.learning_rate=1e-05" (no decimal point).
+    from unsloth.training.sft import sft_arguments
+
+    (tmp_path / "c.toml").write_text(TOML)
+    config = load_config(tmp_path / "c.toml", [f"training.learning_rate={1e-5}"])
+    assert sft_arguments(config, bf16=False, fp16=False).learning_rate == 1e-5
+
+
 @pytest.mark.parametrize("raw, message", [
     ({"dataset": {"name": "d.jsonl"}}, "model: required"),
     ({"model": {"name": "m"}}, "dataset: required"),

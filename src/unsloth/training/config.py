@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -109,16 +108,21 @@ def read_file(path: str | Path) -> dict:
 
 
 def parse_value(text: str) -> Any:
-    """A command-line value: TOML/JSON-like literals (numbers, true/false, lists, quoted strings), else text."""
+    """A command-line value: a TOML literal (numbers, 2e-4, true/false, quoted strings, lists), else a
+    YAML one (bare-word lists such as [q_proj, v_proj]), else the text itself.
+
+    TOML first: YAML 1.1 reads 2e-4 (no decimal point) as the string "2e-4".
+    """
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        pass
     try:
         import yaml
 
         return yaml.safe_load(text)
     except Exception:
-        try:
-            return json.loads(text)
-        except ValueError:
-            return text
+        return text
 
 
 def apply_override(raw: dict, item: str) -> None:
