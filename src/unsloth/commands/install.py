@@ -127,7 +127,8 @@ def run_install(args: argparse.Namespace) -> int:
               "(a checkout or a release archive).", file=sys.stderr)
         return EXIT_USAGE
     if "://" not in source and not os.path.exists(source):  # before PyTorch is downloaded, not after
-        print(f"unsloth install: --source {source}: no such file or folder.", file=sys.stderr)
+        print(f"unsloth install: the package source {source} does not exist (no such file or folder); "
+              "pass --source PATH|URL.", file=sys.stderr)
         return EXIT_USAGE
     if args.upgrade and not args.without:  # `update` keeps what the active environment left out
         args.without = manager.active_request(root).get("without", [])
