@@ -326,7 +326,7 @@ class _Resolver:
                 f"Train on a GPU of compute capability {lowest} or newer.",
             )
             return None
-        driver = _version_or_none(self.platform.nvidia_driver)
+        driver = version_or_none(self.platform.nvidia_driver)
         if driver is None:
             index = fitting[0]
             self.warn(
@@ -348,7 +348,7 @@ class _Resolver:
             return None
         # Prefer a CUDA release the driver itself reports; minor-version compatibility runs the
         # newer 12.x builds on an older 12.x driver, but without newer PTX/JIT features.
-        cuda_driver = _version_or_none(self.platform.cuda_driver)
+        cuda_driver = version_or_none(self.platform.cuda_driver)
         native = [index for index in usable if cuda_driver is None or index.cuda <= cuda_driver]
         if native:
             index = native[0]
@@ -390,7 +390,7 @@ class _Resolver:
         shipping = [index for index in self.matrix.rocm_indexes if arch in index.archs]
         if not shipping:
             return None
-        host = _version_or_none(self.platform.rocm_version)
+        host = version_or_none(self.platform.rocm_version)
         if host is None:
             return shipping[0]
         host = Version(f"{host.major}.{host.minor}")
@@ -585,7 +585,7 @@ class _Resolver:
 # --- small pure helpers --------------------------------------------------------------------------
 
 
-def _version_or_none(text: str | None) -> Version | None:
+def version_or_none(text: str | None) -> Version | None:
     if not text:
         return None
     try:
@@ -597,7 +597,7 @@ def _version_or_none(text: str | None) -> Version | None:
 def _compute_capability(gpu: Gpu) -> Version | None:
     """ "8.9" from compute_capability, else from arch "sm_89" (the last digit is the minor)."""
     if gpu.compute_capability:
-        return _version_or_none(gpu.compute_capability)
+        return version_or_none(gpu.compute_capability)
     match = re.fullmatch(r"sm_(\d+)(\d)", gpu.arch or "")
     return Version(f"{match[1]}.{match[2]}") if match else None
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from unsloth.doctor.findings import Finding
 from unsloth.doctor.host import HostFacts
 from unsloth.matrix import Matrix
 from unsloth.platform.facts import Gpu, Platform
-from unsloth.plan import Plan, support_phrase
+from unsloth.plan import Plan, support_phrase, version_or_none
 
 GIB = 2**30
 MIN_RAM_GIB = 8  # tokenizer, dataset and the model's CPU copy during load; below this loads swap
@@ -46,13 +46,6 @@ def needs_from_matrix(matrix: Matrix, platform: Platform, plan: Plan | None) -> 
     driver = minima.get(plan.torch.variant) or (min(minima.values()) if minima else None)
     rocm = next((row.rocm for row in matrix.rocm_indexes if row.variant == plan.torch.variant), None)
     return Needs(nvidia_driver=driver and str(driver), rocm=rocm and str(rocm), urls=dict(matrix.urls))
-
-
-def _v(text: str | None) -> Version | None:
-    try:
-        return Version(text) if text else None
-    except InvalidVersion:
-        return None
 
 
 def _gib(n: int) -> str:
@@ -138,7 +131,7 @@ def check_driver(platform: Platform, plan: Plan | None, needs: Needs) -> Finding
             return Finding("driver", title, "error", "NVIDIA GPU found but no driver answered (nvidia-smi)",
                            fix=f"Install the NVIDIA driver{at_least}{where}{from_page}, reboot, and check that "
                            "`nvidia-smi` works", required=backend(plan) == "cuda")
-        have, need = _v(platform.nvidia_driver), _v(minimum)
+        have, need = version_or_none(platform.nvidia_driver), version_or_none(minimum)
         cuda_plan = backend(plan) == "cuda"
         needer = f"torch {plan.torch.variant}" if cuda_plan else "the oldest PyTorch CUDA build"
         if need is not None and have is not None and have < need:
@@ -173,7 +166,7 @@ def check_runtime(platform: Platform, plan: Plan | None, needs: Needs) -> Findin
     title = "GPU runtime"
     build = plan.torch.variant
     if plan.torch.backend == "cuda":
-        wanted, have = _cuda_of(build), _v(platform.cuda_driver)
+        wanted, have = _cuda_of(build), version_or_none(platform.cuda_driver)
         if have is None:
             return Finding("runtime", title, "skipped", "The driver did not say which CUDA version it supports")
         # CUDA minor-version compatibility: a driver for CUDA 12.x runs every 12.y build.
@@ -192,7 +185,7 @@ def check_runtime(platform: Platform, plan: Plan | None, needs: Needs) -> Findin
                            fix=f"Install ROCm for WSL and set HSA_ENABLE_DXG_DETECTION=1: {guide}", required=True)
         # Not needed to train: the torch wheels bring their own ROCm (the plan's advice says when to add it).
         return Finding("runtime", title, "skipped", "No system ROCm to check; torch brings its own")
-    if needs.rocm and _v(platform.rocm_version) and _v(platform.rocm_version) < _v(needs.rocm):
+    if needs.rocm and version_or_none(platform.rocm_version) and version_or_none(platform.rocm_version) < version_or_none(needs.rocm):
         return Finding("runtime", title, "warning",
                        f"ROCm {platform.rocm_version} is older than {needs.rocm}, which torch {build} bundles "
                        "(kernel driver and runtime should be at most a year apart)",
