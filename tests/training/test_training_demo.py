@@ -37,10 +37,11 @@ def test_demo_learns_the_task_and_saves_a_llama_folder(tmp_path):
     assert "chat_template" in (merged / "tokenizer_config.json").read_text() or (merged / "chat_template.jinja").is_file()
 
 
-def test_a_short_demo_still_logs_and_reports_its_loss(tmp_path, capsys, monkeypatch):
-    from unsloth.cli import main
-
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    main(["train", "--demo", "--max-steps", "3", "--output-dir", str(tmp_path / "demo")])
-    assert re.search(r"loss [\d.]+ -> [\d.]+; \d+/\d+ answers right", capsys.readouterr().out)
-    assert main(["train", "--demo", "--max-steps", "0"]) == 2
+def test_a_short_demo_still_logs_and_reports_its_loss(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # a plain CPU run (the interpreter takes a minute here)
+    run = subprocess.run([sys.executable, "-m", "unsloth.cli", "train", "--demo", "--max-steps", "3",
+                          "--output-dir", str(tmp_path / "demo")], capture_output=True, text=True, env=env, timeout=300)
+    assert re.search(r"loss [\d.]+ -> [\d.]+; \d+/\d+ answers right", run.stdout), run.stderr[-3000:]
+    refused = subprocess.run([sys.executable, "-m", "unsloth.cli", "train", "--demo", "--max-steps", "0"],
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert refused.returncode == 2 and "--max-steps must be 1 or more" in refused.stderr
