@@ -59,6 +59,15 @@ def test_command_line_values_read_as_written(text, value):
     assert parse_value(text) == value and type(parse_value(text)) is type(value)
 
 
+def test_yaml_reads_exponent_numbers_as_toml_does(tmp_path):
+    (tmp_path / "c.yaml").write_text("model: {name: m}\ndataset: {name: d}\n"
+                                     "training: {learning_rate: 2e-4, weight_decay: 1.0e-2, max_steps: 10}\n")
+    (tmp_path / "c.toml").write_text('model = {name = "m"}\ndataset = {name = "d"}\n'
+                                     "training = {learning_rate = 2e-4, weight_decay = 1.0e-2, max_steps = 10}\n")
+    assert load_config(tmp_path / "c.yaml").training == load_config(tmp_path / "c.toml").training == {
+        "learning_rate": 2e-4, "weight_decay": 1e-2, "max_steps": 10}
+
+
 def test_the_learning_rate_flag_reaches_the_trainer_as_a_number(tmp_path):
     # --learning-rate 1e-5 becomes the override text "training.learning_rate=1e-05" (no decimal point).
     from unsloth.training.sft import sft_arguments

@@ -93,9 +93,7 @@ def read_file(path: str | Path) -> dict:
         if path.suffix == ".toml":
             data = tomllib.loads(text)
         elif path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
+            data = _yaml_load(text) or {}
         else:
             raise ConfigError(f"{path}: config files are .toml, .yaml or .yml")
     except ConfigError:
@@ -109,20 +107,29 @@ def read_file(path: str | Path) -> dict:
 
 def parse_value(text: str) -> Any:
     """A command-line value: a TOML literal (numbers, 2e-4, true/false, quoted strings, lists), else a
-    YAML one (bare-word lists such as [q_proj, v_proj]), else the text itself.
-
-    TOML first: YAML 1.1 reads 2e-4 (no decimal point) as the string "2e-4".
-    """
+    YAML one (bare-word lists such as [q_proj, v_proj]), else the text itself."""
     try:
         return tomllib.loads(f"value = {text}")["value"]
     except tomllib.TOMLDecodeError:
         pass
     try:
-        import yaml
-
-        return yaml.safe_load(text)
+        return _yaml_load(text)
     except Exception:
         return text
+
+
+def _yaml_load(text: str) -> Any:
+    """yaml.safe_load, but 2e-4 is a number, as in YAML 1.2 and TOML (YAML 1.1 wants 2.0e-4)."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    exponent_float = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", exponent_float, list("-+0123456789"))
+    return yaml.load(text, Loader=Loader)
 
 
 def apply_override(raw: dict, item: str) -> None:
