@@ -119,6 +119,12 @@ def test_training_keys_are_checked_against_trl(tmp_path):
                         "training": {"learning_rat": 1e-4}})
     with pytest.raises(ConfigError, match="training.learning_rat: not a training argument .did you mean 'learning_rate'"):
         sft_arguments(config, bf16=False, fp16=False)
+    config.training = {"max_steps": "abc"}
+    with pytest.raises(ConfigError, match="training.max_steps: expected a whole number, got 'abc'"):
+        sft_arguments(config, bf16=False, fp16=False)
+    config.training = {"lr_scheduler_type": "wobbly"}
+    with pytest.raises(ConfigError, match="training: TRL's SFTConfig refuses these settings: wobbly"):
+        sft_arguments(config, bf16=False, fp16=False)
     config.training = {"learning_rate": 3e-4, "max_steps": 5}
     args = sft_arguments(config, bf16=False, fp16=False)
     assert args.learning_rate == 3e-4 and args.max_steps == 5 and args.max_length == 2048

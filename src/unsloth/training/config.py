@@ -178,11 +178,12 @@ def _build(cls, raw: Any, where: str):
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ConfigError(f"{path}: required (e.g. {_example(path)})")
             continue
-        values[name] = _check(hints[name], raw[name], path)
+        values[name] = check_value(hints[name], raw[name], path)
     return cls(**values)
 
 
-def _check(hint, value, path: str):
+def check_value(hint, value, path: str):
+    """`value` checked against the type hint `hint` (ints widen to float); a ConfigError names `path`."""
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         options = typing.get_args(hint)
@@ -193,7 +194,7 @@ def _check(hint, value, path: str):
             if option is type(None):
                 continue
             try:
-                return _check(option, value, path)
+                return check_value(option, value, path)
             except ConfigError as exc:
                 errors.append(str(exc))
         raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} does not fit {_name(hint)}")
@@ -203,7 +204,7 @@ def _check(hint, value, path: str):
         if not isinstance(value, list):
             raise ConfigError(f"{path}: expected a list, got {value!r}")
         (item,) = typing.get_args(hint)
-        return [_check(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [check_value(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a table, got {value!r}")

@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from unsloth.training.config import ConfigError, DatasetConfig, TrainConfig
+from unsloth.training.config import ConfigError, DatasetConfig, TrainConfig, check_value
 
 # Known local data files -> the `datasets` builder that reads them.
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -71,14 +72,7 @@ def load_dataset_from(config: DatasetConfig):
 
 def check_before_loading(config: TrainConfig) -> None:
     """The mistakes that need no model: caught before minutes of loading, not after."""
-    from trl import SFTConfig
-
-    known = {f.name for f in dataclasses.fields(SFTConfig)}
-    for key in config.training:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else " (see TRL's SFTConfig for the fields)"
-            raise ConfigError(f"training.{key}: not a training argument{hint}")
+    sft_arguments(config, bf16=False, fp16=False)  # the [training] keys and values
     if config.resume is True and not _checkpoints(config.output_dir):
         raise ConfigError(f"resume: no checkpoint-* folder in {config.output_dir} to resume from; "
                           "set resume = false to start over")
@@ -92,7 +86,14 @@ def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool):
     """TRL SFTConfig from our defaults plus [training]; unknown keys are named with a suggestion."""
     from trl import SFTConfig
 
-    check_before_loading(config)
+    hints = typing.get_type_hints(SFTConfig)
+    known = [f.name for f in dataclasses.fields(SFTConfig)]
+    for key, value in config.training.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else " (see TRL's SFTConfig for the fields)"
+            raise ConfigError(f"training.{key}: not a training argument{hint}")
+        check_value(hints[key], value, f"training.{key}")  # only checked: the Trainer gets the value as given
     arguments = {
         "output_dir": config.output_dir,
         "per_device_train_batch_size": 2,
@@ -111,7 +112,10 @@ def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool):
         "packing": config.packing,
     }
     arguments.update(config.training)
-    return SFTConfig(**arguments)
+    try:
+        return SFTConfig(**arguments)
+    except (TypeError, ValueError) as exc:  # a value of the wrong kind, or settings that do not go together
+        raise ConfigError(f"training: TRL's SFTConfig refuses these settings: {exc}") from None
 
 
 def _on_gpu() -> bool:
