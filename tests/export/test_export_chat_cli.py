@@ -60,12 +60,9 @@ def test_generate_names_a_prompt_longer_than_the_context(gguf_file, capsys):
     assert report["ok"] is False and "exceed context window" in report["error"] and "--n-ctx" in report["fix"]
 
 
-def test_chat_keeps_the_conversation_and_resets(gguf_file, capsys, monkeypatch):
-    from unsloth.cli import main
-    from unsloth.export import chat
-
-    lines = iter(["hello", "again", "/reset", "hello"])
-    seen = []
+def _typed(lines):
+    """A stand-in for input(): the given lines, then Ctrl-D."""
+    lines = iter(lines)
 
     def fake_input(prompt=""):
         try:
@@ -73,8 +70,16 @@ def test_chat_keeps_the_conversation_and_resets(gguf_file, capsys, monkeypatch):
         except StopIteration:
             raise EOFError from None
 
+    return fake_input
+
+
+def test_chat_keeps_the_conversation_and_resets(gguf_file, capsys, monkeypatch):
+    from unsloth.cli import main
+    from unsloth.export import chat
+
+    seen = []
     original = chat.chat_stream
-    monkeypatch.setattr(builtins, "input", fake_input)
+    monkeypatch.setattr(builtins, "input", _typed(["hello", "again", "/reset", "hello"]))
     monkeypatch.setattr(chat, "chat_stream", lambda llm, messages, **kw: (seen.append(list(messages)), original(llm, messages, **kw))[1])
     assert main(["chat", str(gguf_file), "--max-tokens", "4", "--temperature", "0", "--cpu"]) == 0
     replies = capsys.readouterr().out.splitlines()
@@ -86,21 +91,14 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(gguf_file, capsys, monkeypatc
     from unsloth.cli import main
     from unsloth.export import chat
 
-    lines = iter(["hello", "again"])
     seen = []
-
-    def fake_input(prompt=""):
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
 
     def interrupted(llm, messages, **kw):
         seen.append(list(messages))
         yield {"text": "par", "finish_reason": None}
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(builtins, "input", fake_input)
+    monkeypatch.setattr(builtins, "input", _typed(["hello", "again"]))
     monkeypatch.setattr(chat, "chat_stream", interrupted)
     assert main(["chat", str(gguf_file), "--cpu"]) == 0
     assert "(stopped)" in capsys.readouterr().err
