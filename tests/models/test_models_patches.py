@@ -69,7 +69,9 @@ def test_patched_matches_unpatched(family):
     assert ref_grads.keys() == fast_grads.keys() and ref_grads
     for name, grad in ref_grads.items():
         assert grad is not None and grad.abs().sum() > 0, name
-        torch.testing.assert_close(fast_grads[name], grad, rtol=1e-3, atol=1e-5, msg=name)
+        # fp32 throughout; the fused loss and LoRA backward sum in another order, and that difference
+        # grows through the layers' backward to ~1e-5 relative (1e-5 fails for some families): 1e-4.
+        torch.testing.assert_close(fast_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_unknown_family_trains_unpatched_and_says_so(caplog):
