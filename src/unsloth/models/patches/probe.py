@@ -21,7 +21,16 @@ def same(actual, expected) -> bool:
     if not isinstance(actual, torch.Tensor) or actual.shape != expected.shape or actual.dtype != expected.dtype:
         return False
     rtol, atol = _TOLERANCE.get(expected.dtype, (1e-4, 1e-5))
-    return torch.allclose(actual.float(), expected.float(), rtol=rtol, atol=atol)
+    actual, expected = actual.float(), expected.float()
+    if expected.numel() == 0:
+        return True
+    # The slack is relative to the output's scale, not only to each element: after a long reduction (a
+    # 14336-wide down projection) inputs rounded in another order move even the outputs near zero by
+    # a few ulps of the largest ones. The norm-wise bound still catches a wrong formula, which moves
+    # the whole output.
+    scale = max(1.0, expected.abs().max().item())
+    close = torch.allclose(actual, expected, rtol=rtol, atol=atol * scale)
+    return close and (actual - expected).norm().item() <= rtol * expected.norm().item() + atol
 
 
 def module_device_dtype(module: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
