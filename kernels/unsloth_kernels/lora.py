@@ -241,16 +241,28 @@ class _LoraProjections(torch.autograd.Function):
 
 
 class _LoraMLP(torch.autograd.Function):
-    """down(act(gate(x)) * up(x)) with the activation recomputed in backward."""
+    """down(act(gate(x)) * up(x)) with the activation recomputed in backward.
+
+    With `output_needed=False` (a checkpointed layer's recompute pass, where the MLP's output only
+    joins the residual stream and is never read) forward computes nothing and saves x; backward
+    then does the work in token chunks: gate and up are recomputed, and the down projection's
+    forward, a third of the MLP's matmuls, is never run again. The chunks bound the (rows x
+    intermediate) buffers to `_MLP_CHUNK_BYTES` each.
+    """
 
     @staticmethod
     @_no_autocast
-    def forward(ctx, x, projections, activation, *params):
+    def forward(ctx, x, projections, activation, output_needed, *params):
+        ctx.projections, ctx.activation, ctx.used = projections, activation, False
+        ctx.output_needed = output_needed
+        if not output_needed:
+            ctx.save_for_backward(x, *params)
+            # A stand-in of the right shape that costs no memory: nothing reads its values.
+            return x.new_zeros(()).expand(x.shape[0], projections[2].out_features)
         gate, up, down = projections
         (e, g), xa_gate_up = _project(x, (gate, up), params[:6])
         h = _gated_forward(e, g, activation)
         (out,), ha_down = _project(h, (down,), params[6:])
-        ctx.projections, ctx.activation, ctx.used = projections, activation, False
         ctx.save_for_backward(x, e, g, xa_gate_up, ha_down, *params)
         return out
 
@@ -260,24 +272,59 @@ class _LoraMLP(torch.autograd.Function):
         if ctx.used:
             raise RuntimeError("lora_mlp: backward reuses its saved buffers and can run only once (no retain_graph)")
         ctx.used = True
-        x, e, g, xa_gate_up, ha_down, *params = ctx.saved_tensors
-        gate, up, down = ctx.projections
-        needs = ctx.needs_input_grad[3:]
         dy = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+        needs = ctx.needs_input_grad[4:]
+        if ctx.output_needed:
+            x, e, g, xa_gate_up, ha_down, *params = ctx.saved_tensors
+            grads, grad_x = _mlp_backward(x, e, g, xa_gate_up, ha_down, dy, ctx, params, needs)
+            return (grad_x, None, None, None, *grads)
+        x, *params = ctx.saved_tensors
+        rows = _mlp_chunk_rows(x.shape[0], ctx.projections[0].out_features, x.element_size())
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        total = None
+        for start in range(0, x.shape[0], rows):
+            chunk = slice(start, start + rows)
+            (e, g), xa_gate_up = _project(x[chunk], ctx.projections[:2], params[:6])
+            grads, grad_x_chunk = _mlp_backward(x[chunk], e, g, xa_gate_up, None, dy[chunk], ctx, params, needs)
+            del e, g, xa_gate_up
+            if grad_x is not None:
+                grad_x[chunk] = grad_x_chunk
+            total = grads if total is None else [t if t is None else t.add_(c) for t, c in zip(total, grads)]
+        return (grad_x, None, None, None, *total)
 
-        # down: dh first (h is not saved), then h, d(gate), d(up) recomputed in place, then down's dA.
-        (_, grad_b_down, grad_bias_down), dh, dy_b = _grad_projections(
-            [dy], None, ha_down, (down,), params[6:], (False, *needs[7:9])
-        )
-        _gated_backward_(e, g, dh, ctx.activation)  # now dh holds h, e holds d(gate), g holds d(up)
-        h, d_gate, d_up = dh, e, g
-        grad_a_down = (dy_b.t() @ h).to(params[6].dtype) if needs[6] else None
-        del h, dh, dy_b
 
-        grads_gate_up, grad_x, _ = _grad_projections(
-            [d_gate, d_up], x, xa_gate_up, (gate, up), params[:6], needs[:6], need_x=ctx.needs_input_grad[0]
-        )
-        return (grad_x, None, None, *grads_gate_up, grad_a_down, grad_b_down, grad_bias_down)
+_MLP_CHUNK_BYTES = 128 * 1024 * 1024  # per (rows x intermediate) buffer in the chunked backward
+
+
+def _mlp_chunk_rows(n_rows: int, intermediate: int, element_size: int) -> int:
+    """Rows per chunk: even chunks, each (rows x intermediate) buffer within _MLP_CHUNK_BYTES."""
+    most = max(1, _MLP_CHUNK_BYTES // (intermediate * element_size))
+    return cdiv(n_rows, cdiv(n_rows, most))
+
+
+def _mlp_backward(x, e, g, xa_gate_up, ha_down, dy, ctx, params, needs):
+    """Gradients of the gated MLP from its saved (or just recomputed) gate/up outputs e, g.
+
+    Overwrites e and g. `ha_down` (h A_down^T, for down's dB) may be None: it is then computed from
+    h once the activation has been recomputed. Returns (grads of all params, dX).
+    """
+    gate, up, down = ctx.projections
+    # down: dh first (h is not saved), then h, d(gate), d(up) recomputed in place, then down's dA, dB.
+    (_, grad_b_down, grad_bias_down), dh, dy_b = _grad_projections(
+        [dy], None, ha_down, (down,), params[6:], (False, needs[7] and ha_down is not None, needs[8])
+    )
+    _gated_backward_(e, g, dh, ctx.activation)  # now dh holds h, e holds d(gate), g holds d(up)
+    h, d_gate, d_up = dh, e, g
+    grad_a_down = (dy_b.t() @ h).to(params[6].dtype) if needs[6] else None
+    if needs[7] and ha_down is None:
+        ha_down = h @ params[6].to(h.dtype).t()
+        grad_b_down = (dy.t() @ ha_down).mul_(down.scaling).to(params[7].dtype)
+    del h, dh, dy_b, ha_down
+
+    grads_gate_up, grad_x, _ = _grad_projections(
+        [d_gate, d_up], x, xa_gate_up, (gate, up), params[:6], needs[:6], need_x=ctx.needs_input_grad[0]
+    )
+    return [*grads_gate_up, grad_a_down, grad_b_down, grad_bias_down], grad_x
 
 
 # --- public API -----------------------------------------------------------------------------------
@@ -316,9 +363,14 @@ def lora_qkv(
 
 
 def lora_mlp(
-    x: torch.Tensor, gate: LoraWeights, up: LoraWeights, down: LoraWeights, activation: str = "swiglu"
+    x: torch.Tensor, gate: LoraWeights, up: LoraWeights, down: LoraWeights, activation: str = "swiglu",
+    *, output_needed: bool = True,
 ) -> torch.Tensor:
-    """down(act(gate(x)) * up(x)), act = SiLU ("swiglu"), GELU ("geglu") or tanh-GELU ("geglu_tanh")."""
+    """down(act(gate(x)) * up(x)), act = SiLU ("swiglu"), GELU ("geglu") or tanh-GELU ("geglu_tanh").
+
+    `output_needed=False` is for a recompute pass whose caller never reads the output (only its
+    gradient flows back): the result is then a zero stand-in and backward recomputes what it needs.
+    """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     for name, p in (("gate", gate), ("up", up), ("down", down)):
@@ -326,5 +378,5 @@ def lora_mlp(
     if gate.out_features != up.out_features or down.in_features != gate.out_features:
         raise ValueError("lora_mlp: gate and up must have the same width, and down must take it as input")
     projections = (gate, up, down)
-    out = _LoraMLP.apply(_flat(x), projections, activation, *_params(projections))
+    out = _LoraMLP.apply(_flat(x), projections, activation, output_needed, *_params(projections))
     return out.reshape(*x.shape[:-1], down.out_features)

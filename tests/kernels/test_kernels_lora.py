@@ -387,3 +387,33 @@ def test_kernels_compile_for_cuda_and_rocm_gpus():
         # NF4 reads half a byte per weight: 16 packed bytes per thread are one 16-byte load.
         wanted = ["ld.global.v4", "st.global.v4"]
         assert set(wanted) <= set(found), f"{case[1]} {case[3]}: wanted {wanted} in PTX, found {found}"
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 40 * 2 * 4], ids=["one chunk", "rows of 4"])
+def test_lora_mlp_without_output_gives_the_same_gradients(chunk_bytes, monkeypatch):
+    """The recompute pass of a checkpointed layer: no output, the same gradients (in token chunks too)."""
+    import unsloth_kernels.lora as lora_module
+
+    if chunk_bytes:  # 40 intermediate x 4 bytes x 4 rows: chunks of 4, 4, 3 rows
+        monkeypatch.setattr(lora_module, "_MLP_CHUNK_BYTES", chunk_bytes)
+    dtype, hidden, inter = torch.float32, 24, 40
+    gate, up = make_lora(inter, hidden, dtype, seed=1), make_lora(inter, hidden, dtype, seed=2, bias=True)
+    down = make_lora(hidden, inter, dtype, seed=3, bias=True)
+    x = torch.randn(11, hidden, dtype=dtype, device=DEVICE)
+    dout = torch.randn(11, hidden, dtype=dtype, device=DEVICE)
+    grads = []
+    for output_needed in (True, False):
+        params = [t for p in (gate, up, down) for t in (p.A, p.B, p.bias) if t is not None]
+        for t in params:
+            t.grad = None
+        xi = x.clone().requires_grad_()
+        out = lora_mlp(xi, gate, up, down, output_needed=output_needed)
+        assert out.shape == (11, hidden)
+        if not output_needed:
+            assert out.count_nonzero() == 0 and out.untyped_storage().nbytes() <= 4  # a stand-in, no buffer
+        (out * 0 + out).backward(dout)  # the output only feeds a sum, as in a residual stream
+        grads.append([xi.grad] + [t.grad.clone() for t in params])
+    for full, recomputed in zip(*grads):
+        # fp32; dA and dB are sums over rows, added chunk by chunk in another order (with cancellation
+        # between rows): measured up to 3e-5 relative. A wrong term would be off by O(1).
+        torch.testing.assert_close(recomputed, full, rtol=1e-4, atol=1e-5)

@@ -9,6 +9,7 @@ import torch
 
 from tiny_families import VOCAB, tiny_model
 from unsloth.models.patches import FAMILIES, patch_model, patch_peft_model
+from unsloth.training.memory import apply_gradient_checkpointing
 
 FAMILY_NAMES = sorted(FAMILIES)
 
@@ -36,8 +37,11 @@ def _with_lora(model):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_patched_matches_unpatched(family):
+def test_patched_matches_unpatched(family, checkpointing):
+    """Checkpointed: the patched model also recomputes its layers in backward (where the fused MLP of
+    a family in MLP_FEEDS_RESIDUAL skips its output); the reference keeps everything."""
     reference = tiny_model(family)
     patched = copy.deepcopy(reference)
     report = patch_model(patched)
@@ -56,6 +60,8 @@ def test_patched_matches_unpatched(family):
     reference, patched = _with_lora(reference), _with_lora(patched)
     # every LoRA layer on a fused path: one MLP (gate, up, down) and q, k, v, o per layer
     assert patch_peft_model(patched).lora == {"MLP": layers, "linear": 4 * layers}
+    if checkpointing:
+        assert apply_gradient_checkpointing(patched.get_base_model(), True) == layers
     for model in (reference, patched):
         model.train()
         model.zero_grad()

@@ -8,10 +8,20 @@ and during the backward pass the previous layer's input is fetched back while th
 
 from __future__ import annotations
 
+import threading
 import types
 
 import torch
 from torch import nn
+
+
+_recompute = threading.local()
+
+
+def recomputing() -> bool:
+    """True while a checkpointed layer reruns its forward for backward: its output is then never read,
+    only the graph behind it (the fused MLP uses this to skip work no gradient needs)."""
+    return getattr(_recompute, "active", False)
 
 
 class _Offloader:
@@ -88,8 +98,12 @@ class _CheckpointedLayer(torch.autograd.Function):
             torch.set_rng_state(ctx.rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
-            with torch.enable_grad():
-                output = ctx.run(hidden)
+            previous, _recompute.active = recomputing(), True
+            try:
+                with torch.enable_grad():
+                    output = ctx.run(hidden)
+            finally:
+                _recompute.active = previous
         torch.autograd.backward(output, grad_output)
         return (None, None, None, hidden.grad)
 

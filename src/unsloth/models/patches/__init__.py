@@ -34,6 +34,11 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "gemma3_text": ALL,
 }
 
+# Families whose decoder layer adds the MLP's output straight to the residual stream, with no norm
+# after it (Gemma 2 and 3 have one): a checkpoint's recompute pass never reads that output, so the
+# fused MLP skips its down projection there. tests/models checks each family's gradients with it.
+MLP_FEEDS_RESIDUAL = {"llama", "mistral", "qwen2", "qwen3", "gemma"}
+
 
 @dataclass
 class PatchReport:
@@ -88,6 +93,6 @@ def patch_peft_model(model) -> PatchReport | None:
     report = getattr(base, "_unsloth_patches", None)
     if report is None or report.skipped or "lora" not in FAMILIES.get(report.family, ()):
         return report
-    report.lora = patch_lora(model)
+    report.lora = patch_lora(model, mlp_feeds_residual=report.family in MLP_FEEDS_RESIDUAL)
     log.info(report.summary())
     return report

@@ -60,11 +60,18 @@ def _lora_mlp_forward(self, x):
         return _gated_mlp_forward(self, x)
     from unsloth_kernels.lora import lora_mlp
 
-    return lora_mlp(x, *weights, activation=_MLP_ACTIVATION[self._unsloth_act])
+    from unsloth.training.memory import recomputing
+
+    output_needed = not (self._unsloth_mlp_feeds_residual and recomputing())
+    return lora_mlp(x, *weights, activation=_MLP_ACTIVATION[self._unsloth_act], output_needed=output_needed)
 
 
-def patch_lora(model) -> dict[str, int]:
-    """Route the LoRA layers of a PeftModel through the fused kernels; returns counts per kind."""
+def patch_lora(model, mlp_feeds_residual: bool = False) -> dict[str, int]:
+    """Route the LoRA layers of a PeftModel through the fused kernels; returns counts per kind.
+
+    `mlp_feeds_residual`: the family's decoder layers add the MLP output straight to the residual
+    stream, so a checkpoint's recompute pass may skip computing it (see `lora_mlp(output_needed=)`).
+    """
     from peft.tuners.lora import LoraLayer
 
     mlps = linears = 0
@@ -74,6 +81,7 @@ def patch_lora(model) -> dict[str, int]:
         if act in _MLP_ACTIVATION and all(isinstance(getattr(module, n), LoraLayer)
                                           for n in ("gate_proj", "up_proj", "down_proj")):
             module.forward = types.MethodType(_lora_mlp_forward, module)
+            module._unsloth_mlp_feeds_residual = mlp_feeds_residual
             in_mlp.update(id(getattr(module, n)) for n in ("gate_proj", "up_proj", "down_proj"))
             mlps += 1
     for module in model.modules():
