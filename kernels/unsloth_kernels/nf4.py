@@ -37,8 +37,9 @@ NF4_CODE = (
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 )  # fmt: skip
 
-# Packed bytes per program and its warps: 16 bytes (32 weights) per thread on CUDA. Measured on an
-# H200 with bench/tune_kernels.py: 0.053 ms for 14336 x 4096 (bitsandbytes: 0.077).
+# Packed bytes per program and its warps (bench/tune_kernels.py --only nf4 sweeps both): 2048 bytes
+# (4096 weights) over 4 warps is 16 bytes in and 64 bytes out per thread, in 4-byte loads and 16-byte
+# stores; more bytes per thread only raises register use. A program covers at least one absmax block.
 _BYTES_PER_PROGRAM = 2048
 _WARPS = 4
 
@@ -55,10 +56,10 @@ class NestedAbsmax:
 
 @triton.jit
 def _round_to_bf16(x):
-    """fp32 -> bf16 to nearest-even, as torch's `.to()` does, on every backend.
+    """fp32 -> bf16 to nearest-even, as torch's `.to()` and GPU casts do.
 
-    Triton's CPU interpreter truncates fp32 -> bf16, so the rounding is spelled out in integer ops
-    (finite inputs only: NF4 values always are).
+    Triton's CPU interpreter truncates fp32 -> bf16, so there the rounding is spelled out in
+    integer ops (finite inputs only: NF4 values always are).
     """
     bits = x.to(tl.uint32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
@@ -75,38 +76,59 @@ def _dequantize_4bit_kernel(
     code2_ptr,
     offset_ptr,
     offset,
-    n_elements,
     n_bytes,
+    n_elements,
     BLOCKSIZE: tl.constexpr,
     BLOCKSIZE2: tl.constexpr,
     NESTED: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-    BYTES: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    VEC: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    byte = pid * BYTES + tl.arange(0, BYTES)
-    first = byte * 2  # index of the element in the high nibble
-    live = byte < n_bytes  # masked on the contiguous byte index, so the loads vectorise
-    packed = tl.load(packed_ptr + byte, mask=live, other=0).to(tl.int32)
+    # A program dequantizes BLOCKS whole absmax blocks: a (BLOCKS, BLOCKSIZE / 2) tile of packed
+    # bytes, so each block's scale is computed once and broadcast along its row. The bytes are
+    # split in runs of VEC (4): one 4-byte load per run becomes 2 * VEC outputs, one 16-byte bf16
+    # store, and both accesses use the same thread layout (no shuffle through shared memory).
+    HALF: tl.constexpr = BLOCKSIZE // 2  # packed bytes per absmax block
+    first_block = tl.program_id(0).to(tl.int64) * BLOCKS
+    packed_ptr += first_block * HALF  # 64-bit once here; the offsets below stay 32-bit
+    out_ptr += first_block * BLOCKSIZE
+    rows = tl.arange(0, BLOCKS)
+    row = rows[:, None, None]
+    run = tl.arange(0, HALF // VEC)[None, :, None]
+    byte = row * HALF + run * VEC + tl.arange(0, VEC)[None, None, :]
+    element = row * BLOCKSIZE + run * (2 * VEC) + tl.arange(0, 2 * VEC)[None, None, :]
+    block = first_block + rows
 
-    # Both nibbles of a byte share a block: blocksizes are even.
-    block = first // BLOCKSIZE
+    # EVEN: the grid tiles the weight exactly (real weight shapes do), so the wide accesses need
+    # no mask; the per-block scales are few, and always masked.
+    if EVEN:
+        packed = tl.load(packed_ptr + byte)
+    else:
+        packed = tl.load(packed_ptr + byte, mask=byte < n_bytes - first_block * HALF, other=0)
+    live = block * BLOCKSIZE < n_elements
     if NESTED:
-        scale_q = tl.load(absmax_ptr + block, mask=live, other=0).to(tl.int32)
+        scale_q = tl.load(absmax_ptr + block, mask=live, other=0)
         scale = tl.load(code2_ptr + scale_q) * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=live, other=0.0)
         # bitsandbytes keeps the offset as a device tensor: read it there rather than sync the host
         scale = scale + (tl.load(offset_ptr) if OFFSET_IN_MEMORY else offset)
     else:
         scale = tl.load(absmax_ptr + block, mask=live, other=0.0)
+    scale = scale[:, None, None]
 
     high = tl.load(code_ptr + (packed >> 4)) * scale
     low = tl.load(code_ptr + (packed & 0xF)) * scale
-    values = tl.interleave(high, low)  # element order: high, low, high, low, ...
-    if OUT_BF16:
+    # element order: high, low, high, low, ... (element 2j is byte j's high nibble)
+    values = tl.reshape(tl.join(high, low), (BLOCKS, HALF // VEC, 2 * VEC))
+    if ROUND_BF16:
         values = _round_to_bf16(values)
-    element = pid * (2 * BYTES) + tl.arange(0, 2 * BYTES)
-    tl.store(out_ptr + element, values.to(out_ptr.dtype.element_ty), mask=element < n_elements)
+    values = values.to(out_ptr.dtype.element_ty)
+    if EVEN:
+        tl.store(out_ptr + element, values)
+    else:
+        tl.store(out_ptr + element, values, mask=element < n_elements - first_block * BLOCKSIZE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,8 +164,9 @@ def dequantize_nf4(
     """
     shape = tuple(shape)
     n = prod(shape)
-    if blocksize <= 0 or blocksize % 2:
-        raise ValueError(f"blocksize must be a positive even number, got {blocksize}")
+    blocksize = int(blocksize)
+    if blocksize < 2 or blocksize & (blocksize - 1):
+        raise ValueError(f"blocksize must be a power of two of at least 2 (bitsandbytes uses 32 to 4096), got {blocksize}")
     data = packed.contiguous().view(torch.uint8).reshape(-1)
     if data.numel() != (n + 1) // 2:
         raise ValueError(f"packed weight has {data.numel()} bytes; shape {shape} needs {(n + 1) // 2}")
@@ -176,14 +199,17 @@ def dequantize_nf4(
     if n == 0:
         return out
     in_memory = isinstance(offset, torch.Tensor)
-    grid = (cdiv(cdiv(n, 2), _BYTES_PER_PROGRAM),)
+    half = blocksize // 2  # packed bytes per absmax block
+    blocks = max(1, _BYTES_PER_PROGRAM // half)  # absmax blocks per program
     # Keep `scale * code2 + offset` as two roundings (no FMA) so the result is bit-identical to bnb.
     options = {} if INTERPRET else {"enable_fp_fusion": False}
-    _dequantize_4bit_kernel[grid](
+    _dequantize_4bit_kernel[(cdiv(n_blocks, blocks),)](
         data, scales, _code_on(device, code), out, absmax2, code2,
-        offset if in_memory else scales, 0.0 if in_memory else float(offset), n, data.numel(),
-        BLOCKSIZE=int(blocksize), BLOCKSIZE2=blocksize2, NESTED=nested is not None, OFFSET_IN_MEMORY=in_memory,
-        OUT_BF16=out.dtype == torch.bfloat16, BYTES=_BYTES_PER_PROGRAM, num_warps=_WARPS, **options,
+        offset if in_memory else scales, 0.0 if in_memory else float(offset), data.numel(), n,
+        BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested is not None, OFFSET_IN_MEMORY=in_memory,
+        # The interpreter truncates fp32 -> bf16; GPUs round to nearest-even natively.
+        ROUND_BF16=INTERPRET and out.dtype == torch.bfloat16,
+        BLOCKS=blocks, VEC=min(4, half), EVEN=n % (blocks * blocksize) == 0, num_warps=_WARPS, **options,
     )  # fmt: skip
     return out
 
