@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from unsloth.models.embedding import offload_input_embedding
 from unsloth.models.merge import save_pretrained_merged
 from unsloth.models.patches import patch_model, patch_peft_model
 from unsloth.training.memory import apply_gradient_checkpointing
@@ -29,7 +30,7 @@ DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 # Options of the original Unsloth API that change nothing here: accepted so notebooks run as they are.
 _ACCEPTED_UNUSED = {
     "fix_tokenizer", "use_exact_model_name", "resize_model_vocab", "float8_kv_cache", "disable_log_stats",
-    "max_lora_rank", "gpu_memory_utilization", "offload_embedding", "float32_mixed_precision", "text_only",
+    "max_lora_rank", "gpu_memory_utilization", "float32_mixed_precision", "text_only",
     "unsloth_tiled_mlp", "qat_scheme", "load_in_16bit", "load_in_fp8", "ensure_weight_tying",
 }
 
@@ -101,9 +102,15 @@ class FastLanguageModel:
         fast_inference: bool = False,  # changes nothing: grpo_trainer uses vLLM whenever installed, on a GPU
         rope_scaling=None,
         tokenizer_name: str | None = None,
+        offload_embedding: bool | None = None,
         **kwargs,
     ):
-        """Load a causal LM and its tokenizer, with our kernels patched in. Returns (model, tokenizer)."""
+        """Load a causal LM and its tokenizer, with our kernels patched in. Returns (model, tokenizer).
+
+        `offload_embedding`: keep the (frozen) input embedding in pinned host memory during LoRA
+        training (unsloth.models.embedding). None: whenever it can; False: never; True: also say why
+        when it cannot.
+        """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         ignored = sorted(set(kwargs) & _ACCEPTED_UNUSED)
@@ -140,6 +147,7 @@ class FastLanguageModel:
             **{k: v for k, v in kwargs.items() if k in ("local_files_only", "cache_dir")},
         )
         model.max_seq_length = max_seq_length
+        model._unsloth_offload_embedding = offload_embedding
         patch_model(model)
         if full_finetuning:
             for p in model.parameters():
@@ -196,6 +204,11 @@ class FastLanguageModel:
         peft_model._unsloth_checkpointing = use_gradient_checkpointing
         apply_gradient_checkpointing(peft_model.get_base_model(), use_gradient_checkpointing)
         patch_peft_model(peft_model)
+        wanted = getattr(model, "_unsloth_offload_embedding", None)
+        if wanted is not False:
+            reason = offload_input_embedding(peft_model)
+            if reason and wanted:
+                log.warning("unsloth: offload_embedding: the input embedding stays on the GPU: %s.", reason)
         _attach_saving(peft_model)
         return peft_model
 

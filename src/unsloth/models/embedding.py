@@ -1,0 +1,96 @@
+"""A frozen input embedding kept in pinned host memory, its rows read by the GPU as batches need them.
+
+LoRA and QLoRA never train the input embedding, yet on the GPU it holds vocab x hidden weights
+(1 GiB for Llama 3's 128256 x 4096 in bf16). Offloaded, the table lives in pinned host memory and
+each forward reads only its batch's rows over PCIe (`unsloth_kernels.embedding.gather_rows`: 128 MiB
+for 16k tokens at 4096 wide). It is adopted only when the gather reproduces the lookup on a probe,
+and it stays in host memory when the model is moved (`.to`, `.cuda`), so a Trainer placing the model
+keeps it offloaded; `.to(dtype)` still casts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("unsloth")
+
+
+class OffloadedEmbedding(nn.Embedding):
+    """nn.Embedding whose table is in pinned host memory; lookups land on `compute_device`."""
+
+    compute_device: torch.device
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.compute_device.type == "cpu" or self.weight.device.type != "cpu":
+            return super().forward(input.to(self.weight.device))
+        from unsloth_kernels.embedding import gather_rows
+
+        return gather_rows(self.weight, input.to(self.compute_device, non_blocking=True))
+
+    def _apply(self, fn, recurse=True):
+        # A device move changes where lookups land, not where the table is; a dtype cast applies to it.
+        target = fn(torch.empty(0, dtype=self.weight.dtype, device=self.compute_device))
+        self.compute_device = target.device
+        if target.dtype != self.weight.dtype:
+            self.weight.data = _pinned_copy(self.weight.data.to(target.dtype))
+        return self
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+
+
+def _parent_and_name(model: nn.Module, child: nn.Module):
+    for parent in model.modules():
+        for name, module in parent.named_children():
+            if module is child:
+                return parent, name
+    return None, None
+
+
+def offload_input_embedding(model: nn.Module) -> str | None:
+    """Move a frozen, untied input embedding to pinned host memory; None when done, else why not."""
+    if os.environ.get("UNSLOTH_OFFLOAD_EMBEDDING", "1") == "0":
+        return "turned off by UNSLOTH_OFFLOAD_EMBEDDING=0"
+    embedding = model.get_input_embeddings()
+    if isinstance(embedding, OffloadedEmbedding):
+        return None
+    if type(embedding) is not nn.Embedding or embedding.max_norm is not None:
+        return "the input embedding is not a plain lookup (scaled or normed)"
+    weight = embedding.weight
+    if weight.requires_grad:
+        return "the input embedding is being trained"
+    head = model.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is not None and head.weight.data_ptr() == weight.data_ptr():
+        return "the input embedding is tied to the LM head, which needs it on the GPU"
+    if not weight.is_cuda:
+        return "the input embedding is not on a GPU"
+
+    device = weight.device
+    probe = torch.randint(0, weight.shape[0], (3, 5), device=device)
+    expected = F.embedding(probe, weight)
+    host = _pinned_copy(weight.data)
+    try:
+        from unsloth_kernels.embedding import gather_rows
+
+        ok = torch.equal(gather_rows(host, probe), expected)
+    except Exception as error:  # e.g. a platform where the GPU cannot read host memory
+        return f"the GPU could not read the table from host memory ({type(error).__name__}: {error})"
+    if not ok:
+        return "reading the table from host memory did not reproduce the lookup"
+    embedding.__class__ = OffloadedEmbedding
+    embedding.compute_device = device
+    weight.data = host
+    # `model.device` is its first parameter's device, and this table is usually that parameter:
+    # register the embedding last so the model still reports the GPU it computes on.
+    parent, name = _parent_and_name(model, embedding)
+    if parent is not None:
+        parent._modules[name] = parent._modules.pop(name)
+    log.info("unsloth: input embedding %s in pinned host memory (%.2f GiB of GPU memory freed)",
+             tuple(weight.shape), weight.numel() * weight.element_size() / 2**30)
+    return None

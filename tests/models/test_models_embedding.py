@@ -1,0 +1,47 @@
+"""The frozen input embedding in pinned host memory: same outputs, freed GPU memory, stays put."""
+
+import pytest
+import torch
+from torch import nn
+
+from tiny_families import VOCAB, tiny_model
+from unsloth.models.embedding import OffloadedEmbedding, offload_input_embedding
+
+
+def test_refused_with_a_reason_where_it_cannot_apply(monkeypatch):
+    model = tiny_model("llama")
+    model.requires_grad_(False)
+    assert "not on a GPU" in offload_input_embedding(model)
+    model.get_input_embeddings().weight.requires_grad_(True)
+    assert "being trained" in offload_input_embedding(model)
+    monkeypatch.setenv("UNSLOTH_OFFLOAD_EMBEDDING", "0")
+    assert "UNSLOTH_OFFLOAD_EMBEDDING=0" in offload_input_embedding(model)
+    assert type(model.get_input_embeddings()) is nn.Embedding
+
+
+def test_tied_and_scaled_embeddings_stay():
+    tied = tiny_model("llama").requires_grad_(False)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    assert "tied to the LM head" in offload_input_embedding(tied)
+    scaled = tiny_model("gemma3_text").requires_grad_(False)  # multiplies by sqrt(hidden) in its forward
+    assert "not a plain lookup" in offload_input_embedding(scaled)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the table is read by a GPU over PCIe")
+def test_offloaded_model_gives_the_same_logits_and_stays_offloaded():
+    model = tiny_model("llama").cuda().requires_grad_(False)
+    ids = torch.randint(0, VOCAB, (2, 9), device="cuda")
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    before = torch.cuda.memory_allocated()
+    assert offload_input_embedding(model) is None
+    embedding = model.get_input_embeddings()
+    assert isinstance(embedding, OffloadedEmbedding) and embedding.weight.is_pinned()
+    assert torch.cuda.memory_allocated() < before
+    assert model.device.type == "cuda"  # the first parameter is no longer the host table
+    model.to("cuda")  # what a Trainer does: the table stays in host memory
+    assert embedding.weight.device.type == "cpu"
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=0)
+    model.to(torch.float16)
+    assert embedding.weight.dtype == torch.float16 and embedding.weight.is_pinned()
