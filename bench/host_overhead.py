@@ -1,0 +1,90 @@
+"""Host time to issue one forward + backward of the small kernels (ours and Liger's), and where it goes.
+
+On ops this fast the host, not the GPU, sets the time the anchors measure. Per op: do_bench ms
+(as the anchors time it), GPU ms (CUDA graph replay), host µs per step (issue rate with the GPU
+queue not yet full), then cProfile's top entries for our implementation.
+
+    python bench/host_overhead.py [--only rmsnorm,rope]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+
+import torch
+import triton
+
+import unsloth_kernels as uk
+
+from bench_kernels import graph_ms, liger_ops, rope_inputs
+
+DEV, DT = "cuda", torch.bfloat16
+T, H = 16384, 4096
+
+
+def host_us(step, n=60):
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    issued = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return issued / n * 1e6
+
+
+def report(op, impl, step, profile_it):
+    row = {"op": op, "impl": impl,
+           "ms": round(triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median"), 4),
+           "graph_ms": graph_ms(step), "host_us": round(host_us(step), 1)}
+    print(json.dumps(row), flush=True)
+    if profile_it:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(50):
+            step()
+        prof.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+        print("\n".join(text.getvalue().splitlines()[6:]))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", default="rmsnorm,rope")
+    only = p.parse_args().only.split(",")
+    liger = liger_ops()
+    if "rmsnorm" in only:
+        x = torch.randn(T, H, device=DEV, dtype=DT, requires_grad=True)
+        w = torch.ones(H, device=DEV, dtype=DT, requires_grad=True)
+        dy = torch.randn(T, H, device=DEV, dtype=DT)
+        for impl, f in (("ours", lambda x, w: uk.rms_norm(x, w, 1e-5)), ("liger", liger and liger["rmsnorm"])):
+            if f is None:
+                continue
+
+            def step(f=f):
+                x.grad = w.grad = None
+                f(x, w).backward(dy)
+            report("rmsnorm", impl, step, impl == "ours")
+    if "rope" in only:
+        q, k, cos, sin, dq, dk = rope_inputs()
+        for impl, f in (("ours", uk.apply_rope), ("liger", liger and liger["rope"])):
+            if f is None:
+                continue
+
+            def step(f=f):
+                q.grad = k.grad = None
+                oq, ok = f(q, k, cos, sin)
+                torch.autograd.backward([oq, ok], [dq, dk])
+            report("rope", impl, step, impl == "ours")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Where one training step's GPU time and peak memory go, for any implementation the anchor harness
+loads (ours answers `import unsloth` when our source is first on PYTHONPATH).
+
+    python bench/profile_trainer.py --harness .anchors/anchor_lora.py --impl unsloth [--four-bit --batch 2]
+
+Prints JSON lines: GPU time per kernel category (torch.profiler, one step after warm-up), the top
+kernels, and what is alive at the step's memory peak, grouped by the source line that allocated it
+(torch.cuda.memory history).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+
+harness = sys.argv[sys.argv.index("--harness") + 1]
+del sys.argv[sys.argv.index("--harness"): sys.argv.index("--harness") + 2]
+source = open(harness).read().replace('if __name__ == "__main__":\n    main()', "")
+exec(compile(source, harness, "exec"))  # defines args, load()
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+CATEGORIES = (  # first match wins; what is left is Triton (ours, or Liger's / Unsloth's)
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "gemv", "cutlass", "sm90", "nvjet", "matmul")),
+    ("nf4 dequant", ("dequant", "4bit")),
+    ("copy/memset", ("memcpy", "memset")),
+    ("optimizer", ("adam",)),
+    ("elementwise (torch)", ("at::native", "elementwise", "reduce_kernel")),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "triton"
+
+
+model = load(args.impl)  # noqa: F821 - from the harness
+base = model.get_base_model() if hasattr(model, "get_base_model") else model
+report = getattr(base, "_unsloth_patches", None)  # ours: what was patched
+print(json.dumps({"patches": report.summary() if report is not None else None,
+                  "input_embedding": type(model.get_input_embeddings()).__name__,
+                  "embedding_device": str(model.get_input_embeddings().weight.device)}))
+params = [q for q in model.parameters() if q.requires_grad]
+opt = torch.optim.AdamW(params, lr=2e-4, fused=True)
+
+
+def step():
+    ids = torch.randint(0, 128000, (args.batch, args.seq), device="cuda")  # noqa: F821
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+for _ in range(2):
+    step()
+torch.cuda.synchronize()
+
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    step()
+    torch.cuda.synchronize()
+rows = [(e.key, e.device_time_total) for e in prof.key_averages() if e.device_time_total > 0]
+by_cat = collections.Counter()
+for key, t in rows:
+    by_cat[category(key)] += t
+print(json.dumps({"impl": args.impl, "four_bit": args.four_bit, "gpu_ms": round(sum(by_cat.values()) / 1e3, 1),
+                  "by_category_ms": {k: round(v / 1e3, 1) for k, v in by_cat.most_common()}}))
+for key, t in sorted(rows, key=lambda r: -r[1])[:25]:
+    print(f"  {t / 1e3:8.1f} ms  {key[:120]}")
+
+# Memory: replay one step's allocation history and list what is alive at its peak.
+torch.cuda.synchronize()
+torch.cuda.memory._record_memory_history(max_entries=400000)
+step()
+torch.cuda.synchronize()
+snapshot = torch.cuda.memory._snapshot()
+torch.cuda.memory._record_memory_history(enabled=None)
+
+baseline = sum(b["size"] for seg in snapshot["segments"] for b in seg["blocks"] if b["state"] == "active_allocated")
+trace = snapshot["device_traces"][0]
+# Blocks alive before the trace began are the baseline (weights, optimizer state...): measure relative to it.
+live, current, peak, peak_at = {}, 0, 0, -1
+for i, ev in enumerate(trace):
+    if ev["action"] == "alloc":
+        live[ev["addr"]] = ev
+        current += ev["size"]
+    elif ev["action"] in ("free_completed",):
+        if live.pop(ev["addr"], None) is not None:
+            current -= ev["size"]
+    if current > peak:
+        peak, peak_at = current, i
+live = {}
+for ev in trace[: peak_at + 1]:
+    if ev["action"] == "alloc":
+        live[ev["addr"]] = ev
+    elif ev["action"] == "free_completed":
+        live.pop(ev["addr"], None)
+
+
+def site(ev) -> str:
+    frames = ev.get("frames") or []
+    for f in frames:
+        name = f.get("filename", "")
+        if any(s in name for s in ("unsloth", "peft", "transformers", "torch/nn/functional", "anchor")) and "profile_trainer" not in name:
+            return f"{os.path.basename(name)}:{f.get('line')} {f.get('name')}"
+    return frames[0].get("name", "?") if frames else "?"
+
+
+groups = collections.Counter()
+counts = collections.Counter()
+for ev in live.values():
+    groups[site(ev)] += ev["size"]
+    counts[site(ev)] += 1
+print(json.dumps({"impl": args.impl, "four_bit": args.four_bit,
+                  "max_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                  "step_peak_above_trace_start_gib": round(peak / 2**30, 2),
+                  "allocated_at_trace_end_gib": round(baseline / 2**30, 2)}))
+print("  alive at the peak, by allocating line (MiB, blocks):")
+for where, size in groups.most_common(30):
+    print(f"  {size / 2**20:9.1f} MiB {counts[where]:4d}  {where}")
