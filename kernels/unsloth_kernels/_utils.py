@@ -6,6 +6,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 # Triton's interpreter (TRITON_INTERPRET=1) runs kernels on the CPU: that is how CI tests them.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -77,12 +79,19 @@ NORM_TUNING = {
 }
 
 
+# row_tile and split_rows run on every norm call: memoised on their inputs and the tuning values
+# (read per call, so a sweep that edits NORM_TUNING still takes effect).
 def row_tile(n_cols: int, direction: str) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, warps): BLOCK_N covers the row; BLOCK_M stacks rows up to the tile size."""
     tuning = NORM_TUNING[direction]
+    return _row_tile(n_cols, tuning["tile"], tuning["warps"])
+
+
+@functools.lru_cache(maxsize=256)
+def _row_tile(n_cols: int, tile: int, warps: int | None) -> tuple[int, int, int]:
     block_n = block_size_for(n_cols)
-    block_m = max(1, min(64, tuning["tile"] // block_n))
-    return block_m, block_n, tuning["warps"] or num_warps_for(block_m * block_n)
+    block_m = max(1, min(64, tile // block_n))
+    return block_m, block_n, warps or num_warps_for(block_m * block_n)
 
 
 def split_rows(n_rows: int, block_m: int, device: torch.device) -> tuple[int, int]:
@@ -92,8 +101,12 @@ def split_rows(n_rows: int, block_m: int, device: torch.device) -> tuple[int, in
     walking rows one at a time is latency-bound); each walks a contiguous chunk of rows, a
     multiple of block_m, and leaves one fp32 partial row of the weight gradient.
     """
-    per_sm = NORM_TUNING["backward"]["programs_per_sm"]
-    n_programs = max(1, min(cdiv(n_rows, block_m), per_sm * num_sms(device.index or 0)))
+    return _split_rows(n_rows, block_m, NORM_TUNING["backward"]["programs_per_sm"], device.index or 0)
+
+
+@functools.lru_cache(maxsize=1024)  # one entry per batch length seen
+def _split_rows(n_rows: int, block_m: int, per_sm: int, device_index: int) -> tuple[int, int]:
+    n_programs = max(1, min(cdiv(n_rows, block_m), per_sm * num_sms(device_index)))
     rows_per_program = max(1, cdiv(cdiv(n_rows, n_programs), block_m)) * block_m
     return cdiv(n_rows, rows_per_program), rows_per_program
 
@@ -102,3 +115,67 @@ def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     """A 2-D (rows, n_cols) view with unit column stride (copies only if it must)."""
     t = t.reshape(-1, n_cols)
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# --- the last step of a row-reducing backward: partial sums -> weight gradients ---
+
+# Partial rows per step and columns per program of sum_partials. The backward leaves
+# programs_per_sm * SMs partial rows (264 on an H200): (128, 32) fp32 tiles take them in 3 steps of
+# eight 16-byte loads per thread at 4 warps, and 4096 columns give 128 programs per group.
+SUM_BLOCK_P = 128
+SUM_BLOCK_N = 32
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 -> bf16 to nearest-even, as torch's `.to()` and GPU casts do.
+
+    Triton's CPU interpreter truncates fp32 -> bf16, so there the rounding is spelled out in
+    integer ops (finite inputs only).
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _store_sum(OUT, cols, total, mask, ROUND_BF16: tl.constexpr):
+    if ROUND_BF16:
+        if OUT.dtype.element_ty == tl.bfloat16:
+            total = round_to_bf16(total)
+    tl.store(OUT + cols, total.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_partials(
+    PARTIALS, OUT0, OUT1, n_partials, n_cols,
+    ROUND_BF16: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """OUT<g>[c] = sum over p of PARTIALS[g, p, c]: summed in fp32, stored in OUT<g>'s dtype."""
+    group = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    PARTIALS += group.to(tl.int64) * n_partials * n_cols
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for first in range(0, n_partials, BLOCK_P):
+        rows = first + tl.arange(0, BLOCK_P)
+        mask = (rows[:, None] < n_partials) & col_mask[None, :]
+        acc += tl.load(PARTIALS + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if group == 0:
+        _store_sum(OUT0, cols, total, col_mask, ROUND_BF16)
+    else:
+        _store_sum(OUT1, cols, total, col_mask, ROUND_BF16)
+
+
+def sum_partials(partials: torch.Tensor, out0: torch.Tensor, out1: torch.Tensor | None = None) -> None:
+    """out0 = partials[0].sum(0) (and out1 = partials[1].sum(0)), cast to their dtypes, in ONE launch.
+
+    `partials` is a contiguous fp32 (groups, P, N) buffer of per-program partial sums; this
+    replaces `partials.sum(1)` plus a cast per output (three launches or more, on every step).
+    """
+    n_groups, n_partials, n_cols = partials.shape
+    _sum_partials[(cdiv(n_cols, SUM_BLOCK_N), n_groups)](
+        partials, out0, out0 if out1 is None else out1, n_partials, n_cols,
+        ROUND_BF16=INTERPRET, BLOCK_P=SUM_BLOCK_P, BLOCK_N=SUM_BLOCK_N, num_warps=4,
+    )

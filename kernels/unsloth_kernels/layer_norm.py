@@ -2,7 +2,7 @@
 
 Matches torch.nn.functional.layer_norm (which also computes in fp32 for 16-bit inputs). Forward
 saves mean and rstd (two fp32 per row); backward reduces dW and dB with per-program partial
-sums, the same scheme as rms_norm.
+sums, the same scheme as rms_norm: one small kernel then sums both groups of partials.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import as_rows, cdiv, check_device, row_tile, split_rows
+from ._utils import as_rows, cdiv, check_device, row_tile, split_rows, sum_partials
 
 
 @triton.jit
@@ -49,9 +49,9 @@ def _load_tile(X, DY, MEAN, RSTD, rows, cols, last, n_cols, stride_x, stride_dy)
 
 @triton.jit
 def _layer_norm_bwd(
-    DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL,
+    DY, X, W, MEAN, RSTD, DX, PARTIALS,
     n_rows, n_cols, rows_per_program, stride_dy, stride_x, stride_dx,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -71,17 +71,24 @@ def _layer_norm_bwd(
         mask = (rows[:, None] < last) & col_mask[None, :]
         x_hat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
         dyf = dy.to(tl.float32)
-        dw += tl.sum(dyf * x_hat, axis=0)
-        db += tl.sum(dyf, axis=0)
+        if HAS_DW:
+            dw += tl.sum(dyf * x_hat, axis=0)
+        if HAS_DB:
+            db += tl.sum(dyf, axis=0)
         g = dyf * w[None, :]
         c1 = tl.sum(g * x_hat, axis=1) / n_cols
         c2 = tl.sum(g, axis=1) / n_cols
         dx = rstd[:, None] * (g - x_hat * c1[:, None] - c2[:, None])
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         rows, x, dy, mean, rstd = next_rows, x_next, dy_next, mean_next, rstd_next
-    tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
-    if HAS_BIAS:
-        tl.store(DB_PARTIAL + pid * n_cols + cols, db, mask=col_mask)
+    # PARTIALS is (groups, programs, n_cols) fp32: dW's rows, then dB's (see _utils.sum_partials).
+    if HAS_DW:
+        tl.store(PARTIALS + pid * n_cols + cols, dw, mask=col_mask)
+    if HAS_DB:
+        row = pid
+        if HAS_DW:
+            row += tl.num_programs(0)
+        tl.store(PARTIALS + row * n_cols + cols, db, mask=col_mask)
 
 
 def layer_norm_forward(x, weight, bias, eps):
@@ -101,26 +108,30 @@ def layer_norm_forward(x, weight, bias, eps):
     return y.view_as(x), x2, mean, rstd  # view_as: view(torch.Size) costs µs per call
 
 
-def layer_norm_backward(dy, x2, weight, bias, mean, rstd):
-    """(dx rows, dW, dB or None)."""
+def layer_norm_backward(dy, x2, weight, bias, mean, rstd, need_dw=True, need_db=None):
+    """(dx rows, dW or None, dB or None). By default dB is computed when there is a bias; a
+    gradient not needed (frozen norms, as in LoRA) is neither accumulated nor reduced."""
+    if need_db is None:
+        need_db = bias is not None
     n_rows, n_cols = x2.shape
+    device = x2.device
     dy2 = as_rows(dy, n_cols)
-    dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
+    dx = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=device)
     block_m, block_n, warps = row_tile(n_cols, "backward")
-    n_programs, rows_per_program = split_rows(n_rows, block_m, x2.device)
-    # dW and dB partials in one buffer: one sum and one cast finish both (fewer launches per step).
-    partials = torch.empty((1 + (bias is not None), n_programs, n_cols), dtype=torch.float32, device=x2.device)
+    n_programs, rows_per_program = split_rows(n_rows, block_m, device)
+    # dW and dB partial rows in one (groups, programs, cols) buffer: one small kernel sums both.
+    n_groups = need_dw + need_db
+    partials = torch.empty((n_groups, n_programs, n_cols), dtype=torch.float32, device=device) if n_groups else dx
     _layer_norm_bwd[(n_programs,)](
-        dy2, x2, weight, mean, rstd, dx, partials[0], partials[-1],
-        n_rows, n_cols, rows_per_program, dy2.stride(0), x2.stride(0), dx.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        dy2, x2, weight, mean, rstd, dx, partials,
+        n_rows, n_cols, rows_per_program, dy2.stride(0), x2.stride(0), n_cols,
+        HAS_DW=need_dw, HAS_DB=need_db, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )
-    sums = partials.sum(1)
-    if bias is None:
-        return dx, sums[0].to(weight.dtype), None
-    if bias.dtype == weight.dtype:
-        sums = sums.to(weight.dtype)
-    return dx, sums[0].to(weight.dtype), sums[1].to(bias.dtype)
+    dw = torch.empty_like(weight) if need_dw else None
+    db = torch.empty_like(bias) if need_db else None
+    if n_groups:
+        sum_partials(partials, *(g for g in (dw, db) if g is not None))
+    return dx, dw, db
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -134,7 +145,8 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = layer_norm_backward(dy, x2, weight, bias, mean, rstd)
+        _, need_dw, need_db, _ = ctx.needs_input_grad
+        dx, dw, db = layer_norm_backward(dy, x2, weight, bias, mean, rstd, need_dw, need_db)
         return dx.view(ctx.shape), dw, db, None
 
 

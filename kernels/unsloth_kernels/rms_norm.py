@@ -9,7 +9,8 @@ Two casting conventions, matching the Hugging Face modules:
 
 Forward saves only the per-row rstd (one fp32 per row). Backward reads x, dy (and rstd), writes dx,
 and reduces dW with per-program partial sums: a few programs per SM each walk a contiguous chunk
-of rows keeping an fp32 dW accumulator in registers, then one small torch sum over programs.
+of rows keeping an fp32 dW accumulator in registers, then one small kernel (_utils.sum_partials)
+sums the programs' rows and casts to the weight dtype. A frozen weight skips both.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import as_rows, cdiv, check_device, row_tile, split_rows
+from ._utils import as_rows, cdiv, check_device, row_tile, split_rows, sum_partials
 
 _CASTS = ("llama", "gemma")
 
@@ -67,7 +68,7 @@ def _rms_norm_bwd(
     DY, DS, X, W, RSTD, DX, DW_PARTIAL,
     n_rows, n_cols, offset, rows_per_program,
     stride_dy, stride_ds, stride_x, stride_dx,
-    HAS_DS: tl.constexpr, LLAMA_CAST: tl.constexpr,
+    HAS_DS: tl.constexpr, HAS_DW: tl.constexpr, LLAMA_CAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -90,57 +91,71 @@ def _rms_norm_bwd(
         x_hat = x.to(tl.float32) * rstd[:, None]
         dyf = dy.to(tl.float32)
         # dW sees exactly the factor the forward multiplied by (Llama: the row rounded to dtype).
-        if LLAMA_CAST:
-            dw += tl.sum(dyf * x_hat.to(x.dtype).to(tl.float32), axis=0)
-        else:
-            dw += tl.sum(dyf * x_hat, axis=0)
+        if HAS_DW:
+            if LLAMA_CAST:
+                dw += tl.sum(dyf * x_hat.to(x.dtype).to(tl.float32), axis=0)
+            else:
+                dw += tl.sum(dyf * x_hat, axis=0)
         g = dyf * w[None, :]
         dx = rstd[:, None] * (g - x_hat * (tl.sum(g * x_hat, axis=1) / n_cols)[:, None])
         if HAS_DS:
             dx += ds
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         rows, x, dy, rstd = next_rows, x_next, dy_next, rstd_next
-    tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
+    if HAS_DW:
+        tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
 
 
 def rms_norm_forward(x, weight, eps, offset, residual, cast):
     n_cols = x.shape[-1]
+    device = x.device
     x2 = as_rows(x, n_cols)
-    r2 = as_rows(residual, n_cols) if residual is not None else None
     n_rows = x2.shape[0]
     # Llama's `weight * hidden.to(dtype)` follows torch's type promotion (fp32 weight -> fp32 out).
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if cast == "llama" else x.dtype
-    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
-    s = torch.empty_like(x2, memory_format=torch.contiguous_format) if r2 is not None else None
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=device)
+    if residual is None:
+        r2, s, stride_r = x2, y, 0  # placeholders the kernel never touches
+    else:
+        r2 = as_rows(residual, n_cols)
+        s = torch.empty((n_rows, n_cols), dtype=x.dtype, device=device)
+        stride_r = r2.stride(0)
     block_m, block_n, warps = row_tile(n_cols, "forward")
     _rms_norm_fwd[(cdiv(n_rows, block_m),)](
-        x2, r2 if r2 is not None else x2, s if s is not None else y, weight, y, rstd,
+        x2, r2, s, weight, y, rstd,
         n_rows, n_cols, eps, offset,
-        x2.stride(0), r2.stride(0) if r2 is not None else 0, s.stride(0) if s is not None else 0, y.stride(0),
-        HAS_RESIDUAL=r2 is not None, LLAMA_CAST=cast == "llama",
+        x2.stride(0), stride_r, n_cols, n_cols,
+        HAS_RESIDUAL=residual is not None, LLAMA_CAST=cast == "llama",
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )
-    x_used = s if s is not None else x2
+    x_used = x2 if residual is None else s
     return y.view_as(x), x_used, rstd  # view_as: view(torch.Size) costs µs per call
 
 
-def rms_norm_backward(dy, ds, x2, weight, rstd, offset, cast, input_dtype):
+def rms_norm_backward(dy, ds, x2, weight, rstd, offset, cast, input_dtype, need_dw=True):
+    """(dx rows, dW or None): dW only when `need_dw` (frozen norms, as in LoRA, skip its reduction)."""
     n_rows, n_cols = x2.shape
+    device = x2.device
     dy2 = as_rows(dy, n_cols)
-    ds2 = as_rows(ds, n_cols) if ds is not None else None
-    dx = torch.empty((n_rows, n_cols), dtype=input_dtype, device=x2.device)
+    ds2 = dy2 if ds is None else as_rows(ds, n_cols)
+    dx = torch.empty((n_rows, n_cols), dtype=input_dtype, device=device)
     block_m, block_n, warps = row_tile(n_cols, "backward")
-    n_programs, rows_per_program = split_rows(n_rows, block_m, x2.device)
-    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device)
+    n_programs, rows_per_program = split_rows(n_rows, block_m, device)
+    # Per-program fp32 partial rows of dW, summed by one small kernel below.
+    partials = torch.empty((1, n_programs, n_cols), dtype=torch.float32, device=device) if need_dw else dx
     _rms_norm_bwd[(n_programs,)](
-        dy2, ds2 if ds2 is not None else dy2, x2, weight, rstd, dx, dw_partial,
+        dy2, ds2, x2, weight, rstd, dx, partials,
         n_rows, n_cols, offset, rows_per_program,
-        dy2.stride(0), ds2.stride(0) if ds2 is not None else 0, x2.stride(0), dx.stride(0),
-        HAS_DS=ds2 is not None, LLAMA_CAST=cast == "llama",
+        dy2.stride(0), ds2.stride(0), x2.stride(0), n_cols,
+        HAS_DS=ds is not None, HAS_DW=need_dw, LLAMA_CAST=cast == "llama",
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )
-    return dx, dw_partial.sum(0).to(weight.dtype)
+    if not need_dw:
+        return dx, None
+    dw = torch.empty_like(weight)
+    sum_partials(partials, dw)
+    return dx, dw
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -157,10 +172,11 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds=None):
         x2, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward(dy, ds, x2, weight, rstd, ctx.offset, ctx.cast, ctx.dtype)
+        need_dw = ctx.needs_input_grad[1]
+        dx, dw = rms_norm_backward(dy, ds, x2, weight, rstd, ctx.offset, ctx.cast, ctx.dtype, need_dw)
         dx = dx.view(ctx.shape)
         # With the fused add, x and residual receive the same gradient (d(x + r) / dx = d/dr = 1).
-        return dx, (dw if ctx.needs_input_grad[1] else None), None, None, (dx if ctx.has_residual else None), None
+        return dx, dw, None, None, (dx if ctx.has_residual else None), None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0,

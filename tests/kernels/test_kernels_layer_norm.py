@@ -9,6 +9,7 @@ from reference import (
     tolerance, without_gpu,
 )
 
+import unsloth_kernels._utils as kernel_utils
 from unsloth_kernels import LayerNorm, layer_norm
 
 pytestmark = needs_kernels
@@ -80,9 +81,40 @@ def test_an_empty_batch_gives_empty_outputs_and_zero_grads():
     assert torch.equal(weight.grad, torch.zeros_like(weight)) and torch.equal(bias.grad, torch.zeros_like(bias))
 
 
+@pytest.mark.parametrize("train_weight,train_bias", [(False, True), (True, False), (False, False)])
+def test_frozen_parameters_get_no_gradient_and_the_rest_is_unchanged(train_weight, train_bias):
+    # A gradient nobody needs is neither accumulated nor reduced; what is computed must be
+    # bit-identical to the all-trainable run.
+    g = torch.Generator().manual_seed(0)
+    x, dy = (torch.randn(3, 50, 1000, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    weight, bias = ((1 + 0.2 * torch.randn(1000, generator=g)).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+
+    def grads(train_w, train_b):
+        xk, wk, bk = x.clone().requires_grad_(), weight.clone().requires_grad_(train_w), bias.clone().requires_grad_(train_b)
+        layer_norm(xk, wk, bk).backward(dy)
+        return xk.grad, wk.grad, bk.grad
+
+    dx, dw, db = grads(True, True)
+    dx_f, dw_f, db_f = grads(train_weight, train_bias)
+    assert torch.equal(dx, dx_f)
+    assert torch.equal(dw, dw_f) if train_weight else dw_f is None
+    assert torch.equal(db, db_f) if train_bias else db_f is None
+
+
+def test_grads_summed_over_many_partials(monkeypatch):
+    # More backward programs than one step of sum_partials takes, not a multiple of it, and a
+    # width that is not a multiple of its column block: dW and dB through one launch.
+    monkeypatch.setitem(kernel_utils.NORM_TUNING["backward"], "programs_per_sm", 20)
+    monkeypatch.setattr(kernel_utils, "SUM_BLOCK_P", 16)
+    monkeypatch.setattr(kernel_utils, "SUM_BLOCK_N", 64)
+    check_against_float64((300, 1000), torch.float32, bias=True)
+
+
 COMPILE_CASES = [  # Llama-3.1-8B-wide rows, tiled as the launcher tiles them (see _utils.row_tile)
-    ("unsloth_kernels.layer_norm", name, dict(HAS_BIAS=b, BLOCK_M=block_m, BLOCK_N=4096), warps)
-    for name, block_m, warps in (("_layer_norm_fwd", 2, 16), ("_layer_norm_bwd", 2, 16)) for b in (False, True)
+    ("unsloth_kernels.layer_norm", "_layer_norm_fwd", dict(HAS_BIAS=b, BLOCK_M=2, BLOCK_N=4096), 16) for b in (False, True)
+] + [
+    ("unsloth_kernels.layer_norm", "_layer_norm_bwd", dict(HAS_DW=w, HAS_DB=b, BLOCK_M=2, BLOCK_N=4096), 16)
+    for w, b in ((True, True), (True, False), (False, False))
 ]
 
 

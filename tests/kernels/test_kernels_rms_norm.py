@@ -164,12 +164,39 @@ def test_an_empty_batch_gives_empty_outputs_and_zero_weight_grad():
     assert y.shape == (0, 64) and torch.equal(weight.grad, torch.zeros_like(weight))
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_frozen_weight_gets_no_gradient_and_the_same_dx(residual):
+    # LoRA freezes the norms: backward then skips dW (its accumulation and its reduction launch),
+    # and the input gradients must be bit-identical to those of a trainable weight.
+    x, weight, dy = make_inputs((3, 50, 1000), torch.bfloat16)
+    r = torch.randn_like(x) if residual else None
+    grads = []
+    for trainable in (True, False):
+        xk, wk = x.clone().requires_grad_(), weight.clone().requires_grad_(trainable)
+        rk = r.clone().requires_grad_() if residual else None
+        out = rms_norm(xk, wk, residual=rk)
+        torch.autograd.backward(out, (dy, dy) if residual else dy)
+        assert (wk.grad is not None) == trainable
+        grads.append((xk.grad, rk.grad if residual else None))
+    (dx, dr), (dx_frozen, dr_frozen) = grads
+    assert torch.equal(dx, dx_frozen) and (not residual or torch.equal(dr, dr_frozen))
+
+
+def test_weight_grad_summed_over_many_partials(monkeypatch):
+    # Many backward programs (more partial rows than one step of sum_partials takes, and not a
+    # multiple of it) and a width that is not a multiple of its column block.
+    monkeypatch.setitem(kernel_utils.NORM_TUNING["backward"], "programs_per_sm", 20)
+    monkeypatch.setattr(kernel_utils, "SUM_BLOCK_P", 16)
+    monkeypatch.setattr(kernel_utils, "SUM_BLOCK_N", 64)
+    check_against_float64((300, 1000), torch.float32, "llama", 0.0)
+
+
 COMPILE_CASES = [  # Llama-3.1-8B rows, 4096 wide, tiled as the launcher tiles them (see _utils.row_tile)
     ("unsloth_kernels.rms_norm", "_rms_norm_fwd", dict(HAS_RESIDUAL=r, LLAMA_CAST=c, BLOCK_M=2, BLOCK_N=4096), 16)
     for r in (False, True) for c in (False, True)
 ] + [
-    ("unsloth_kernels.rms_norm", "_rms_norm_bwd", dict(HAS_DS=d, LLAMA_CAST=c, BLOCK_M=2, BLOCK_N=4096), 16)
-    for d in (False, True) for c in (False, True)
+    ("unsloth_kernels.rms_norm", "_rms_norm_bwd", dict(HAS_DS=d, HAS_DW=w, LLAMA_CAST=c, BLOCK_M=2, BLOCK_N=4096), 16)
+    for d in (False, True) for w in (False, True) for c in (False, True)
 ]
 
 
