@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import INTERPRET, cdiv, check_device
+from ._utils import INTERPRET, cdiv, check_device, round_to_bf16
 
 # The 16 NF4 levels (quantiles of N(0, 1) scaled to [-1, 1]) as bitsandbytes defines them.
 NF4_CODE = (
@@ -52,18 +52,6 @@ class NestedAbsmax:
     code: torch.Tensor  # fp32, 256 entries
     blocksize: int
     offset: torch.Tensor | float  # scalar added back after dequantizing
-
-
-@triton.jit
-def _round_to_bf16(x):
-    """fp32 -> bf16 to nearest-even, as torch's `.to()` and GPU casts do.
-
-    Triton's CPU interpreter truncates fp32 -> bf16, so there the rounding is spelled out in
-    integer ops (finite inputs only: NF4 values always are).
-    """
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -123,7 +111,7 @@ def _dequantize_4bit_kernel(
     # element order: high, low, high, low, ... (element 2j is byte j's high nibble)
     values = tl.reshape(tl.join(high, low), (BLOCKS, HALF // VEC, 2 * VEC))
     if ROUND_BF16:
-        values = _round_to_bf16(values)
+        values = round_to_bf16(values)
     values = values.to(out_ptr.dtype.element_ty)
     if EVEN:
         tl.store(out_ptr + element, values)
