@@ -140,12 +140,13 @@ GPU_TARGETS = {"sm90": ("cuda", 90, 32), "gfx942": ("hip", "gfx942", 64)}
 SCALAR_FLOATS = ("eps", "offset")
 
 
-def compile_for_gpu(kernel, constexprs: dict, target: str, num_warps: int = 4):
+def compile_for_gpu(kernel, constexprs: dict, target: str, num_warps: int = 4, types: dict | None = None):
     """Compile a @triton.jit kernel for `target` (a GPU_TARGETS key) and return the compiled kernel.
 
     Pointer arguments are the kernel's UPPER-CASE parameters (bf16 here), scalars are i32 except
-    SCALAR_FLOATS; every pointer and integer gets the 16-divisibility a real launch with aligned
-    tensors and 4096-wide rows is specialised with, so loads vectorise as they would on the GPU.
+    SCALAR_FLOATS; `types` overrides any of these by name (e.g. {"packed_ptr": "*u8"}). Every
+    pointer and integer gets the 16-divisibility a real launch with aligned tensors and 4096-wide
+    rows is specialised with, so loads vectorise as they would on the GPU.
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
@@ -159,8 +160,9 @@ def compile_for_gpu(kernel, constexprs: dict, target: str, num_warps: int = 4):
             signature[name] = "*bf16"
         else:
             signature[name] = "fp32" if name in SCALAR_FLOATS else "i32"
+    signature.update(types or {})
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
-             if signature[name] not in ("constexpr", "fp32")}
+             if signature[name] not in ("constexpr", "fp32", "fp64")}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton_compile(source, target=GPUTarget(*GPU_TARGETS[target]), options={"num_warps": num_warps})
 
@@ -186,7 +188,17 @@ def compile_cases_for_gpu(cases) -> dict[str, list[bool]]:
     """Compile each (module, kernel name, constexprs, num_warps) for every GPU_TARGETS entry, in a
     fresh interpreter without TRITON_INTERPRET (under it, @triton.jit gives interpreted functions
     that cannot be compiled). Returns, per target and case, whether the code has 16-byte vector
-    global loads (checked on CUDA's PTX; False elsewhere).
+    global loads.
+    """
+    facts = gpu_compile_facts(cases)
+    return {target: [fact["vector_loads"] for fact in per_case] for target, per_case in facts.items()}
+
+
+def gpu_compile_facts(cases) -> dict[str, list[dict]]:
+    """Compile each (module, kernel name, constexprs, num_warps[, types]) for every GPU_TARGETS
+    entry (see compile_cases_for_gpu) and return, per target and case, what the code does with
+    memory: {"vector_loads", "vector_stores"} (16-byte global accesses: PTX `ld/st.global.v4`,
+    AMD `*_dwordx4`) and "shared" (bytes of shared memory, e.g. for a layout shuffle).
     """
     import json
     import os
@@ -201,10 +213,13 @@ def compile_cases_for_gpu(cases) -> dict[str, list[bool]]:
         "cases = json.loads(sys.argv[1])\n"
         "out = {target: [] for target in GPU_TARGETS}\n"
         "for target in GPU_TARGETS:\n"
-        "    for module, name, constexprs, warps in cases:\n"
+        "    for module, name, constexprs, warps, *types in cases:\n"
         "        kernel = getattr(importlib.import_module(module), name)\n"
-        "        asm = compile_for_gpu(kernel, constexprs, target, warps).asm\n"
-        "        out[target].append('ld.global.v4' in asm.get('ptx', ''))\n"
+        "        compiled = compile_for_gpu(kernel, constexprs, target, warps, *types)\n"
+        "        asm = compiled.asm.get('ptx', '') or compiled.asm.get('amdgcn', '')\n"
+        "        out[target].append({'vector_loads': 'ld.global.v4' in asm or 'load_dwordx4' in asm,\n"
+        "                            'vector_stores': 'st.global.v4' in asm or 'store_dwordx4' in asm,\n"
+        "                            'shared': compiled.metadata.shared})\n"
         "print(json.dumps(out))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

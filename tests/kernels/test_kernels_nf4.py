@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference import DEVICE, needs_kernels, real_shapes
+from reference import DEVICE, gpu_compile_facts, needs_kernels, real_shapes, without_gpu
 import unsloth_kernels.nf4 as nf4
 from unsloth_kernels.nf4 import NF4_CODE, dequantize_bnb_4bit, dequantize_nf4
 
@@ -174,6 +174,25 @@ def test_non_power_of_two_blocksize_is_refused():
     packed, state = random_state((2, 96), 96)
     with pytest.raises(ValueError, match="power of two"):
         dequantize_bnb_4bit(packed, state)
+
+
+@without_gpu
+def test_kernel_compiles_for_cuda_and_rocm_with_wide_stores_and_no_shuffle():
+    # What the interpreter cannot show: on sm_90 and gfx942 a whole-program launch (EVEN, the real
+    # weight shapes) writes 16-byte vectors straight from the registers that computed them, with no
+    # layout change through shared memory; the masked tail variant must compile too.
+    types = {"packed_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32", "out_ptr": "*bf16",
+             "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset_ptr": "*fp32"}
+    cases = [
+        ("unsloth_kernels.nf4", "_dequantize_4bit_kernel",
+         dict(BLOCKSIZE=64, BLOCKSIZE2=256, NESTED=nested, OFFSET_IN_MEMORY=nested, ROUND_BF16=False,
+              BLOCKS=nf4._BYTES_PER_PROGRAM // 32, VEC=4, EVEN=even), nf4._WARPS, types)
+        for nested, even in ((True, True), (False, True), (True, False))
+    ]  # fmt: skip
+    for target, facts in gpu_compile_facts(cases).items():
+        for (*_, constexprs, _, _), fact in zip(cases, facts):
+            if constexprs["EVEN"]:
+                assert fact["vector_stores"] and fact["shared"] == 0, (target, constexprs, fact)
 
 
 @real_shapes
