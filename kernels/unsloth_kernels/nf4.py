@@ -42,6 +42,8 @@ NF4_CODE = (
 # stores; more bytes per thread only raises register use. A program covers at least one absmax block.
 _BYTES_PER_PROGRAM = 2048
 _WARPS = 4
+# Keep `scale * code2 + offset` as two roundings (no FMA) so the result is bit-identical to bnb.
+_OPTIONS = {} if INTERPRET else {"enable_fp_fusion": False}
 
 
 @dataclass(frozen=True)
@@ -125,12 +127,20 @@ def _nf4_code(device: torch.device) -> torch.Tensor:
     return torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
 
 
+def _fp32_on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` as contiguous fp32 on `device`: itself when it already is (the usual case, and a
+    no-op `.to()` still costs a dispatch on every call)."""
+    if t.dtype == torch.float32 and t.device == device and t.is_contiguous():
+        return t
+    return t.to(device=device, dtype=torch.float32).contiguous()
+
+
 def _code_on(device: torch.device, code: torch.Tensor | None) -> torch.Tensor:
     if code is None:
         return _nf4_code(device)
     if code.numel() != 16:
         raise ValueError(f"a 4-bit code has 16 entries, got {code.numel()}")
-    return code.to(device=device, dtype=torch.float32).contiguous()
+    return _fp32_on(code, device)
 
 
 def dequantize_nf4(
@@ -155,7 +165,9 @@ def dequantize_nf4(
     blocksize = int(blocksize)
     if blocksize < 2 or blocksize & (blocksize - 1):
         raise ValueError(f"blocksize must be a power of two of at least 2 (bitsandbytes uses 32 to 4096), got {blocksize}")
-    data = packed.contiguous().view(torch.uint8).reshape(-1)
+    data = packed if packed.is_contiguous() else packed.contiguous()
+    if data.dtype != torch.uint8:  # the kernel reads bytes through the data pointer: no 1-D view needed
+        data = data.view(torch.uint8)
     if data.numel() != (n + 1) // 2:
         raise ValueError(f"packed weight has {data.numel()} bytes; shape {shape} needs {(n + 1) // 2}")
     n_blocks = cdiv(n, blocksize)
@@ -171,15 +183,15 @@ def dequantize_nf4(
     if nested is not None:
         if absmax.dtype != torch.uint8:
             raise ValueError(f"nested absmax must be uint8 indices, got {absmax.dtype}")
-        absmax2 = nested.absmax.to(device=device, dtype=torch.float32).contiguous()
-        code2 = nested.code.to(device=device, dtype=torch.float32).contiguous()
+        absmax2 = _fp32_on(nested.absmax, device)
+        code2 = _fp32_on(nested.code, device)
         offset = nested.offset
         if isinstance(offset, torch.Tensor):
-            offset = offset.to(device=device, dtype=torch.float32).reshape(1)
+            offset = _fp32_on(offset, device)
         blocksize2 = int(nested.blocksize)
-        scales = absmax.contiguous()
+        scales = absmax if absmax.is_contiguous() else absmax.contiguous()
     else:
-        scales = absmax.to(torch.float32).contiguous()
+        scales = _fp32_on(absmax, device)
         absmax2 = code2 = scales  # unused by the kernel
         offset = 0.0
         blocksize2 = 1
@@ -189,15 +201,13 @@ def dequantize_nf4(
     in_memory = isinstance(offset, torch.Tensor)
     half = blocksize // 2  # packed bytes per absmax block
     blocks = max(1, _BYTES_PER_PROGRAM // half)  # absmax blocks per program
-    # Keep `scale * code2 + offset` as two roundings (no FMA) so the result is bit-identical to bnb.
-    options = {} if INTERPRET else {"enable_fp_fusion": False}
     _dequantize_4bit_kernel[(cdiv(n_blocks, blocks),)](
         data, scales, _code_on(device, code), out, absmax2, code2,
         offset if in_memory else scales, 0.0 if in_memory else float(offset), data.numel(), n,
         BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested is not None, OFFSET_IN_MEMORY=in_memory,
         # The interpreter truncates fp32 -> bf16; GPUs round to nearest-even natively.
         ROUND_BF16=INTERPRET and out.dtype == torch.bfloat16,
-        BLOCKS=blocks, VEC=min(4, half), EVEN=n % (blocks * blocksize) == 0, num_warps=_WARPS, **options,
+        BLOCKS=blocks, VEC=min(4, half), EVEN=n % (blocks * blocksize) == 0, num_warps=_WARPS, **_OPTIONS,
     )  # fmt: skip
     return out
 
