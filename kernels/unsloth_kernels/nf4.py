@@ -37,9 +37,10 @@ NF4_CODE = (
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 )  # fmt: skip
 
-# Packed bytes per program and its warps (bench/tune_kernels.py --only nf4 sweeps both): 2048 bytes
-# (4096 weights) over 4 warps is 16 bytes in and 64 bytes out per thread, in 4-byte loads and 16-byte
-# stores; more bytes per thread only raises register use. A program covers at least one absmax block.
+# Packed bytes per program (a power of two) and its warps; bench/tune_kernels.py --only nf4 sweeps
+# both. 2048 bytes (4096 weights) over 4 warps is 16 bytes in and 64 bytes out per thread, as 4-byte
+# loads and 16-byte stores (sm_90: 40 registers, no shared memory). A program covers at least one
+# absmax block.
 _BYTES_PER_PROGRAM = 2048
 _WARPS = 4
 # Keep `scale * code2 + offset` as two roundings (no FMA) so the result is bit-identical to bnb.
