@@ -350,23 +350,32 @@ print(json.dumps(out))
 
 
 def _kernel_cases():
+    import unsloth_kernels.lora as lora_module
+
     ce_sig = {"logits_ptr": "*bf16", "logits_stride": "i32", "labels_ptr": "*i64", "loss_ptr": "*fp32", "V": "i32",
               "ignore_index": "i32", "softcap": "fp32", "logit_scale": "fp32"}  # fmt: skip
     nf4_sig = {"packed_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32", "out_ptr": "*bf16",
-               "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset_ptr": "*fp32", "offset": "fp32", "n_elements": "i32",
-               "n_bytes": "i32"}  # fmt: skip
+               "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset_ptr": "*fp32", "offset": "fp32", "n_bytes": "i32",
+               "n_elements": "i32"}  # fmt: skip
     cases = [
         ("cross_entropy", "_cross_entropy_rows_kernel", ce_sig,
          {"HAS_SCALE": True, "HAS_SOFTCAP": True, "COMPUTE_GRAD": True, "BLOCK_V": 16384}, {"num_warps": 32}),
         ("nf4", "_dequantize_4bit_kernel", nf4_sig,
-         {"BLOCKSIZE": 64, "BLOCKSIZE2": 256, "NESTED": True, "OFFSET_IN_MEMORY": True, "OUT_BF16": True,
-          "BYTES": 2048},
+         {"BLOCKSIZE": 64, "BLOCKSIZE2": 256, "NESTED": True, "OFFSET_IN_MEMORY": True, "ROUND_BF16": False,
+          "BLOCKS": 64, "VEC": 4, "EVEN": True},
          {"num_warps": 4, "enable_fp_fusion": False}),
     ]  # fmt: skip
+    gated_sig = {name: "*bf16" for name in ("E", "G", "DH", "XA", "DYB")}
+    gated_sig.update({name: "*fp32" for name in ("BG", "BU", "AD")})  # LoRA parameters stay fp32
+    gated_sig.update({name: "i32" for name in ("n_rows", "n_cols", "stride", "stride_xa", "sbg_r", "sbg_col",
+                                               "sbu_r", "sbu_col", "stride_dyb", "sad_r", "sad_col")})
+    gated_sig.update(scale_g="fp32", scale_u="fp32")
     for activation in ("swiglu", "geglu", "geglu_tanh"):
-        for name, last in (("_gated_forward_kernel", "h_ptr"), ("_gated_backward_kernel", "dh_ptr")):
-            signature = {"e_ptr": "*bf16", "g_ptr": "*bf16", last: "*bf16", "n": "i32"}
-            cases.append(("lora", name, signature, {"ACT": ACT_CODES[activation], "BLOCK": 1024}, {"num_warps": 4}))
+        for backward in (False, True):  # with every LoRA term folded in: the heaviest variant
+            constexprs = {"ACT": ACT_CODES[activation], "BACKWARD": backward, "LORA": True, "LORA_DH": backward,
+                          "RANK_G": 16, "RANK_U": 16, "RANK_D": 16, "BLOCK_R": 16, "DOT_FP32": False,
+                          "BLOCK_M": lora_module._GATED_BLOCK_M, "BLOCK_N": lora_module._GATED_BLOCK_N}
+            cases.append(("lora", "_gated_kernel", gated_sig, constexprs, {"num_warps": lora_module._GATED_WARPS}))
     return cases
 
 
@@ -384,8 +393,8 @@ def test_kernels_compile_for_cuda_and_rocm_gpus():
     assert done.returncode == 0, done.stderr[-4000:]
     vectors = json.loads(done.stdout.strip().splitlines()[-1])[: len(cases)]  # the CUDA half has PTX
     for case, found in zip(cases, vectors):
-        # NF4 reads half a byte per weight: 16 packed bytes per thread are one 16-byte load.
-        wanted = ["ld.global.v4", "st.global.v4"]
+        # NF4 reads 4 packed bytes per run (one 32-bit load) and writes their 8 weights as one 16-byte store.
+        wanted = ["st.global.v4"] if case[0] == "nf4" else ["ld.global.v4", "st.global.v4"]
         assert set(wanted) <= set(found), f"{case[1]} {case[3]}: wanted {wanted} in PTX, found {found}"
 
 
@@ -417,3 +426,43 @@ def test_lora_mlp_without_output_gives_the_same_gradients(chunk_bytes, monkeypat
         # fp32; dA and dB are sums over rows, added chunk by chunk in another order (with cancellation
         # between rows): measured up to 3e-5 relative. A wrong term would be off by O(1).
         torch.testing.assert_close(recomputed, full, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rank", [8, 72], ids=["rank 8 (folded, padded to 16)", "rank 72 (separate addmm_)"])
+def test_lora_mlp_ranks_on_both_sides_of_the_folding_limit(rank):
+    import unsloth_kernels.lora as lora_module
+
+    assert (rank <= lora_module._MAX_FOLDED_RANK) == (rank == 8)
+    dtype, hidden, inter = torch.float32, 24, 40
+    gate = make_lora(inter, hidden, dtype, rank=rank, seed=1)
+    up = make_lora(inter, hidden, dtype, rank=rank, seed=2)
+    down = make_lora(hidden, inter, dtype, rank=rank, seed=3)
+    x = torch.randn(5, hidden, dtype=dtype, device=DEVICE).requires_grad_()
+    out = lora_mlp(x, gate, up, down)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    refs, x_ref = [as_f64(p) for p in (gate, up, down)], f64(x)
+    expected = mlp_ref(x_ref, *refs, "swiglu")
+    expected.backward(dout.double())
+    assert_close_dtype(out, expected, dtype, n_reduce=inter + rank, name="out", factor=CHAIN_FACTOR)
+    assert_close_dtype(x.grad, x_ref.grad, dtype, n_reduce=inter + rank, name="dX", factor=CHAIN_FACTOR)
+    for name, p, r in zip(("gate", "up", "down"), (gate, up, down), refs):
+        check_grads(p, r, dtype, n_reduce=5, name=name, factor=CHAIN_FACTOR)
+
+
+def test_lora_mlp_without_autograd_runs_in_chunks_with_the_same_output(monkeypatch):
+    import unsloth_kernels.lora as lora_module
+
+    dtype, hidden, inter = torch.float32, 24, 40
+    gate, up = make_lora(inter, hidden, dtype, seed=1), make_lora(inter, hidden, dtype, seed=2, bias=True)
+    down = make_lora(hidden, inter, dtype, seed=3, bias=True)
+    x = torch.randn(2, 11, hidden, dtype=dtype, device=DEVICE)
+    with torch.no_grad():
+        whole = lora_mlp(x, gate, up, down)
+        monkeypatch.setattr(lora_module, "_MLP_CHUNK_BYTES", 40 * 4 * 5)  # chunks of 5 tokens
+        chunked = lora_mlp(x, gate, up, down)
+    assert chunked.shape == (2, 11, hidden)
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)  # row-wise math: chunks change nothing
+    refs = [as_f64(p) for p in (gate, up, down)]
+    assert_close_dtype(chunked, mlp_ref(f64(x), *refs, "swiglu").detach(), dtype, n_reduce=inter, name="out",
+                       factor=CHAIN_FACTOR)
