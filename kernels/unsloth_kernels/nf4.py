@@ -184,12 +184,15 @@ def dequantize_nf4(
     if nested is not None:
         if absmax.dtype != torch.uint8:
             raise ValueError(f"nested absmax must be uint8 indices, got {absmax.dtype}")
+        blocksize2 = int(nested.blocksize)
+        if nested.absmax.numel() < cdiv(n_blocks, blocksize2):
+            raise ValueError(f"nested absmax has {nested.absmax.numel()} scales; {n_blocks} absmax values in "
+                             f"blocks of {blocksize2} need {cdiv(n_blocks, blocksize2)}")
         absmax2 = _fp32_on(nested.absmax, device)
         code2 = _fp32_on(nested.code, device)
         offset = nested.offset
         if isinstance(offset, torch.Tensor):
             offset = _fp32_on(offset, device)
-        blocksize2 = int(nested.blocksize)
         scales = absmax if absmax.is_contiguous() else absmax.contiguous()
     else:
         scales = _fp32_on(absmax, device)

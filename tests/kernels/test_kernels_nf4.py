@@ -176,6 +176,14 @@ def test_non_power_of_two_blocksize_is_refused():
         dequantize_bnb_4bit(packed, state)
 
 
+def test_short_nested_absmax_is_refused():
+    # 7 x 4096 in blocks of 64 is 448 absmax values: two second-level scales, not one.
+    packed, state = random_state((7, 4096), 64)
+    state.state2.absmax = state.state2.absmax[:1]
+    with pytest.raises(ValueError, match="nested absmax has 1 scales"):
+        dequantize_bnb_4bit(packed, state)
+
+
 @without_gpu
 def test_kernel_compiles_for_cuda_and_rocm_with_wide_stores_and_no_shuffle():
     # What the interpreter cannot show: on sm_90 and gfx942 a whole-program launch (EVEN, the real
