@@ -176,7 +176,7 @@ def test_bad_arguments_are_named():
 
 def test_chunk_rows_bounds_the_logits_chunk():
     rows = chunk_rows(16384, 128256, 2)
-    assert rows & (rows - 1) == 0 and rows * 128256 * 2 <= 128 * 2**20
+    assert rows & (rows - 1) == 0 and rows * 128256 * 2 <= 256 * 2**20 and rows == 1024
     assert chunk_rows(3, 128256, 2) == 4  # never more than the batch needs (next power of two)
 
 
