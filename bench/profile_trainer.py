@@ -63,10 +63,11 @@ for _ in range(2):
     step()
 torch.cuda.synchronize()
 
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
     step()
     torch.cuda.synchronize()
-rows = [(e.key, e.device_time_total) for e in prof.key_averages() if e.device_time_total > 0]
+rows = [(e.key, e.device_time_total) for e in prof.key_averages()
+        if e.device_time_total > 0 and e.device_type.name == "CUDA"]
 by_cat = collections.Counter()
 for key, t in rows:
     by_cat[category(key)] += t
@@ -74,6 +75,24 @@ print(json.dumps({"impl": args.impl, "four_bit": args.four_bit, "gpu_ms": round(
                   "by_category_ms": {k: round(v / 1e3, 1) for k, v in by_cat.most_common()}}))
 for key, t in sorted(rows, key=lambda r: -r[1])[:25]:
     print(f"  {t / 1e3:8.1f} ms  {key[:120]}")
+
+
+
+def matmul_flops(key, shapes):
+    """2 M N K from the recorded input shapes of aten::mm / addmm / addmm_ (None if unreadable)."""
+    try:
+        a, b = (shapes[0], shapes[1]) if key == "aten::mm" else (shapes[1], shapes[2])
+        return 2 * a[0] * a[1] * b[1]
+    except (IndexError, TypeError):
+        return None
+
+
+print("  matmuls by shape: GPU ms, calls, TFLOP/s, shapes")
+mms = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::mm", "aten::addmm", "aten::addmm_")]
+for e in sorted(mms, key=lambda e: -e.device_time_total)[:30]:
+    flops = matmul_flops(e.key, e.input_shapes)
+    tflops = flops * e.count / (e.device_time_total * 1e-6) / 1e12 if flops and e.device_time_total else 0
+    print(f"  {e.device_time_total / 1e3:8.1f} ms {e.count:5d} {tflops:6.0f}  {e.key} {e.input_shapes}")
 
 # Memory: replay one step's allocation history and list what is alive at its peak.
 torch.cuda.synchronize()
