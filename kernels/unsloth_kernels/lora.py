@@ -213,7 +213,20 @@ def _gate_up_lora(xa, params, gate, up) -> _GateUpLora:
 
 
 def _stacked_a(params, count: int, dtype: torch.dtype) -> torch.Tensor:
+    if count == 1:
+        return params[0].to(dtype)
     return torch.cat([params[3 * i].to(dtype) for i in range(count)])
+
+
+@functools.lru_cache(maxsize=None)
+def _zero(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros((), device=device, dtype=dtype)
+
+
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale * (a @ b) in one matmul launch (the scaling in cuBLAS's alpha, not a second kernel):
+    on a QLoRA step at batch 2 the host's launches, not the GPU, set the pace."""
+    return torch.addmm(_zero(a.device, a.dtype), a, b, beta=0, alpha=scale)
 
 
 def _project(x: torch.Tensor, projections, params, *, fold: bool = False):
@@ -246,11 +259,9 @@ def _grad_projections(grad_outputs, x, xa, projections, params, needs, *, need_x
     dtype = grad_outputs[0].dtype
     count = len(projections)
     # s_i dY_i B_i side by side: the common factor of dA_i (with x) and of dX's LoRA part (with A_i).
-    dy_b = torch.cat(
-        [(dy @ params[3 * i + 1].to(dtype)).mul_(p.scaling)
-         for i, (p, dy) in enumerate(zip(projections, grad_outputs))],
-        dim=1,
-    )  # fmt: skip
+    dy_b = [_scaled_mm(dy, params[3 * i + 1].to(dtype), p.scaling)
+            for i, (p, dy) in enumerate(zip(projections, grad_outputs))]  # fmt: skip
+    dy_b = dy_b[0] if count == 1 else torch.cat(dy_b, dim=1)
     want_a = x is not None and any(needs[3 * i] for i in range(count))
     grad_a_stacked = dy_b.t() @ x if want_a else None
     grads, col = [], 0
@@ -259,7 +270,7 @@ def _grad_projections(grad_outputs, x, xa, projections, params, needs, *, need_x
         rank = A.shape[0]
         need_a, need_b, need_bias = needs[3 * i : 3 * i + 3]
         grad_a = grad_a_stacked[col : col + rank].to(A.dtype) if need_a and want_a else None
-        grad_b = (dy.t() @ xa[:, col : col + rank]).mul_(p.scaling).to(B.dtype) if need_b else None
+        grad_b = _scaled_mm(dy.t(), xa[:, col : col + rank], p.scaling).to(B.dtype) if need_b else None
         grad_bias = dy.sum(0, dtype=torch.float32).to(bias.dtype) if need_bias and bias is not None else None
         grads += [grad_a, grad_b, grad_bias]
         col += rank
@@ -401,7 +412,7 @@ def _mlp_backward(x, e, g, xa_gate_up, ha_down, dy, ctx, params, needs):
     grad_a_down = (dy_b.t() @ h).to(params[6].dtype) if needs[6] else None
     if needs[7] and ha_down is None:
         ha_down = h @ params[6].to(h.dtype).t()
-        grad_b_down = (dy.t() @ ha_down).mul_(down.scaling).to(params[7].dtype)
+        grad_b_down = _scaled_mm(dy.t(), ha_down, down.scaling).to(params[7].dtype)
     del h, dh, dy_b, ha_down, folded
 
     grads_gate_up, grad_x, _ = _grad_projections(
