@@ -1,7 +1,8 @@
 #!/bin/sh
 # Everything measured on the lent H200, in one call per section, beside the anchors.
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
-# and carried, and pytest wheels carried in .whl):  sh bench/h200.sh kernels|trainer|all
+# and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
+# sections: machine, tests, kernels, trainer, profile; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines).
 set -u
 OUT=${OUT:-/tmp/h200-out}
@@ -28,10 +29,16 @@ print(json.dumps(platform.to_json()))
 PY
 }
 
+tests() {
+  # shellcheck disable=SC2086  # TESTS is a list of paths
+  UNSLOTH_TEST_REAL_SHAPES=1 timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -x -p no:cacheprovider \
+    ${TESTS:-tests/kernels tests/models/test_models_embedding.py} 2>&1 | tail -25 | tee "$OUT/gpu-tests.txt"
+}
+
 kernels() {
-  UNSLOTH_TEST_REAL_SHAPES=1 timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -25 | tee "$OUT/kernel-tests.txt"
   timeout 240 python3 .anchors/anchor_kernels.py 2>&1 | tee "$OUT/anchor-kernels.jsonl"
-  timeout 300 python3 bench/bench_kernels.py --no-compile --no-liger 2>&1 | tee "$OUT/bench-kernels.txt"
+  # shellcheck disable=SC2086
+  timeout 300 python3 bench/bench_kernels.py --no-compile --no-liger ${KERNELS:+--only $KERNELS} 2>&1 | tee "$OUT/bench-kernels.txt"
 }
 
 trainer() {
@@ -48,8 +55,17 @@ trainer() {
   done
 }
 
-case ${1:-all} in
-  kernels) machine; kernels ;;
-  trainer) trainer ;;
-  all) machine; kernels; trainer ;;
-esac
+profile() {  # where our step's GPU time and memory go (bench/profile_trainer.py), bf16 and QLoRA
+  python3 .anchors/anchor_lora.py --impl make >/dev/null
+  timeout 200 python3 bench/profile_trainer.py --harness .anchors/anchor_lora.py --impl unsloth 2>&1 | tee "$OUT/profile-bf16.txt"
+  timeout 200 python3 bench/profile_trainer.py --harness .anchors/anchor_lora.py --impl unsloth --four-bit --batch 2 2>&1 | tee "$OUT/profile-qlora.txt"
+}
+
+[ $# -gt 0 ] || set -- all
+for section in "$@"; do
+  case $section in
+    machine|tests|kernels|trainer|profile) $section ;;
+    all) machine; tests; kernels; trainer ;;
+    *) echo "unknown section: $section" >&2; exit 2 ;;
+  esac
+done
