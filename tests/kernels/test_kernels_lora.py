@@ -355,14 +355,14 @@ def _kernel_cases():
     ce_sig = {"logits_ptr": "*bf16", "logits_stride": "i32", "labels_ptr": "*i64", "loss_ptr": "*fp32", "V": "i32",
               "ignore_index": "i32", "softcap": "fp32", "logit_scale": "fp32"}  # fmt: skip
     nf4_sig = {"packed_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32", "out_ptr": "*bf16",
-               "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset_ptr": "*fp32", "offset": "fp32", "n_bytes": "i32",
-               "n_elements": "i32"}  # fmt: skip
+               "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset_ptr": "*fp32", "offset": "fp32", "n_elements": "i32",
+               "n_bytes": "i32"}  # fmt: skip
     cases = [
         ("cross_entropy", "_cross_entropy_rows_kernel", ce_sig,
          {"HAS_SCALE": True, "HAS_SOFTCAP": True, "COMPUTE_GRAD": True, "BLOCK_V": 16384}, {"num_warps": 32}),
         ("nf4", "_dequantize_4bit_kernel", nf4_sig,
-         {"BLOCKSIZE": 64, "BLOCKSIZE2": 256, "NESTED": True, "OFFSET_IN_MEMORY": True, "ROUND_BF16": False,
-          "BLOCKS": 64, "VEC": 4, "EVEN": True},
+         {"BLOCKSIZE": 64, "BLOCKSIZE2": 256, "NESTED": True, "OFFSET_IN_MEMORY": True, "OUT_BF16": True,
+          "BYTES": 2048},
          {"num_warps": 4, "enable_fp_fusion": False}),
     ]  # fmt: skip
     gated_sig = {name: "*bf16" for name in ("E", "G", "DH", "XA", "DYB")}
@@ -393,8 +393,8 @@ def test_kernels_compile_for_cuda_and_rocm_gpus():
     assert done.returncode == 0, done.stderr[-4000:]
     vectors = json.loads(done.stdout.strip().splitlines()[-1])[: len(cases)]  # the CUDA half has PTX
     for case, found in zip(cases, vectors):
-        # NF4 reads 4 packed bytes per run (one 32-bit load) and writes their 8 weights as one 16-byte store.
-        wanted = ["st.global.v4"] if case[0] == "nf4" else ["ld.global.v4", "st.global.v4"]
+        # NF4 reads half a byte per weight: 16 packed bytes per thread are one 16-byte load.
+        wanted = ["ld.global.v4", "st.global.v4"]
         assert set(wanted) <= set(found), f"{case[1]} {case[3]}: wanted {wanted} in PTX, found {found}"
 
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference import DEVICE, gpu_compile_facts, needs_kernels, real_shapes, without_gpu
-import unsloth_kernels.nf4 as nf4
+from reference import DEVICE, needs_kernels, real_shapes
 from unsloth_kernels.nf4 import NF4_CODE, dequantize_bnb_4bit, dequantize_nf4
 
 try:  # the reference; the GPU bench machine may lack it, and then only the real-shape test runs
@@ -124,88 +123,35 @@ def test_bad_inputs_are_named():
         dequantize_bnb_4bit(packed, state)
 
 
-def random_state(shape, blocksize, *, nested=True, dtype=torch.bfloat16, device=DEVICE, seed=0):
-    """Random packed bytes and a duck-typed QuantState (as bitsandbytes lays it out) on `device`.
-
-    Random bytes exercise every code index; bitsandbytes is not needed, so any blocksize works.
-    """
-    from types import SimpleNamespace
-
-    n = shape[0] * shape[1]
-    n_blocks = -(-n // blocksize)
-    g = torch.Generator(device=device).manual_seed(seed)
-    packed = torch.randint(0, 256, ((n + 1) // 2, 1), dtype=torch.uint8, device=device, generator=g)
-    state = SimpleNamespace(
-        shape=torch.Size(shape), dtype=dtype, blocksize=blocksize, quant_type="nf4",
-        code=torch.tensor(NF4_CODE, device=device), nested=nested, state2=None, offset=None,
-    )  # fmt: skip
-    if nested:
-        state.absmax = torch.randint(0, 256, (n_blocks,), dtype=torch.uint8, device=device, generator=g)
-        state.state2 = SimpleNamespace(absmax=torch.rand(-(-n_blocks // 256), device=device, generator=g) + 0.5,
-                                       code=torch.linspace(-1, 1, 256, device=device), blocksize=256)
-        state.offset = torch.tensor(0.25, device=device)
-    else:
-        state.absmax = torch.rand(n_blocks, device=device, generator=g) * 4
-    return packed, state
-
-
-# Programs of one block up to the largest the tuning sweep tries; shapes that fill whole programs
-# (the unmasked path) and shapes that end mid-program, mid-block and mid-byte.
-@pytest.mark.parametrize("bytes_per_program", [32, 256, 2048, 8192])
-@pytest.mark.parametrize("shape", [(16, 1024), (3, 4096), (5, 100), (1, 1), (1, 63)], ids=str)
-@pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
-def test_program_sizes_and_tails(monkeypatch, bytes_per_program, shape, nested):
-    monkeypatch.setattr(nf4, "_BYTES_PER_PROGRAM", bytes_per_program)
-    packed, state = random_state(shape, 64, nested=nested)
-    assert torch.equal(dequantize_bnb_4bit(packed, state), flat_reference(packed, state))
-
-
-# Blocks of 2 and 4 elements (fewer bytes than a 4-byte run), bitsandbytes' 32 to 4096, and a
-# block larger than a program (8192 elements = 4096 bytes > 2048 per program).
-@pytest.mark.parametrize("blocksize", [2, 4, 32, 4096, 8192])
-@pytest.mark.parametrize("shape", [(4, 4096), (3, 1000)], ids=str)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_power_of_two_blocksizes(blocksize, shape, dtype):
-    packed, state = random_state(shape, blocksize, dtype=dtype)
-    assert torch.equal(dequantize_bnb_4bit(packed, state), flat_reference(packed, state))
-
-
-def test_non_power_of_two_blocksize_is_refused():
-    packed, state = random_state((2, 96), 96)
-    with pytest.raises(ValueError, match="power of two"):
-        dequantize_bnb_4bit(packed, state)
-
-
+@needs_bnb
 def test_short_nested_absmax_is_refused():
-    # 7 x 4096 in blocks of 64 is 448 absmax values: two second-level scales, not one.
-    packed, state = random_state((7, 4096), 64)
+    # 7 x 4096 in blocks of 64 is 448 absmax values: two second-level scales (of 256), not one.
+    packed, state = quantize((7, 4096), 64, True, torch.bfloat16)
     state.state2.absmax = state.state2.absmax[:1]
     with pytest.raises(ValueError, match="nested absmax has 1 scales"):
         dequantize_bnb_4bit(packed, state)
-
-
-@without_gpu
-def test_kernel_compiles_for_cuda_and_rocm_with_wide_stores_and_no_shuffle():
-    # What the interpreter cannot show: on sm_90 and gfx942 a whole-program launch (EVEN, the real
-    # weight shapes) writes 16-byte vectors straight from the registers that computed them, with no
-    # layout change through shared memory; the masked tail variant must compile too.
-    types = {"packed_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32", "out_ptr": "*bf16",
-             "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset_ptr": "*fp32"}
-    cases = [
-        ("unsloth_kernels.nf4", "_dequantize_4bit_kernel",
-         dict(BLOCKSIZE=64, BLOCKSIZE2=256, NESTED=nested, OFFSET_IN_MEMORY=nested, ROUND_BF16=False,
-              BLOCKS=nf4._BYTES_PER_PROGRAM // 32, VEC=4, EVEN=even), nf4._WARPS, types)
-        for nested, even in ((True, True), (False, True), (True, False))
-    ]  # fmt: skip
-    for target, facts in gpu_compile_facts(cases).items():
-        for (*_, constexprs, _, _), fact in zip(cases, facts):
-            if constexprs["EVEN"]:
-                assert fact["vector_stores"] and fact["shared"] == 0, (target, constexprs, fact)
 
 
 @real_shapes
 def test_real_shape_on_gpu():
     # Llama-3.1-8B's MLP weight (14336 x 4096), nested absmax; a GPU-side reference of the format
     # (bitsandbytes need not be installed on the GPU machine).
-    packed, state = random_state((14336, 4096), 64, device="cuda")
+    from types import SimpleNamespace
+
+    shape, blocksize = (14336, 4096), 64
+    n = shape[0] * shape[1]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    packed = torch.randint(0, 256, (n // 2, 1), dtype=torch.uint8, device="cuda", generator=g)
+    n_blocks = n // blocksize
+    state2 = SimpleNamespace(
+        absmax=torch.rand(-(-n_blocks // 256), device="cuda", generator=g) + 0.5,
+        code=torch.linspace(-1, 1, 256, device="cuda"),
+        blocksize=256,
+    )
+    state = SimpleNamespace(
+        absmax=torch.randint(0, 256, (n_blocks,), dtype=torch.uint8, device="cuda", generator=g),
+        shape=torch.Size(shape), dtype=torch.bfloat16, blocksize=blocksize, quant_type="nf4",
+        code=torch.tensor(NF4_CODE, device="cuda"), offset=torch.tensor(0.25, device="cuda"), state2=state2,
+        nested=True,
+    )  # fmt: skip
     assert torch.equal(dequantize_bnb_4bit(packed, state), flat_reference(packed, state))
