@@ -4,8 +4,10 @@ loads (ours answers `import unsloth` when our source is first on PYTHONPATH).
     python bench/profile_trainer.py --harness .anchors/anchor_lora.py --impl unsloth [--four-bit --batch 2]
 
 Prints JSON lines: GPU time per kernel category (torch.profiler, one step after warm-up), the top
-kernels, and what is alive at the step's memory peak, grouped by the source line that allocated it
-(torch.cuda.memory history).
+kernels, matmul time and TFLOP/s by input shape, and what is alive at the step's memory peak,
+grouped by the source line that allocated it (torch.cuda.memory history). That last list is an
+upper bound: a block freed through `record_stream` (the offloaded layer inputs) can lack its
+"free_completed" event and show as alive; compare its total with max_memory_allocated.
 """
 
 from __future__ import annotations
@@ -127,7 +129,8 @@ def site(ev) -> str:
     frames = ev.get("frames") or []
     for f in frames:
         name = f.get("filename", "")
-        if any(s in name for s in ("unsloth", "peft", "transformers", "torch/nn/functional", "anchor")) and "profile_trainer" not in name:
+        ours_or_library = any(s in name for s in ("unsloth", "peft", "transformers", "torch/nn/functional", "anchor"))
+        if ours_or_library and "profile_trainer" not in name:
             return f"{os.path.basename(name)}:{f.get('line')} {f.get('name')}"
     return frames[0].get("name", "?") if frames else "?"
 

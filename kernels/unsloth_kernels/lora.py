@@ -17,6 +17,8 @@ forward and again in backward.
 In the MLP, down(act(gate(x)) * up(x)), the activation is not saved: one Triton kernel recomputes it
 in backward and writes h, d(gate), d(up) over the buffers it reads (dh, gate, up). That makes the
 backward single-use: calling it twice (retain_graph) raises instead of returning wrong gradients.
+The MLP's gate/up LoRA terms (and in backward down's part of dh) are added inside those activation
+kernels rather than by addmm_, so its (tokens x intermediate) tensors are not passed over again.
 
 These fast paths assume lora_dropout == 0 (dropout would need the dropped x kept for dA); the
 trainer falls back to peft's own modules otherwise. The base weight and its quantization are never
@@ -182,7 +184,8 @@ def _gated_launch(e, g, dh, activation, backward, gate_up: _GateUpLora | None, d
         gate_up.scale_gate if gate_up else 0.0, gate_up.scale_up if gate_up else 0.0,
         ACT=ACT_CODES[activation], BACKWARD=backward, LORA=gate_up is not None, LORA_DH=down is not None,
         RANK_G=ranks[0], RANK_U=ranks[1], RANK_D=ranks[2], BLOCK_R=max(16, block_size_for(max(ranks))),
-        DOT_FP32=INTERPRET or e.dtype == torch.float32, BLOCK_M=_GATED_BLOCK_M, BLOCK_N=_GATED_BLOCK_N, num_warps=_GATED_WARPS,
+        DOT_FP32=INTERPRET or e.dtype == torch.float32,
+        BLOCK_M=_GATED_BLOCK_M, BLOCK_N=_GATED_BLOCK_N, num_warps=_GATED_WARPS,
     )  # fmt: skip
 
 
