@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from tiny_families import VOCAB, tiny_model
-from unsloth.models.embedding import OffloadedEmbedding, offload_input_embedding
+from unsloth.models.embedding import OffloadedEmbedding, _register_last, offload_input_embedding
 
 
 def test_refused_with_a_reason_where_it_cannot_apply(monkeypatch):
@@ -25,6 +25,21 @@ def test_tied_and_scaled_embeddings_stay():
     assert "tied to the LM head" in offload_input_embedding(tied)
     scaled = tiny_model("gemma3_text").requires_grad_(False)  # multiplies by sqrt(hidden) in its forward
     assert "not a plain lookup" in offload_input_embedding(scaled)
+
+
+def test_the_embedding_registered_last_is_no_longer_the_first_parameter():
+    """What keeps `model.device` on the GPU once the table (its first parameter) is in host memory."""
+    model = tiny_model("llama")
+    embedding = model.get_input_embeddings()
+    keys = set(model.state_dict())
+    assert next(model.parameters()) is embedding.weight
+    _register_last(model, embedding)
+    assert next(model.parameters()) is not embedding.weight
+    assert model.get_input_embeddings() is embedding and set(model.state_dict()) == keys
+    ids = torch.randint(0, VOCAB, (1, 5))
+    with torch.no_grad():  # still the model's input layer
+        assert torch.equal(model.model(input_ids=ids).last_hidden_state,
+                           model.model(inputs_embeds=embedding(ids)).last_hidden_state)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the table is read by a GPU over PCIe")

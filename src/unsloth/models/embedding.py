@@ -45,12 +45,17 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
 
 
-def _parent_and_name(model: nn.Module, child: nn.Module):
+def _register_last(model: nn.Module, child: nn.Module) -> None:
+    """Move `child` to the end of its parent's submodules.
+
+    `model.device` is its first parameter's device, and the input embedding is usually that
+    parameter: registered last, the model still reports the GPU it computes on.
+    """
     for parent in model.modules():
         for name, module in parent.named_children():
             if module is child:
-                return parent, name
-    return None, None
+                parent._modules[name] = parent._modules.pop(name)
+                return
 
 
 def offload_input_embedding(model: nn.Module) -> str | None:
@@ -86,11 +91,7 @@ def offload_input_embedding(model: nn.Module) -> str | None:
     embedding.__class__ = OffloadedEmbedding
     embedding.compute_device = device
     weight.data = host
-    # `model.device` is its first parameter's device, and this table is usually that parameter:
-    # register the embedding last so the model still reports the GPU it computes on.
-    parent, name = _parent_and_name(model, embedding)
-    if parent is not None:
-        parent._modules[name] = parent._modules.pop(name)
+    _register_last(model, embedding)
     log.info("unsloth: input embedding %s in pinned host memory (%.2f GiB of GPU memory freed)",
              tuple(weight.shape), weight.numel() * weight.element_size() / 2**30)
     return None
