@@ -60,7 +60,7 @@ def _lora_mlp_forward(self, x):
         return _gated_mlp_forward(self, x)
     from unsloth_kernels.lora import lora_mlp
 
-    from unsloth.training.memory import recomputing
+    from unsloth.training.memory import recomputing  # our checkpoint's rerun: the output goes unread
 
     output_needed = not (self._unsloth_mlp_feeds_residual and recomputing())
     return lora_mlp(x, *weights, activation=_MLP_ACTIVATION[self._unsloth_act], output_needed=output_needed)
