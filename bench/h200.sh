@@ -2,7 +2,7 @@
 # Everything measured on the lent H200, in one call per section, beside the anchors.
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
-# sections: machine, tests, kernels, trainer, profile; all = machine tests kernels trainer)
+# sections: machine, tests, kernels, trainer, profile, ab; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines).
 set -u
 OUT=${OUT:-/tmp/h200-out}
@@ -55,6 +55,18 @@ trainer() {
   done
 }
 
+ab() {  # ours under each environment setting in $AB (e.g. "X=1 X=0"), then Unsloth, both shapes
+  python3 .anchors/anchor_lora.py --impl make >/dev/null
+  for four in "" "--four-bit --batch 2"; do
+    for setting in ${AB:-UNSLOTH_REPLAY_PROJECTIONS=1}; do
+      # shellcheck disable=SC2086
+      env "$setting" timeout 200 python3 .anchors/anchor_lora.py --impl unsloth $four 2>&1 | tail -1 | sed "s/\"impl\": \"unsloth\"/\"impl\": \"ours $setting\"/" | tee -a "$OUT/ab.jsonl"
+    done
+    # shellcheck disable=SC2086
+    [ -n "${ANCHOR_IMPLS-unsloth}" ] && PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 200 python3 .anchors/anchor_lora.py --impl ${ANCHOR_IMPLS-unsloth} $four 2>&1 | tail -1 | tee -a "$OUT/ab.jsonl"
+  done
+}
+
 profile() {  # where our step's GPU time and memory go (bench/profile_trainer.py), bf16 and QLoRA
   python3 .anchors/anchor_lora.py --impl make >/dev/null
   timeout 200 python3 bench/profile_trainer.py --harness .anchors/anchor_lora.py --impl unsloth 2>&1 | tee "$OUT/profile-bf16.txt"
@@ -64,7 +76,7 @@ profile() {  # where our step's GPU time and memory go (bench/profile_trainer.py
 [ $# -gt 0 ] || set -- all
 for section in "$@"; do
   case $section in
-    machine|tests|kernels|trainer|profile) $section ;;
+    machine|tests|kernels|trainer|profile|ab) $section ;;
     all) machine; tests; kernels; trainer ;;
     *) echo "unknown section: $section" >&2; exit 2 ;;
   esac

@@ -316,8 +316,9 @@ class _LoraProjections(torch.autograd.Function):
 
     @staticmethod
     @_no_autocast
-    def forward(ctx, x, projections, *params):
-        outputs, xa = _project(x, projections, params)
+    def forward(ctx, x, projections, replay, *params):
+        # replay: (outputs, xa) this same forward gave on this same x earlier, returned as they are
+        outputs, xa = replay if replay is not None else _project(x, projections, params)
         ctx.projections = projections
         ctx.save_for_backward(x, xa, *params)
         return tuple(outputs)
@@ -328,9 +329,9 @@ class _LoraProjections(torch.autograd.Function):
         x, xa, *params = ctx.saved_tensors
         grad_outputs = [dy.contiguous() for dy in grad_outputs]
         grads, grad_x, _ = _grad_projections(
-            grad_outputs, x, xa, ctx.projections, params, ctx.needs_input_grad[2:], need_x=ctx.needs_input_grad[0]
+            grad_outputs, x, xa, ctx.projections, params, ctx.needs_input_grad[3:], need_x=ctx.needs_input_grad[0]
         )
-        return (grad_x, None, *grads)
+        return (grad_x, None, None, *grads)
 
 
 class _LoraMLP(torch.autograd.Function):
@@ -446,11 +447,31 @@ def lora_linear(
     return lora_o(x, LoraWeights(base, lora_A, lora_B, float(scaling), base_quant_state, bias))
 
 
-def lora_o(x: torch.Tensor, o: LoraWeights) -> torch.Tensor:
-    """A single LoRA projection (the attention output projection, or any linear)."""
+def lora_o(x: torch.Tensor, o: LoraWeights, *, replay: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """A single LoRA projection (the attention output projection, or any linear).
+
+    `replay`: the (y, xa) that `lora_o_forward` gave for this same x earlier (a checkpoint's first
+    pass): y is returned as it is, with the backward wired to x and the parameters, so recomputing
+    a layer skips this projection's matmuls.
+    """
     o.validate("lora_o")
-    (y,) = _LoraProjections.apply(_flat(x), (o,), *_params((o,)))
+    if replay is not None:
+        y, xa = replay
+        if y.shape != (*x.shape[:-1], o.out_features) or xa.shape != (y[..., 0].numel(), o.A.shape[0]):
+            raise ValueError(f"lora_o: the replayed output {tuple(y.shape)} / x A^T {tuple(xa.shape)} "
+                             f"do not fit x {tuple(x.shape)} and this projection")  # fmt: skip
+        replay = ((y.reshape(-1, o.out_features),), xa)
+    (y,) = _LoraProjections.apply(_flat(x), (o,), replay, *_params((o,)))
     return y.reshape(*x.shape[:-1], o.out_features)
+
+
+def lora_o_forward(x: torch.Tensor, o: LoraWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient-free forward of `lora_o`, with the rank-r product x A^T a later `replay` needs."""
+    o.validate("lora_o")
+    rows = _flat(x)  # in the autocast dtype, as lora_o computes
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        (y,), xa = _project(rows, (o,), _params((o,)))
+    return y.reshape(*x.shape[:-1], o.out_features), xa
 
 
 def lora_qkv(
@@ -460,7 +481,7 @@ def lora_qkv(
     projections = (q, k, v)
     for name, p in zip("qkv", projections):
         p.validate(f"lora_qkv ({name})")
-    outputs = _LoraProjections.apply(_flat(x), projections, *_params(projections))
+    outputs = _LoraProjections.apply(_flat(x), projections, None, *_params(projections))
     return tuple(y.reshape(*x.shape[:-1], p.out_features) for y, p in zip(outputs, projections))
 
 

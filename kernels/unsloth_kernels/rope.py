@@ -108,14 +108,18 @@ def rope_launch(q, k, q_out, k_out, cos, sin, position_ids, backward: bool) -> N
     )
 
 
+def _rotated(q, k, cos, sin, position_ids):
+    """q and k rotated into new tensors."""
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    rope_launch(q, k, q_out, k_out, cos, sin, position_ids, backward=False)
+    return q_out, k_out
+
+
 class RoPEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, position_ids):
-        q_out = torch.empty_like(q)
-        k_out = torch.empty_like(k)
-        rope_launch(q, k, q_out, k_out, cos, sin, position_ids, backward=False)
         ctx.save_for_backward(cos, sin, position_ids)
-        return q_out, k_out
+        return _rotated(q, k, cos, sin, position_ids)
 
     @staticmethod
     def backward(ctx, dq, dk):
@@ -151,15 +155,16 @@ def _check_rope_args(q, k, cos, sin, position_ids):
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-               position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               position_ids: torch.Tensor | None = None, inplace: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q (batch, n_heads, seq, head_dim) and k (batch, n_kv_heads, seq, head_dim); returns (q, k).
 
     cos/sin as HF's rotary embedding returns them, (batch, seq, rot) or (seq, rot); with
     `position_ids` (batch, seq) they are a (positions, rot) table looked up per token.
 
     Without autograd (inference, or no input needing grad) q and k are rotated in place and
-    returned. Under autograd the result goes to new tensors: the traffic is the same, and
-    rotating HF's transposed views in place would make autograd copy them again in backward.
+    returned, unless `inplace=False` (someone else still reads them). Under autograd the result
+    goes to new tensors: the traffic is the same, and rotating HF's transposed views in place
+    would make autograd copy them again in backward.
     """
     _check_rope_args(q, k, cos, sin, position_ids)
     check_device(q, k, cos, sin, position_ids)
@@ -172,6 +177,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         cos, sin = cos[0], sin[0]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return RoPEFunction.apply(_last_dim_unit(q), _last_dim_unit(k), cos, sin, position_ids)
+    if not inplace:
+        return _rotated(_last_dim_unit(q), _last_dim_unit(k), cos, sin, position_ids)
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("apply_rope: in-place rotation needs q and k with unit stride in head_dim")
     rope_launch(q, k, q, k, cos, sin, position_ids, backward=False)

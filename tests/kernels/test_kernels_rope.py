@@ -101,6 +101,17 @@ def test_without_autograd_q_and_k_are_rotated_in_place():
     assert_close_dtype(k, expected[1], torch.float32, name="k")
 
 
+def test_without_autograd_inplace_false_leaves_q_and_k_intact():
+    q, k = qk(2, 4, 2, 5, 16, torch.float32, "hf")
+    q0, k0 = q.clone(), k.clone()
+    cos, sin = rope_tables(16, torch.float32)
+    expected = rope_ref(q.double(), k.double(), cos[:5].double(), sin[:5].double())
+    out_q, out_k = apply_rope(q, k, cos[:5], sin[:5], inplace=False)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+    assert_close_dtype(out_q, expected[0], torch.float32, name="q")
+    assert_close_dtype(out_k, expected[1], torch.float32, name="k")
+
+
 def test_under_autograd_inputs_are_left_intact():
     q, k = qk(1, 2, 1, 3, 8, torch.float32, "contiguous")
     q0, k0 = q.clone(), k.clone()

@@ -37,11 +37,23 @@ def _with_lora(model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("checkpointing", [False, "unsloth"], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_patched_matches_unpatched(family, checkpointing):
+def test_patched_matches_unpatched(family, checkpointing, monkeypatch):
     """Checkpointed: the patched model also recomputes its layers in backward (where the fused MLP of
-    a family in MLP_FEEDS_RESIDUAL skips its output); the reference keeps everything."""
+    a family in MLP_FEEDS_RESIDUAL skips its output, and the attention projections replay the
+    outputs the first pass kept); the reference keeps everything."""
+    from unsloth.training import memory
+
+    replayed = []
+    kept_for_recompute = memory.kept_for_recompute
+
+    def counting(key):
+        kept = kept_for_recompute(key)
+        replayed.append(kept is not None)
+        return kept
+
+    monkeypatch.setattr(memory, "kept_for_recompute", counting)
     reference = tiny_model(family)
     patched = copy.deepcopy(reference)
     report = patch_model(patched)
@@ -61,7 +73,7 @@ def test_patched_matches_unpatched(family, checkpointing):
     # every LoRA layer on a fused path: one MLP (gate, up, down) and q, k, v, o per layer
     assert patch_peft_model(patched).lora == {"MLP": layers, "linear": 4 * layers}
     if checkpointing:
-        assert apply_gradient_checkpointing(patched.get_base_model(), True) == layers
+        assert apply_gradient_checkpointing(patched.get_base_model(), checkpointing) == layers
     for model in (reference, patched):
         model.train()
         model.zero_grad()
@@ -78,6 +90,8 @@ def test_patched_matches_unpatched(family, checkpointing):
         # fp32 throughout; the fused loss and LoRA backward sum in another order, and that difference
         # grows through the layers' backward to ~1e-5 relative (1e-5 fails for some families): 1e-4.
         torch.testing.assert_close(fast_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    # q, k, v and o of every layer were replayed, not recomputed
+    assert sum(replayed) == (4 * layers if checkpointing else 0)
 
 
 def test_unknown_family_trains_unpatched_and_says_so(caplog):

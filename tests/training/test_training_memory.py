@@ -42,6 +42,74 @@ def test_checkpointed_layers_give_the_same_gradients(mode, monkeypatch):
         torch.testing.assert_close(grads[name], grad, msg=name)
 
 
+def _patched_lora_grads(model, ids, mode):
+    from unsloth.models.patches import patch_model, patch_peft_model
+
+    patch_model(model)
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM",
+                                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    patch_peft_model(peft_model)
+    apply_gradient_checkpointing(peft_model.get_base_model(), mode)
+    peft_model.train()
+    loss = peft_model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad}
+
+
+def test_replayed_projections_give_the_recomputed_gradients(monkeypatch):
+    """Our kernels on: with offload the attention projections keep their outputs (on a GPU, in pinned
+    host memory) and the recompute replays them; the gradients are those of a plain recompute."""
+    from unsloth.training import memory
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_llama().to(device)
+    ids = torch.randint(0, VOCAB, (2, 16), device=device)
+    ref_loss, ref_grads = _patched_lora_grads(copy.deepcopy(model), ids, True)
+    replays = []
+    kept_for_recompute = memory.kept_for_recompute
+
+    def counting(key):
+        replays.append(kept_for_recompute(key))
+        return replays[-1]
+
+    monkeypatch.setattr(memory, "kept_for_recompute", counting)
+    loss, grads = _patched_lora_grads(model, ids, "unsloth")
+    assert sum(r is not None for r in replays) == 4 * model.config.num_hidden_layers
+    torch.testing.assert_close(loss, ref_loss)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+
+
+def test_kept_outputs_changed_in_place_are_not_replayed():
+    from unsloth.training.memory import _Offloader
+
+    offloader = _Offloader()
+    entry = offloader.save(torch.zeros(3), 0)
+    changed, untouched = torch.ones(2), torch.ones(2)
+    entry.keep("changed", (changed,))
+    entry.keep("untouched", (untouched,))
+    changed.add_(1)
+    entry.seal()
+    hidden, kept = entry.fetch()
+    assert torch.equal(hidden, torch.zeros(3))
+    assert set(kept) == {"untouched"} and torch.equal(kept["untouched"][0][0], torch.ones(2))
+
+
+def test_replay_can_be_switched_off(monkeypatch):
+    from unsloth.training.memory import _Offloader
+
+    monkeypatch.setenv("UNSLOTH_REPLAY_PROJECTIONS", "0")
+    entry = _Offloader().save(torch.zeros(3), 0)
+    assert not entry.room_to_keep()
+
+
 def test_checkpointing_stays_out_of_inference():
     model = tiny_llama()
     apply_gradient_checkpointing(model, True)

@@ -4,12 +4,16 @@ pinned host memory (copies on a side stream, overlapped with compute), and the o
 Each decoder layer keeps only its input hidden state for the backward pass and recomputes the
 rest. In "unsloth" mode on a GPU that input goes to pinned host memory while the next layers run,
 and during the backward pass the previous layer's input is fetched back while this one recomputes.
+In that mode the layer's modules may also keep some first-pass outputs with it, which the recompute
+then replays instead of computing again (see "outputs kept for the recompute").
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import types
+from collections import deque
 
 import torch
 from torch import nn
@@ -24,53 +28,146 @@ def recomputing() -> bool:
     return getattr(_recompute, "active", False)
 
 
+# --- outputs kept for the recompute ---------------------------------------------------------------
+#
+# A module inside a checkpointed layer may keep its first-pass output (in host memory, with the
+# layer's input) and get it back during the recompute instead of computing it again: the recompute
+# runs the same module on the same input, so the values are the same. The attention projections
+# do this (patches/lora.py): their matmuls are most of what the attention's recompute costs, and
+# their outputs are small beside the MLP's.
+
+
+def _keeping_entry() -> "_Saved | None":
+    return getattr(_recompute, "keeping", None)
+
+
+def keeping_for_recompute() -> bool:
+    """True during a checkpointed layer's first pass when its modules may keep outputs for the recompute."""
+    entry = _keeping_entry()
+    return entry is not None and entry.room_to_keep()
+
+
+def keep_for_recompute(key, *tensors: torch.Tensor) -> None:
+    """Keep `tensors` (a module's first-pass results) for the recompute's `kept_for_recompute(key)`.
+
+    They must not be changed in place afterwards (an in-place torch op is caught and the entry
+    dropped; a kernel writing into them would go unnoticed, so callers keep only fresh outputs).
+    """
+    entry = _keeping_entry()
+    if entry is not None and entry.room_to_keep():
+        entry.keep(key, tensors)
+
+
+def kept_for_recompute(key) -> tuple[torch.Tensor, ...] | None:
+    """During the recompute: what the module `key` kept in the first pass (in call order), else None."""
+    kept = getattr(_recompute, "kept", None)
+    queue = kept.get(key) if kept else None
+    return queue.popleft() if queue else None
+
+
+def _replay_enabled() -> bool:
+    return os.environ.get("UNSLOTH_REPLAY_PROJECTIONS", "1") != "0"
+
+
+def _host_budget() -> int:
+    """Bytes of kept outputs one forward pass may pin in host memory: a quarter of the RAM available."""
+    import psutil
+
+    return psutil.virtual_memory().available // 4
+
+
 class _Offloader:
-    """The layer inputs of one forward pass, in host memory, fetched back in reverse order ahead of use."""
+    """The saved tensors of one forward pass, in host memory, fetched back in reverse order ahead of use.
+
+    Without a GPU (or for CPU tensors) "host memory" is where they already are: they are kept as they are.
+    """
 
     def __init__(self):
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.saved: list[_Saved] = []
+        self.kept_bytes = 0
+        self.keep_budget = _host_budget() if _replay_enabled() else 0
 
     def save(self, hidden: torch.Tensor, layer_index: int) -> "_Saved":
         if layer_index == 0:  # a new forward pass (whatever happened to the last one)
             self.saved.clear()
-        entry = _Saved(self, hidden, len(self.saved))
+            self.kept_bytes = 0
+        entry = _Saved(self, len(self.saved))
+        entry.add(hidden)
         self.saved.append(entry)
         return entry
 
 
 class _Saved:
-    """One layer input: copied to pinned host memory on the side stream, brought back on demand."""
+    """One layer's input, then the outputs its modules keep: copied to pinned host memory on the side
+    stream as they come, brought back together on demand."""
 
-    def __init__(self, offloader: _Offloader, hidden: torch.Tensor, index: int):
-        self.offloader, self.index, self.device = offloader, index, hidden.device
-        self.gpu: torch.Tensor | None = None
-        stream = offloader.stream
-        self.host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
-        stream.wait_stream(torch.cuda.current_stream(hidden.device))
+    def __init__(self, offloader: _Offloader, index: int):
+        self.offloader, self.index = offloader, index
+        self.host: list[torch.Tensor] = []
+        self.device: torch.device | None = None  # the GPU they came from; None: nothing was copied
+        self.gpu: list[torch.Tensor] | None = None
+        self.event = None
+        # key -> [(first tensor's index, count, versions)], in the order the module kept them
+        self.kept: dict = {}
+
+    def add(self, tensor: torch.Tensor) -> int:
+        stream = self.offloader.stream
+        if stream is None or not tensor.is_cuda:
+            self.host.append(tensor)
+            return len(self.host) - 1
+        self.device = tensor.device
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(stream):
-            self.host.copy_(hidden, non_blocking=True)
-            hidden.record_stream(stream)  # keep its memory until the copy is done
+            host.copy_(tensor, non_blocking=True)
+            tensor.record_stream(stream)  # keep its memory until the copy is done
         self.event = stream.record_event()
+        self.host.append(host)
+        return len(self.host) - 1
+
+    def room_to_keep(self) -> bool:
+        return self.offloader.kept_bytes < self.offloader.keep_budget
+
+    def keep(self, key, tensors) -> None:
+        first = len(self.host)
+        for tensor in tensors:
+            self.add(tensor)
+            self.offloader.kept_bytes += tensor.numel() * tensor.element_size()
+        self.kept.setdefault(key, []).append((first, tensors, [t._version for t in tensors]))
+
+    def seal(self) -> None:
+        """End of the first pass: drop what was changed in place after it was kept (the copy may be wrong)."""
+        self.kept = {key: [(first, len(ts)) for first, ts, _ in items] for key, items in self.kept.items()
+                     if all([t._version for t in ts] == versions for _, ts, versions in items)}  # fmt: skip
 
     def prefetch(self) -> None:
         if self.gpu is not None:
             return
+        if self.device is None:
+            self.gpu = list(self.host)
+            return
         stream = self.offloader.stream
         with torch.cuda.stream(stream):
             stream.wait_event(self.event)
-            self.gpu = self.host.to(self.device, non_blocking=True)
+            self.gpu = [h.to(self.device, non_blocking=True) if h.is_pinned() else h for h in self.host]
         self.event = stream.record_event()
 
-    def fetch(self) -> torch.Tensor:
+    def fetch(self) -> tuple[torch.Tensor, dict]:
+        """The layer input, and key -> queue of what each module kept (for `kept_for_recompute`)."""
         self.prefetch()
-        torch.cuda.current_stream(self.device).wait_event(self.event)
-        hidden, self.gpu = self.gpu, None
-        hidden.record_stream(torch.cuda.current_stream(self.device))
+        tensors, self.gpu = self.gpu, None
+        if self.device is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(self.event)
+            for tensor in tensors:
+                tensor.record_stream(current)
         saved = self.offloader.saved
         if 0 < self.index < len(saved) and saved[self.index] is self:
             saved[self.index - 1].prefetch()  # the layer below runs its backward next: start its copy now
-        return hidden
+        kept = {key: deque(tuple(tensors[first : first + count]) for first, count in items)
+                for key, items in self.kept.items()}  # fmt: skip
+        return tensors[0], kept
 
 
 class _CheckpointedLayer(torch.autograd.Function):
@@ -81,29 +178,40 @@ class _CheckpointedLayer(torch.autograd.Function):
         ctx.run = run
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
-        if offloader is not None:
-            ctx.saved = offloader.save(hidden, layer_index)
-        else:
-            ctx.save_for_backward(hidden)
         ctx.offloaded = offloader is not None
-        with torch.no_grad():
-            return run(hidden)
+        if not ctx.offloaded:
+            ctx.save_for_backward(hidden)
+            with torch.no_grad():
+                return run(hidden)
+        ctx.saved = offloader.save(hidden, layer_index)
+        previous, _recompute.keeping = _keeping_entry(), ctx.saved
+        try:
+            with torch.no_grad():
+                return run(hidden)
+        finally:
+            _recompute.keeping = previous
+            ctx.saved.seal()
 
     @staticmethod
     def backward(ctx, grad_output):
-        hidden = ctx.saved.fetch() if ctx.offloaded else ctx.saved_tensors[0]
+        if ctx.offloaded:
+            hidden, kept = ctx.saved.fetch()
+        else:
+            hidden, kept = ctx.saved_tensors[0], {}
         hidden = hidden.detach().requires_grad_(True)
         devices = [hidden.device] if hidden.is_cuda else []
         with torch.random.fork_rng(devices=devices):
             torch.set_rng_state(ctx.rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
-            previous, _recompute.active = recomputing(), True
+            state = (recomputing(), getattr(_recompute, "kept", None))
+            _recompute.active, _recompute.kept = True, kept
             try:
                 with torch.enable_grad():
                     output = ctx.run(hidden)
             finally:
-                _recompute.active = previous
+                _recompute.active, _recompute.kept = state
+        del kept
         torch.autograd.backward(output, grad_output)
         return (None, None, None, hidden.grad)
 
@@ -128,7 +236,7 @@ def _checkpointed_forward(self, hidden_states, *args, **kwargs):
             return out[0]
         return out
 
-    offloader = self._unsloth_offloader if hidden_states.is_cuda else None
+    offloader = self._unsloth_offloader
     output = _CheckpointedLayer.apply(run, offloader, self._unsloth_layer_index, hidden_states)
     return (output, *returns_tuple[0]) if returns_tuple else output
 
@@ -157,7 +265,7 @@ def apply_gradient_checkpointing(model: nn.Module, mode: bool | str) -> int:
     layers = decoder_layers(model)
     # One offloader for all layers of the model. Its list of saved inputs is emptied by the next forward's
     # first layer, so the last step's pinned host copies stay allocated until then.
-    offloader = _Offloader() if mode == "unsloth" and torch.cuda.is_available() else None
+    offloader = _Offloader() if mode == "unsloth" else None
     for index, layer in enumerate(layers):
         if mode is False:
             layer.__dict__.pop("forward", None)

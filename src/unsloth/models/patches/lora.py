@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import types
 
+import torch
 from torch import nn
 
 # our activation kind (patches/mlp.py) -> the LoRA MLP kernel's name for it
@@ -47,8 +48,18 @@ def _lora_linear_forward(self, x, *args, **kwargs):
     weights = None if (args or kwargs) else lora_weights(self)
     if weights is None:
         return type(self).forward(self, x, *args, **kwargs)
-    from unsloth_kernels.lora import lora_o
+    from unsloth_kernels.lora import lora_o, lora_o_forward
 
+    from unsloth.training.memory import keep_for_recompute, keeping_for_recompute, kept_for_recompute
+
+    # Inside our checkpoint: the first pass keeps this projection's output, the recompute replays it.
+    kept = kept_for_recompute(self)
+    if kept is not None:
+        return lora_o(x, weights, replay=kept)
+    if keeping_for_recompute() and not torch.is_grad_enabled():
+        y, xa = lora_o_forward(x, weights)
+        keep_for_recompute(self, y, xa)
+        return y
     return lora_o(x, weights)
 
 

@@ -32,7 +32,10 @@ def _leave(module, args, output):
 def _fast_rope(q, k, cos, sin):
     from unsloth_kernels.rope import apply_rope
 
-    return apply_rope(q, k, cos, sin)
+    from unsloth.training.memory import keeping_for_recompute
+
+    # Not in place while a checkpoint keeps the projections' outputs: q and k are views of them.
+    return apply_rope(q, k, cos, sin, inplace=not keeping_for_recompute())
 
 
 def _plain_call(q, cos, args, kwargs) -> bool:
