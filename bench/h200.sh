@@ -2,7 +2,7 @@
 # Everything measured on the lent H200, in one call per section, beside the anchors.
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
-# sections: machine, tests, kernels, trainer, profile, ab; all = machine tests kernels trainer)
+# sections: machine, tests, kernels, trainer, profile, ab, host; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines).
 set -u
 OUT=${OUT:-/tmp/h200-out}
@@ -73,10 +73,15 @@ profile() {  # where our step's GPU time and memory go (bench/profile_trainer.py
   timeout 200 python3 bench/profile_trainer.py --harness .anchors/anchor_lora.py --impl unsloth --four-bit --batch 2 2>&1 | tee "$OUT/profile-qlora.txt"
 }
 
+host() {  # where the host's time goes in our QLoRA step (host-paced at batch 2)
+  python3 .anchors/anchor_lora.py --impl make >/dev/null
+  timeout 200 python3 bench/profile_trainer.py --harness .anchors/anchor_lora.py --impl unsloth --four-bit --batch 2 --host 2>&1 | tee "$OUT/host-qlora.txt"
+}
+
 [ $# -gt 0 ] || set -- all
 for section in "$@"; do
   case $section in
-    machine|tests|kernels|trainer|profile|ab) $section ;;
+    machine|tests|kernels|trainer|profile|ab|host) $section ;;
     all) machine; tests; kernels; trainer ;;
     *) echo "unknown section: $section" >&2; exit 2 ;;
   esac

@@ -1,9 +1,11 @@
 """Where one training step's GPU time and peak memory go, for any implementation the anchor harness
 loads (ours answers `import unsloth` when our source is first on PYTHONPATH).
 
-    python bench/profile_trainer.py --harness .anchors/anchor_lora.py --impl unsloth [--four-bit --batch 2]
+    python bench/profile_trainer.py --harness .anchors/anchor_lora.py --impl unsloth [--four-bit --batch 2] [--host]
 
-Prints JSON lines: GPU time per kernel category (torch.profiler, one step after warm-up), the top
+With --host it shows instead where the host's time goes (for a step the host, not the GPU, paces):
+the step's wall time, the time to issue it, the operations that made the host wait for the GPU,
+and cProfile's top functions. Otherwise it prints JSON lines: GPU time per kernel category (torch.profiler, one step after warm-up), the top
 kernels, matmul time and TFLOP/s by input shape, and what is alive at the step's memory peak,
 grouped by the source line that allocated it (torch.cuda.memory history). That last list is an
 upper bound: a block freed through `record_stream` (the offloaded layer inputs) can lack its
@@ -19,6 +21,9 @@ import sys
 
 harness = sys.argv[sys.argv.index("--harness") + 1]
 del sys.argv[sys.argv.index("--harness"): sys.argv.index("--harness") + 2]
+HOST = "--host" in sys.argv
+if HOST:
+    sys.argv.remove("--host")
 source = open(harness).read().replace('if __name__ == "__main__":\n    main()', "")
 exec(compile(source, harness, "exec"))  # defines args, load()
 
@@ -64,6 +69,48 @@ def step():
 for _ in range(2):
     step()
 torch.cuda.synchronize()
+
+
+def host_profile():
+    import cProfile
+    import io
+    import pstats
+    import time
+    import warnings
+
+    walls = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        step()
+        issued = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0, issued))
+    print(json.dumps({"step_wall_s": [round(w, 4) for w, _ in walls], "issued_s": [round(i, 4) for _, i in walls]}))
+    torch.cuda.set_sync_debug_mode("warn")  # every op that waits for the GPU warns: count them by caller
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step()
+    torch.cuda.set_sync_debug_mode(0)
+    syncs = collections.Counter()
+    for w in caught:
+        syncs[f"{os.path.basename(w.filename)}:{w.lineno} {str(w.message)[:60]}"] += 1
+    print("  host waits for the GPU (sync debug warnings):", json.dumps(syncs.most_common(15)))
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(2):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
+        print(text.getvalue()[-9000:])
+
+
+if HOST:
+    host_profile()
+    sys.exit(0)
 
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
     step()

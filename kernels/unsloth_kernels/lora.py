@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ._utils import INTERPRET, block_size_for, cdiv, check_device
 from .activations import ACT_CODES, activation_and_derivative
-from .nf4 import dequantize_bnb_4bit
+from .nf4 import Prepared4bit, dequantize_prepared, prepare_bnb_4bit
 
 ACTIVATIONS = tuple(ACT_CODES)  # "swiglu", "geglu", "geglu_tanh"
 
@@ -68,10 +68,21 @@ class LoraWeights:
     def base_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense base weight in `dtype`; a fresh dequantized copy when the base is 4-bit."""
         if self.quant_state is not None:
-            return dequantize_bnb_4bit(self.weight, self.quant_state, dtype=dtype)
+            return dequantize_prepared(self._prepared_4bit, dtype)
         return self.weight.to(dtype)
 
+    @functools.cached_property
+    def _prepared_4bit(self) -> Prepared4bit:
+        # Prepared once per LoraWeights: the trainer's patch keeps one per layer while it is unchanged.
+        return prepare_bnb_4bit(self.weight, self.quant_state)
+
     def validate(self, name: str = "lora") -> None:
+        if "_valid" in self.__dict__:  # checked already: the fields are frozen, and so are the base's shapes
+            return
+        self._check(name)
+        self.__dict__["_valid"] = True
+
+    def _check(self, name: str) -> None:
         rank = self.A.shape[0]
         if self.A.dim() != 2 or self.B.dim() != 2 or self.B.shape[1] != rank:
             raise ValueError(

@@ -111,6 +111,95 @@ def _code_on(device: torch.device, code: torch.Tensor | None) -> torch.Tensor:
     return code.to(device=device, dtype=torch.float32).contiguous()
 
 
+@dataclass(frozen=True)
+class Prepared4bit:
+    """A 4-bit weight's dequantization arguments, checked and on its device.
+
+    Preparing costs host time (checks, small copies) that a frozen weight needs only once:
+    `dequantize_prepared` then launches the kernel alone.
+    """
+
+    data: torch.Tensor  # the packed bytes, flat uint8
+    scales: torch.Tensor  # absmax: fp32, or uint8 indices when nested
+    code: torch.Tensor
+    absmax2: torch.Tensor
+    code2: torch.Tensor
+    offset: torch.Tensor | float  # a device tensor is read by the kernel (no host sync)
+    shape: tuple[int, ...]
+    blocksize: int
+    blocksize2: int
+    nested: bool
+
+
+def prepare_4bit(
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    shape: tuple[int, ...] | torch.Size,
+    *,
+    blocksize: int = 64,
+    code: torch.Tensor | None = None,
+    nested: NestedAbsmax | None = None,
+) -> Prepared4bit:
+    """Check a 4-bit weight's parts against each other and put them in the kernel's form."""
+    shape = tuple(shape)
+    n = prod(shape)
+    if blocksize <= 0 or blocksize % 2:
+        raise ValueError(f"blocksize must be a positive even number, got {blocksize}")
+    data = packed.contiguous().view(torch.uint8).reshape(-1)
+    if data.numel() != (n + 1) // 2:
+        raise ValueError(f"packed weight has {data.numel()} bytes; shape {shape} needs {(n + 1) // 2}")
+    n_blocks = cdiv(n, blocksize)
+    if absmax.numel() < n_blocks:
+        raise ValueError(f"absmax has {absmax.numel()} scales; {n} elements in blocks of {blocksize} need {n_blocks}")
+    check_device(data, absmax)
+    device = data.device
+    if nested is not None:
+        if absmax.dtype != torch.uint8:
+            raise ValueError(f"nested absmax must be uint8 indices, got {absmax.dtype}")
+        blocksize2 = int(nested.blocksize)
+        if nested.absmax.numel() < cdiv(n_blocks, blocksize2):
+            raise ValueError(f"nested absmax has {nested.absmax.numel()} scales; {n_blocks} absmax values in "
+                             f"blocks of {blocksize2} need {cdiv(n_blocks, blocksize2)}")
+        absmax2 = nested.absmax.to(device=device, dtype=torch.float32).contiguous()
+        code2 = nested.code.to(device=device, dtype=torch.float32).contiguous()
+        offset = nested.offset
+        if isinstance(offset, torch.Tensor):
+            offset = offset.to(device=device, dtype=torch.float32).reshape(1)
+        else:
+            offset = float(offset)
+        scales = absmax.contiguous()
+    else:
+        scales = absmax.to(torch.float32).contiguous()
+        absmax2 = code2 = scales  # unused by the kernel
+        offset, blocksize2 = 0.0, 1
+    return Prepared4bit(data, scales, _code_on(device, code), absmax2, code2, offset, shape, int(blocksize),
+                        blocksize2, nested is not None)  # fmt: skip
+
+
+def dequantize_prepared(p: Prepared4bit, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None):
+    """The dense weight of a prepared 4-bit weight: one kernel launch."""
+    n = prod(p.shape)
+    if out is None:
+        out = torch.empty(p.shape, dtype=dtype, device=p.data.device)
+    elif out.numel() != n or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous tensor of {n} elements")
+    if n == 0:
+        return out
+    in_memory = isinstance(p.offset, torch.Tensor)
+    grid = (cdiv(p.data.numel(), _BYTES_PER_PROGRAM),)
+    _dequantize_4bit_kernel[grid](
+        p.data, p.scales, p.code, out, p.absmax2, p.code2,
+        p.offset if in_memory else p.scales, 0.0 if in_memory else p.offset, n, p.data.numel(),
+        BLOCKSIZE=p.blocksize, BLOCKSIZE2=p.blocksize2, NESTED=p.nested, OFFSET_IN_MEMORY=in_memory,
+        OUT_BF16=out.dtype == torch.bfloat16, BYTES=_BYTES_PER_PROGRAM, num_warps=_WARPS, **_NO_FMA,
+    )  # fmt: skip
+    return out
+
+
+# Keep `scale * code2 + offset` as two roundings (no FMA) so the result is bit-identical to bnb.
+_NO_FMA = {} if INTERPRET else {"enable_fp_fusion": False}
+
+
 def dequantize_nf4(
     packed: torch.Tensor,
     absmax: torch.Tensor,
@@ -128,67 +217,15 @@ def dequantize_nf4(
     scales (fp32, or uint8 when `nested` is given), `code` the 16 levels (NF4 by default; pass
     bitsandbytes' FP4 code to read FP4). One kernel launch, also for the nested case.
     """
-    shape = tuple(shape)
-    n = prod(shape)
-    if blocksize <= 0 or blocksize % 2:
-        raise ValueError(f"blocksize must be a positive even number, got {blocksize}")
-    data = packed.contiguous().view(torch.uint8).reshape(-1)
-    if data.numel() != (n + 1) // 2:
-        raise ValueError(f"packed weight has {data.numel()} bytes; shape {shape} needs {(n + 1) // 2}")
-    n_blocks = cdiv(n, blocksize)
-    if absmax.numel() < n_blocks:
-        raise ValueError(f"absmax has {absmax.numel()} scales; {n} elements in blocks of {blocksize} need {n_blocks}")
-    check_device(data, absmax)
-    device = data.device
-    if out is None:
-        out = torch.empty(shape, dtype=dtype, device=device)
-    elif out.numel() != n or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous tensor of {n} elements")
-
-    if nested is not None:
-        if absmax.dtype != torch.uint8:
-            raise ValueError(f"nested absmax must be uint8 indices, got {absmax.dtype}")
-        blocksize2 = int(nested.blocksize)
-        n_blocks = -(-n // blocksize)
-        if nested.absmax.numel() < -(-n_blocks // blocksize2):
-            raise ValueError(f"nested absmax has {nested.absmax.numel()} scales; {n_blocks} absmax values in "
-                             f"blocks of {blocksize2} need {-(-n_blocks // blocksize2)}")
-        absmax2 = nested.absmax.to(device=device, dtype=torch.float32).contiguous()
-        code2 = nested.code.to(device=device, dtype=torch.float32).contiguous()
-        offset = nested.offset
-        if isinstance(offset, torch.Tensor):
-            offset = offset.to(device=device, dtype=torch.float32).reshape(1)
-        blocksize2 = int(nested.blocksize)
-        scales = absmax.contiguous()
-    else:
-        scales = absmax.to(torch.float32).contiguous()
-        absmax2 = code2 = scales  # unused by the kernel
-        offset = 0.0
-        blocksize2 = 1
-
-    if n == 0:
-        return out
-    in_memory = isinstance(offset, torch.Tensor)
-    grid = (cdiv(cdiv(n, 2), _BYTES_PER_PROGRAM),)
-    # Keep `scale * code2 + offset` as two roundings (no FMA) so the result is bit-identical to bnb.
-    options = {} if INTERPRET else {"enable_fp_fusion": False}
-    _dequantize_4bit_kernel[grid](
-        data, scales, _code_on(device, code), out, absmax2, code2,
-        offset if in_memory else scales, 0.0 if in_memory else float(offset), n, data.numel(),
-        BLOCKSIZE=int(blocksize), BLOCKSIZE2=blocksize2, NESTED=nested is not None, OFFSET_IN_MEMORY=in_memory,
-        OUT_BF16=out.dtype == torch.bfloat16, BYTES=_BYTES_PER_PROGRAM, num_warps=_WARPS, **options,
-    )  # fmt: skip
-    return out
+    prepared = prepare_4bit(packed, absmax, shape, blocksize=blocksize, code=code, nested=nested)
+    return dequantize_prepared(prepared, dtype, out)
 
 
-def dequantize_bnb_4bit(
-    weight: torch.Tensor, quant_state, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Dequantize a bitsandbytes Params4bit (`weight`, usually `param.data`) with its QuantState.
+def prepare_bnb_4bit(weight: torch.Tensor, quant_state) -> Prepared4bit:
+    """`prepare_4bit` for a bitsandbytes Params4bit (`weight`, usually `param.data`) and its QuantState.
 
     The QuantState is duck-typed (absmax, shape, dtype, blocksize, quant_type, code, offset, state2
-    with absmax/code/blocksize), so bitsandbytes need not be importable here. `dtype` defaults to
-    the dtype recorded in the state (the model's compute dtype).
+    with absmax/code/blocksize), so bitsandbytes need not be importable here.
     """
     quant_type = getattr(quant_state, "quant_type", "nf4")
     if quant_type not in ("nf4", "fp4"):
@@ -200,13 +237,13 @@ def dequantize_bnb_4bit(
     nested = None
     if state2 is not None:
         nested = NestedAbsmax(state2.absmax, state2.code, state2.blocksize, quant_state.offset)
-    return dequantize_nf4(
-        weight,
-        quant_state.absmax,
-        quant_state.shape,
-        dtype or quant_state.dtype,
-        blocksize=quant_state.blocksize,
-        code=code,
-        nested=nested,
-        out=out,
-    )
+    return prepare_4bit(weight, quant_state.absmax, quant_state.shape, blocksize=quant_state.blocksize, code=code,
+                        nested=nested)  # fmt: skip
+
+
+def dequantize_bnb_4bit(
+    weight: torch.Tensor, quant_state, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Dequantize a bitsandbytes Params4bit with its QuantState (see `prepare_bnb_4bit`). `dtype`
+    defaults to the dtype recorded in the state (the model's compute dtype)."""
+    return dequantize_prepared(prepare_bnb_4bit(weight, quant_state), dtype or quant_state.dtype, out)

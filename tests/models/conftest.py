@@ -1,5 +1,8 @@
 import os
 
+import torch
+
 # The patches run our Triton kernels; without a GPU they need Triton's CPU interpreter, which must
 # be chosen before the kernels are imported (scripts/test sets it for the whole run).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -144,3 +144,27 @@ def test_lora_layers_take_the_fused_paths_and_fall_back_when_disabled():
         with patched.disable_adapter(), reference.disable_adapter():  # peft's own path, base model only
             torch.testing.assert_close(patched(input_ids=ids).logits, reference(input_ids=ids).logits,
                                        rtol=1e-4, atol=1e-4)
+
+
+def test_the_kernels_view_of_a_lora_layer_is_kept_until_the_layer_changes():
+    from peft.tuners.lora import LoraLayer
+
+    from unsloth.models.patches.lora import lora_weights
+
+    model = _with_lora(tiny_model("llama"))
+    layer = next(m for m in model.modules() if isinstance(m, LoraLayer))
+    first = lora_weights(layer)
+    assert first is not None and lora_weights(layer) is first  # unchanged: the same view
+    layer.lora_A["default"].weight = torch.nn.Parameter(torch.zeros_like(first.A))
+    second = lora_weights(layer)
+    assert second is not first and second.A is layer.lora_A["default"].weight
+    layer.scaling["default"] = 3.0
+    assert lora_weights(layer).scaling == 3.0
+    base = layer.get_base_layer()
+    kept = lora_weights(layer)
+    base.weight.data = base.weight.data.clone()  # what moving a model does: same parameter, new storage
+    assert lora_weights(layer) is not kept
+    layer.lora_dropout["default"] = torch.nn.Dropout(0.1)
+    assert lora_weights(layer) is None  # dropout: the fast path does not apply
+    with model.disable_adapter():
+        assert lora_weights(layer) is None

@@ -87,6 +87,18 @@ def test_replayed_projections_give_the_recomputed_gradients(monkeypatch):
         torch.testing.assert_close(grads[name], grad, msg=name)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host buffers: a GPU")
+def test_the_next_step_reuses_the_pinned_buffers():
+    model = tiny_llama().cuda()
+    ids = torch.randint(0, VOCAB, (2, 16), device="cuda")
+    _patched_lora_grads(model, ids, "unsloth")
+    offloader = model.model.layers[0]._unsloth_offloader
+    first = {h.data_ptr() for entry in offloader.saved for h in entry.host}
+    model(input_ids=ids, labels=ids).loss.backward()
+    second = {h.data_ptr() for entry in offloader.saved for h in entry.host}
+    assert first and second == first
+
+
 def test_kept_outputs_changed_in_place_are_not_replayed():
     from unsloth.training.memory import _Offloader
 

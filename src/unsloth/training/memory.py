@@ -85,17 +85,32 @@ class _Offloader:
     def __init__(self):
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.saved: list[_Saved] = []
+        self.pool: dict[tuple, list[torch.Tensor]] = {}  # (shape, dtype) -> free pinned buffers
         self.kept_bytes = 0
         self.keep_budget = _host_budget() if _replay_enabled() else 0
 
     def save(self, hidden: torch.Tensor, layer_index: int) -> "_Saved":
         if layer_index == 0:  # a new forward pass (whatever happened to the last one)
-            self.saved.clear()
-            self.kept_bytes = 0
+            self._recycle()
         entry = _Saved(self, len(self.saved))
         entry.add(hidden)
         self.saved.append(entry)
         return entry
+
+    def _recycle(self) -> None:
+        """Return the last pass's pinned buffers to the pool: allocating pinned memory is slow, and
+        each step needs the same buffers again. A buffer is refilled on the side stream, after
+        every copy out of it that stream has queued."""
+        for entry in self.saved:
+            if entry.device is not None:
+                for host in entry.host:
+                    self.pool.setdefault((host.shape, host.dtype), []).append(host)
+        self.saved.clear()
+        self.kept_bytes = 0
+
+    def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        free = self.pool.get((like.shape, like.dtype))
+        return free.pop() if free else torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
 
 
 class _Saved:
@@ -111,29 +126,29 @@ class _Saved:
         # key -> [(first tensor's index, count, versions)], in the order the module kept them
         self.kept: dict = {}
 
-    def add(self, tensor: torch.Tensor) -> int:
+    def add(self, *tensors: torch.Tensor) -> None:
+        """Copy tensors (all on one device) out on the side stream, after the work that made them."""
         stream = self.offloader.stream
-        if stream is None or not tensor.is_cuda:
-            self.host.append(tensor)
-            return len(self.host) - 1
-        self.device = tensor.device
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        if stream is None or not tensors[0].is_cuda:
+            self.host.extend(tensors)
+            return
+        self.device = tensors[0].device
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            host.copy_(tensor, non_blocking=True)
-            tensor.record_stream(stream)  # keep its memory until the copy is done
+            for tensor in tensors:
+                host = self.offloader.host_buffer(tensor)
+                host.copy_(tensor, non_blocking=True)
+                tensor.record_stream(stream)  # keep its memory until the copy is done
+                self.host.append(host)
         self.event = stream.record_event()
-        self.host.append(host)
-        return len(self.host) - 1
 
     def room_to_keep(self) -> bool:
         return self.offloader.kept_bytes < self.offloader.keep_budget
 
     def keep(self, key, tensors) -> None:
         first = len(self.host)
-        for tensor in tensors:
-            self.add(tensor)
-            self.offloader.kept_bytes += tensor.numel() * tensor.element_size()
+        self.add(*tensors)
+        self.offloader.kept_bytes += sum(t.numel() * t.element_size() for t in tensors)
         self.kept.setdefault(key, []).append((first, tensors, [t._version for t in tensors]))
 
     def seal(self) -> None:
@@ -150,7 +165,7 @@ class _Saved:
         stream = self.offloader.stream
         with torch.cuda.stream(stream):
             stream.wait_event(self.event)
-            self.gpu = [h.to(self.device, non_blocking=True) if h.is_pinned() else h for h in self.host]
+            self.gpu = [h.to(self.device, non_blocking=True) for h in self.host]
         self.event = stream.record_event()
 
     def fetch(self) -> tuple[torch.Tensor, dict]:

@@ -19,9 +19,12 @@ _MLP_ACTIVATION = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}
 
 
 def lora_weights(layer):
-    """The kernel's view of a peft LoRA layer, or None when the fast path does not apply right now."""
+    """The kernel's view of a peft LoRA layer, or None when the fast path does not apply right now.
+
+    The view is kept on the layer while everything it was made from is unchanged, so the kernels'
+    one-time work on it (checks, the 4-bit weight's preparation) is not redone on every call.
+    """
     from peft.tuners.lora import LoraLayer
-    from unsloth_kernels.lora import LoraWeights
 
     if not isinstance(layer, LoraLayer) or layer.merged or layer.disable_adapters:
         return None
@@ -29,19 +32,36 @@ def lora_weights(layer):
     if len(adapters) != 1 or adapters[0] not in layer.lora_A:
         return None
     name = adapters[0]
-    if not isinstance(layer.lora_dropout[name], nn.Identity) or layer.use_dora.get(name, False):
-        return None
-    if getattr(layer, "fan_in_fan_out", False):
-        return None
     base = layer.get_base_layer()
     weight = getattr(base, "weight", None)
-    if weight is None:
+    A, B = layer.lora_A[name].weight, layer.lora_B[name].weight
+    dropout, bias = layer.lora_dropout[name], getattr(base, "bias", None)
+    quant_state = getattr(weight, "quant_state", None)
+    # Compared by identity; moving a model keeps the parameter objects but swaps their data (and a
+    # 4-bit state's absmax), so the storage is compared too.
+    objects = (weight, A, B, dropout, bias, quant_state, getattr(quant_state, "absmax", None))
+    values = (name, layer.scaling[name], layer.use_dora.get(name, False), getattr(layer, "fan_in_fan_out", False),
+              weight is not None and weight.requires_grad, weight is not None and weight.data_ptr(),
+              A.device, A.dtype)  # fmt: skip
+    cached = layer.__dict__.get("_unsloth_lora_weights")
+    if cached is not None and cached[1] == values and all(a is b for a, b in zip(cached[0], objects)):
+        return cached[2]
+    weights = _make_lora_weights(name, weight, A, B, dropout, bias, layer)
+    layer.__dict__["_unsloth_lora_weights"] = (objects, values, weights)
+    return weights
+
+
+def _make_lora_weights(name, weight, A, B, dropout, bias, layer):
+    from unsloth_kernels.lora import LoraWeights
+
+    if not isinstance(dropout, nn.Identity) or layer.use_dora.get(name, False):
+        return None
+    if getattr(layer, "fan_in_fan_out", False) or weight is None:
         return None
     quant_state = getattr(weight, "quant_state", None)
     if quant_state is None and (not weight.is_floating_point() or weight.requires_grad):
         return None  # 8-bit, or a base that is itself being trained
-    return LoraWeights(weight, layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name]),
-                       quant_state, getattr(base, "bias", None))
+    return LoraWeights(weight, A, B, float(layer.scaling[name]), quant_state, bias)
 
 
 def _lora_linear_forward(self, x, *args, **kwargs):
