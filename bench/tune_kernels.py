@@ -167,12 +167,13 @@ def tune_nf4():
         out = torch.empty(rows, cols, dtype=DT, device=DEV)
         call = lambda: uk.dequantize_nf4(packed, absmax, (rows, cols), DT, nested=nested, out=out)  # noqa: E731
         ref = call().clone()
-        for nbytes, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8)):
-            nf4._BYTES_PER_PROGRAM, nf4._WARPS = nbytes, warps
+        for (nbytes, warps), row in itertools.product(((1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8)),
+                                                      (8, 16, 32)):  # fmt: skip
+            nf4._BYTES_PER_PROGRAM, nf4._WARPS, nf4._ROW_BYTES = nbytes, warps, row
             same = bool(torch.equal(call(), ref))
             ms = gpu_ms(call, rep=100)
-            results.setdefault((nbytes, warps), []).append(ms)
-            emit(op=f"nf4 {rows}x{cols}", bytes=nbytes, warps=warps, ms=ms, same=same)
+            results.setdefault((nbytes, warps, row), []).append(ms)
+            emit(op=f"nf4 {rows}x{cols}", bytes=nbytes, warps=warps, row=row, ms=ms, same=same)
         emit(op=f"nf4 {rows}x{cols}", host_us=host_us(call))
         if bnbf is not None:
             w = torch.randn(rows, cols, device=DEV, dtype=DT)
@@ -182,7 +183,7 @@ def tune_nf4():
             emit(op=f"nf4 {rows}x{cols}", impl="ours on bnb state", ms=gpu_ms(lambda: uk.dequantize_bnb_4bit(qw, state, out=out), rep=100),
                  equal_to_bnb=bool(torch.equal(mine, bnbf.dequantize_4bit(qw, state))))
     best = min(results.items(), key=lambda kv: sum(kv[1]))
-    nf4._BYTES_PER_PROGRAM, nf4._WARPS = best[0]
+    nf4._BYTES_PER_PROGRAM, nf4._WARPS, nf4._ROW_BYTES = best[0]
     emit(op="nf4", best=best)
 
 
@@ -310,7 +311,7 @@ def main():
             emit(section=name, error=f"{type(e).__name__}: {str(e)[:300]}")
         emit(section=name, seconds=round(time.time() - t0, 1))
         torch.cuda.empty_cache()
-    emit(final_tuning=_utils.NORM_TUNING, nf4=(nf4._BYTES_PER_PROGRAM, nf4._WARPS), ce=(ce._CE_WARPS, ce._MAX_BLOCK_V))
+    emit(final_tuning=_utils.NORM_TUNING, nf4=(nf4._BYTES_PER_PROGRAM, nf4._WARPS, nf4._ROW_BYTES), ce=(ce._CE_WARPS, ce._MAX_BLOCK_V))
 
 
 if __name__ == "__main__":

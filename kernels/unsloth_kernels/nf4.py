@@ -41,6 +41,7 @@ NF4_CODE = (
 # H200 with bench/tune_kernels.py: 0.053 ms for 14336 x 4096 (bitsandbytes: 0.077).
 _BYTES_PER_PROGRAM = 2048
 _WARPS = 4
+_ROW_BYTES = 16  # packed bytes sharing one scale per kernel row (a 16-byte load per thread)
 
 
 @dataclass(frozen=True)
@@ -71,30 +72,38 @@ def _dequantize_4bit_kernel(
     OFFSET_IN_MEMORY: tl.constexpr,
     OUT_BF16: tl.constexpr,
     BYTES: tl.constexpr,
+    ROW: tl.constexpr,
 ):
+    # BYTES packed bytes as rows of ROW bytes. A row lies inside one quantization block (ROW divides
+    # BLOCKSIZE / 2), so its scale is read and dequantized once, not once per byte.
     pid = tl.program_id(0).to(tl.int64)
-    byte = pid * BYTES + tl.arange(0, BYTES)
-    first = byte * 2  # index of the element in the high nibble
-    live = byte < n_bytes  # masked on the contiguous byte index, so the loads vectorise
-    packed = tl.load(packed_ptr + byte, mask=live, other=0).to(tl.int32)
+    row = pid * (BYTES // ROW) + tl.arange(0, BYTES // ROW)
+    byte = row[:, None] * ROW + tl.arange(0, ROW)[None, :]
+    packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0).to(tl.int32)
 
-    # Both nibbles of a byte share a block: blocksizes are even.
-    block = first // BLOCKSIZE
+    block = row * (2 * ROW) // BLOCKSIZE
+    row_live = row * ROW < n_bytes
     if NESTED:
-        scale_q = tl.load(absmax_ptr + block, mask=live, other=0).to(tl.int32)
-        scale = tl.load(code2_ptr + scale_q) * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=live, other=0.0)
+        scale_q = tl.load(absmax_ptr + block, mask=row_live, other=0).to(tl.int32)
+        scale = tl.load(code2_ptr + scale_q) * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=row_live, other=0.0)
         # bitsandbytes keeps the offset as a device tensor: read it there rather than sync the host
         scale = scale + (tl.load(offset_ptr) if OFFSET_IN_MEMORY else offset)
     else:
-        scale = tl.load(absmax_ptr + block, mask=live, other=0.0)
+        scale = tl.load(absmax_ptr + block, mask=row_live, other=0.0)
 
-    high = tl.load(code_ptr + (packed >> 4)) * scale
-    low = tl.load(code_ptr + (packed & 0xF)) * scale
+    high = tl.load(code_ptr + (packed >> 4)) * scale[:, None]
+    low = tl.load(code_ptr + (packed & 0xF)) * scale[:, None]
     values = tl.interleave(high, low)  # element order: high, low, high, low, ...
     if OUT_BF16:
         values = round_to_bf16(values)  # on every backend: the interpreter truncates
-    element = pid * (2 * BYTES) + tl.arange(0, 2 * BYTES)
+    element = row[:, None] * (2 * ROW) + tl.arange(0, 2 * ROW)[None, :]
     tl.store(out_ptr + element, values.to(out_ptr.dtype.element_ty), mask=element < n_elements)
+
+
+def _row_bytes(blocksize: int) -> int:
+    """Bytes per kernel row: the largest power of two dividing a block's bytes, up to _ROW_BYTES."""
+    half = blocksize // 2
+    return min(half & -half, _ROW_BYTES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,7 +200,8 @@ def dequantize_prepared(p: Prepared4bit, dtype: torch.dtype = torch.bfloat16, ou
         p.data, p.scales, p.code, out, p.absmax2, p.code2,
         p.offset if in_memory else p.scales, 0.0 if in_memory else p.offset, n, p.data.numel(),
         BLOCKSIZE=p.blocksize, BLOCKSIZE2=p.blocksize2, NESTED=p.nested, OFFSET_IN_MEMORY=in_memory,
-        OUT_BF16=out.dtype == torch.bfloat16, BYTES=_BYTES_PER_PROGRAM, num_warps=_WARPS, **_NO_FMA,
+        OUT_BF16=out.dtype == torch.bfloat16, BYTES=_BYTES_PER_PROGRAM, ROW=_row_bytes(p.blocksize),
+        num_warps=_WARPS, **_NO_FMA,
     )  # fmt: skip
     return out
 

@@ -109,6 +109,20 @@ def test_low_level_api_and_dtype_override():
     assert torch.equal(torch.tensor(NF4_CODE), state.code.float().cpu())  # our default code is bnb's NF4
 
 
+@pytest.mark.parametrize("blocksize", [2, 6, 48, 4096])
+@pytest.mark.parametrize("n", [1, 37, 4101])
+def test_any_even_blocksize_against_the_formula(blocksize, n):
+    """Block sizes bitsandbytes does not use, where the kernel's rows (bytes sharing one scale) are 1, 2
+    or 8 bytes, or longer than a program's tile: w[i] = code[index[i]] * absmax[i // blocksize]."""
+    g = torch.Generator().manual_seed(n + blocksize)
+    packed = torch.randint(0, 256, ((n + 1) // 2,), generator=g, dtype=torch.uint8)
+    absmax = torch.rand(-(-n // blocksize), generator=g) + 0.5
+    index = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:n].long()
+    expected = torch.tensor(NF4_CODE)[index] * absmax.repeat_interleave(blocksize)[:n]
+    actual = dequantize_nf4(packed.to(DEVICE), absmax.to(DEVICE), (n,), torch.float32, blocksize=blocksize)
+    assert torch.equal(actual.cpu(), expected)
+
+
 @needs_bnb
 def test_bad_inputs_are_named():
     packed, state = quantize((4, 64), 64, False, torch.bfloat16)
