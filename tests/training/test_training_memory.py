@@ -42,12 +42,13 @@ def test_checkpointed_layers_give_the_same_gradients(mode, monkeypatch):
         torch.testing.assert_close(grads[name], grad, msg=name)
 
 
-def _patched_lora_grads(model, ids, mode):
+def _patched_lora_model(model, mode):
+    """Our kernels patched in, LoRA on the attention projections, checkpointing in `mode`."""
+    from peft import LoraConfig, get_peft_model
+
     from unsloth.models.patches import patch_model, patch_peft_model
 
     patch_model(model)
-    from peft import LoraConfig, get_peft_model
-
     torch.manual_seed(0)
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM",
                                                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
@@ -58,9 +59,19 @@ def _patched_lora_grads(model, ids, mode):
     patch_peft_model(peft_model)
     apply_gradient_checkpointing(peft_model.get_base_model(), mode)
     peft_model.train()
-    loss = peft_model(input_ids=ids, labels=ids).loss
+    return peft_model
+
+
+def _step(peft_model, *batches):
+    """Forward every batch, then one backward of the summed losses; returns (loss, grads)."""
+    peft_model.zero_grad()
+    loss = sum(peft_model(input_ids=ids, labels=ids).loss for ids in batches)
     loss.backward()
-    return loss.detach(), {n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad}
+    return loss.detach(), {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+
+
+def _patched_lora_grads(model, ids, mode):
+    return _step(_patched_lora_model(model, mode), ids)
 
 
 def test_replayed_projections_give_the_recomputed_gradients(monkeypatch):
@@ -97,6 +108,20 @@ def test_the_next_step_reuses_the_pinned_buffers():
     model(input_ids=ids, labels=ids).loss.backward()
     second = {h.data_ptr() for entry in offloader.saved for h in entry.host}
     assert first and second == first
+
+
+def test_two_forwards_before_one_backward_keep_their_own_saved_tensors():
+    """A step's pinned buffers are reused by the next pass only once its backward has fetched them."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_llama().to(device)
+    first, second = (torch.randint(0, VOCAB, (2, 16), device=device) for _ in range(2))
+    grads = {}
+    for mode in (True, "unsloth"):
+        peft_model = _patched_lora_model(copy.deepcopy(model), mode)
+        _step(peft_model, first)  # a whole step first: its buffers are then free for the next pass
+        grads[mode] = _step(peft_model, first, second)[1]
+    for name, grad in grads[True].items():
+        torch.testing.assert_close(grads["unsloth"][name], grad, msg=name)
 
 
 def test_kept_outputs_changed_in_place_are_not_replayed():

@@ -42,9 +42,13 @@ def _keeping_entry() -> "_Saved | None":
 
 
 def keeping_for_recompute() -> bool:
-    """True during a checkpointed layer's first pass when its modules may keep outputs for the recompute."""
+    """True during a checkpointed layer's first pass when its modules may keep outputs for the recompute.
+
+    For the whole pass, even once the host budget is spent: what was kept earlier in it must not
+    be overwritten in place (RoPE asks this).
+    """
     entry = _keeping_entry()
-    return entry is not None and entry.room_to_keep()
+    return entry is not None and entry.offloader.keep_budget > 0
 
 
 def keep_for_recompute(key, *tensors: torch.Tensor) -> None:
@@ -98,11 +102,14 @@ class _Offloader:
         return entry
 
     def _recycle(self) -> None:
-        """Return the last pass's pinned buffers to the pool: allocating pinned memory is slow, and
-        each step needs the same buffers again. A buffer is refilled on the side stream, after
-        every copy out of it that stream has queued."""
+        """Make the last pass's pinned buffers the pool: allocating pinned memory is slow, and each
+        step needs the same buffers again. A buffer is refilled on the side stream, after every
+        copy out of it that stream has queued. Buffers the last pass did not use are let go, so
+        changing shapes (sequence lengths) do not pile up host memory. Only entries whose backward
+        has fetched them are reused: a graph still waiting for its backward keeps its own."""
+        self.pool = {}
         for entry in self.saved:
-            if entry.device is not None:
+            if entry.device is not None and entry.fetched:
                 for host in entry.host:
                     self.pool.setdefault((host.shape, host.dtype), []).append(host)
         self.saved.clear()
@@ -123,7 +130,9 @@ class _Saved:
         self.device: torch.device | None = None  # the GPU they came from; None: nothing was copied
         self.gpu: list[torch.Tensor] | None = None
         self.event = None
-        # key -> [(first tensor's index, count, versions)], in the order the module kept them
+        self.fetched = False
+        # key -> what the module kept, in call order: [(index of its first tensor in host, tensors,
+        # their versions)] during the first pass, [(index, count)] once sealed
         self.kept: dict = {}
 
     def add(self, *tensors: torch.Tensor) -> None:
@@ -171,7 +180,7 @@ class _Saved:
     def fetch(self) -> tuple[torch.Tensor, dict]:
         """The layer input, and key -> queue of what each module kept (for `kept_for_recompute`)."""
         self.prefetch()
-        tensors, self.gpu = self.gpu, None
+        tensors, self.gpu, self.fetched = self.gpu, None, True
         if self.device is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(self.event)
