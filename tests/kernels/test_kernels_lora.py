@@ -351,6 +351,7 @@ print(json.dumps(out))
 
 def _kernel_cases():
     import unsloth_kernels.lora as lora_module
+    import unsloth_kernels.nf4 as nf4_module
 
     ce_sig = {"logits_ptr": "*bf16", "logits_stride": "i32", "labels_ptr": "*i64", "loss_ptr": "*fp32", "V": "i32",
               "ignore_index": "i32", "softcap": "fp32", "logit_scale": "fp32"}  # fmt: skip
@@ -362,8 +363,8 @@ def _kernel_cases():
          {"HAS_SCALE": True, "HAS_SOFTCAP": True, "COMPUTE_GRAD": True, "BLOCK_V": 16384}, {"num_warps": 32}),
         ("nf4", "_dequantize_4bit_kernel", nf4_sig,
          {"BLOCKSIZE": 64, "BLOCKSIZE2": 256, "NESTED": True, "OFFSET_IN_MEMORY": True, "OUT_BF16": True,
-          "BYTES": 2048},
-         {"num_warps": 4, "enable_fp_fusion": False}),
+          "BYTES": nf4_module._BYTES_PER_PROGRAM, "ROW": nf4_module._row_bytes(64)},
+         {"num_warps": nf4_module._WARPS, "enable_fp_fusion": False}),
     ]  # fmt: skip
     gated_sig = {name: "*bf16" for name in ("E", "G", "DH", "XA", "DYB")}
     gated_sig.update({name: "*fp32" for name in ("BG", "BU", "AD")})  # LoRA parameters stay fp32
