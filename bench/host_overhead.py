@@ -10,10 +10,7 @@ queue not yet full), then cProfile's top entries for our implementation.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 import time
 
 import torch
@@ -22,6 +19,7 @@ import triton
 import unsloth_kernels as uk
 
 from bench_kernels import graph_ms, liger_ops, rope_inputs
+from profiling import cprofile_report
 
 DEV, DT = "cuda", torch.bfloat16
 T, H = 16384, 4096
@@ -45,15 +43,7 @@ def report(op, impl, step, profile_it):
            "graph_ms": graph_ms(step), "host_us": round(host_us(step), 1)}
     print(json.dumps(row), flush=True)
     if profile_it:
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(50):
-            step()
-        prof.disable()
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
-        print("\n".join(text.getvalue().splitlines()[6:]))
+        print(cprofile_report(step, 50))
 
 
 def main():

@@ -5,8 +5,9 @@ loads (ours answers `import unsloth` when our source is first on PYTHONPATH).
 
 With --host it shows instead where the host's time goes (for a step the host, not the GPU, paces):
 the step's wall time, the time to issue it, the operations that made the host wait for the GPU,
-and cProfile's top functions. Otherwise it prints JSON lines: GPU time per kernel category (torch.profiler, one step after warm-up), the top
-kernels, matmul time and TFLOP/s by input shape, and what is alive at the step's memory peak,
+and cProfile's top functions. Otherwise it prints JSON lines: GPU time per kernel category
+(torch.profiler, one step after warm-up), the top kernels, matmul time and TFLOP/s by input shape,
+and what is alive at the step's memory peak,
 grouped by the source line that allocated it (torch.cuda.memory history). That last list is an
 upper bound: a block freed through `record_stream` (the offloaded layer inputs) can lack its
 "free_completed" event and show as alive; compare its total with max_memory_allocated.
@@ -72,11 +73,10 @@ torch.cuda.synchronize()
 
 
 def host_profile():
-    import cProfile
-    import io
-    import pstats
     import time
     import warnings
+
+    from profiling import cprofile_report
 
     walls = []
     for _ in range(4):
@@ -95,17 +95,7 @@ def host_profile():
     for w in caught:
         syncs[f"{os.path.basename(w.filename)}:{w.lineno} {str(w.message)[:60]}"] += 1
     print("  host waits for the GPU (sync debug warnings):", json.dumps(syncs.most_common(15)))
-    torch.cuda.synchronize()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(2):
-        step()
-    profiler.disable()
-    torch.cuda.synchronize()
-    for order in ("tottime", "cumulative"):
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
-        print(text.getvalue()[-9000:])
+    print(cprofile_report(step, 2, orders=("tottime", "cumulative"), lines=45))
 
 
 if HOST:
