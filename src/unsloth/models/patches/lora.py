@@ -37,31 +37,25 @@ def lora_weights(layer):
     A, B = layer.lora_A[name].weight, layer.lora_B[name].weight
     dropout, bias = layer.lora_dropout[name], getattr(base, "bias", None)
     quant_state = getattr(weight, "quant_state", None)
+    scaling, dora = layer.scaling[name], layer.use_dora.get(name, False)
+    fan_in_fan_out = getattr(layer, "fan_in_fan_out", False)
     # Compared by identity; moving a model keeps the parameter objects but swaps their data (and a
     # 4-bit state's absmax), so the storage is compared too.
     objects = (weight, A, B, dropout, bias, quant_state, getattr(quant_state, "absmax", None))
-    values = (name, layer.scaling[name], layer.use_dora.get(name, False), getattr(layer, "fan_in_fan_out", False),
-              weight is not None and weight.requires_grad, weight is not None and weight.data_ptr(),
-              A.device, A.dtype)  # fmt: skip
+    values = (scaling, dora, fan_in_fan_out, weight is not None and weight.requires_grad,
+              weight is not None and weight.data_ptr(), A.device, A.dtype)  # fmt: skip
     cached = layer.__dict__.get("_unsloth_lora_weights")
     if cached is not None and cached[1] == values and all(a is b for a, b in zip(cached[0], objects)):
         return cached[2]
-    weights = _make_lora_weights(name, weight, A, B, dropout, bias, layer)
+    weights = None
+    if isinstance(dropout, nn.Identity) and not dora and not fan_in_fan_out and weight is not None:
+        # 4-bit, or a dense base that is frozen (not 8-bit, not itself being trained)
+        if quant_state is not None or (weight.is_floating_point() and not weight.requires_grad):
+            from unsloth_kernels.lora import LoraWeights
+
+            weights = LoraWeights(weight, A, B, float(scaling), quant_state, bias)
     layer.__dict__["_unsloth_lora_weights"] = (objects, values, weights)
     return weights
-
-
-def _make_lora_weights(name, weight, A, B, dropout, bias, layer):
-    from unsloth_kernels.lora import LoraWeights
-
-    if not isinstance(dropout, nn.Identity) or layer.use_dora.get(name, False):
-        return None
-    if getattr(layer, "fan_in_fan_out", False) or weight is None:
-        return None
-    quant_state = getattr(weight, "quant_state", None)
-    if quant_state is None and (not weight.is_floating_point() or weight.requires_grad):
-        return None  # 8-bit, or a base that is itself being trained
-    return LoraWeights(weight, A, B, float(layer.scaling[name]), quant_state, bias)
 
 
 def _lora_linear_forward(self, x, *args, **kwargs):
