@@ -54,13 +54,17 @@ def _rms_norm_fwd(
 
 
 @triton.jit
-def _load_tile(X, DY, RSTD, rows, cols, last, n_cols, stride_x, stride_dy):
-    """x and dy (in their storage dtype) and rstd for a tile of rows; rows past `last` read nothing."""
+def _load_tile(X, DY, DS, RSTD, rows, cols, last, n_cols, stride_x, stride_dy, stride_ds, HAS_DS: tl.constexpr):
+    """x, dy and (with HAS_DS) ds, in their storage dtype, and rstd for a tile of rows; rows past
+    `last` read nothing. Without HAS_DS the ds returned is dy, unread by the caller."""
     row_mask = rows < last
     mask = row_mask[:, None] & (cols[None, :] < n_cols)
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
-    return x, dy, tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    ds = dy
+    if HAS_DS:
+        ds = tl.load(DS + rows[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0)
+    return x, dy, ds, tl.load(RSTD + rows, mask=row_mask, other=0.0)
 
 
 @triton.jit
@@ -81,13 +85,12 @@ def _rms_norm_bwd(
     # Software pipelining by hand: the next tile's loads are issued before this tile's math, so
     # memory stays busy while the row reductions synchronise the program's warps.
     rows = first + tl.arange(0, BLOCK_M)
-    x, dy, rstd = _load_tile(X, DY, RSTD, rows, cols, last, n_cols, stride_x, stride_dy)
+    x, dy, ds, rstd = _load_tile(X, DY, DS, RSTD, rows, cols, last, n_cols, stride_x, stride_dy, stride_ds, HAS_DS)
     for _ in range(first, last, BLOCK_M):
         next_rows = rows + BLOCK_M
-        x_next, dy_next, rstd_next = _load_tile(X, DY, RSTD, next_rows, cols, last, n_cols, stride_x, stride_dy)
+        x_next, dy_next, ds_next, rstd_next = _load_tile(X, DY, DS, RSTD, next_rows, cols, last, n_cols,
+                                                         stride_x, stride_dy, stride_ds, HAS_DS)  # fmt: skip
         mask = (rows[:, None] < last) & col_mask[None, :]
-        if HAS_DS:  # gradient reaching the residual sum directly (fused add): both add up
-            ds = tl.load(DS + rows[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         x_hat = x.to(tl.float32) * rstd[:, None]
         dyf = dy.to(tl.float32)
         # dW sees exactly the factor the forward multiplied by (Llama: the row rounded to dtype).
@@ -98,10 +101,10 @@ def _rms_norm_bwd(
                 dw += tl.sum(dyf * x_hat, axis=0)
         g = dyf * w[None, :]
         dx = rstd[:, None] * (g - x_hat * (tl.sum(g * x_hat, axis=1) / n_cols)[:, None])
-        if HAS_DS:
-            dx += ds
+        if HAS_DS:  # gradient reaching the residual sum directly (fused add): both add up
+            dx += ds.to(tl.float32)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        rows, x, dy, rstd = next_rows, x_next, dy_next, rstd_next
+        rows, x, dy, ds, rstd = next_rows, x_next, dy_next, ds_next, rstd_next
     if HAS_DW:
         tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
 
