@@ -87,12 +87,16 @@ def implementations(eager, ours, liger=None, compile_=True):
 
 def liger_ops():
     try:
-        from liger_kernel.ops import fused_linear_cross_entropy, rms_norm, rope, swiglu
+        from liger_kernel.ops import (fused_add_rms_norm, fused_linear_cross_entropy, geglu, layer_norm, rms_norm,
+                                      rope, swiglu)
     except Exception as e:  # noqa: BLE001 - optional comparison
         print(json.dumps({"liger": f"unavailable: {e}"}), file=sys.stderr)
         return None
     return {
         "rmsnorm": lambda x, w: rms_norm.LigerRMSNormFunction.apply(x, w, 1e-5, 0.0, "llama", False),
+        "add_rmsnorm": lambda x, r, w: fused_add_rms_norm.LigerFusedAddRMSNormFunction.apply(x, r, w, 1e-5),
+        "layernorm": lambda x, w, b: layer_norm.LigerLayerNormFunction.apply(x, w, b, 1e-5),
+        "geglu": lambda a, b: geglu.LigerGELUMulFunction.apply(a, b),  # the tanh approximation
         "rope": lambda q, k, cos, sin: rope.LigerRopeFunction.apply(q, k, cos, sin),
         "swiglu": lambda a, b: swiglu.LigerSiLUMulFunction.apply(a, b),
         "linear_ce": lambda h, W, y: fused_linear_cross_entropy.LigerFusedLinearCrossEntropyFunction.apply(h, W, y)[0],
@@ -135,21 +139,22 @@ def bench_rmsnorm(liger, compile_):
     def ours_res(x, r, w):
         return uk.rms_norm(x, w, 1e-5, residual=r)
 
-    impls = [("eager", eager_res)] + ([("compile", torch.compile(eager_res))] if compile_ else [])
-    for impl, f in impls + [("unsloth_kernels", ours_res)]:
+    for impl, f in implementations(eager_res, ours_res, liger and liger["add_rmsnorm"], compile_):
+        # autograd.grad, not .backward(): x and r receive one and the same gradient tensor, and
+        # accumulating it into two leaves' .grad clones it (128 MiB more traffic); in a model both
+        # come from earlier ops, which take the tensor as it is.
         def step(f=f):
-            x.grad = r.grad = w.grad = None
-            torch.autograd.backward(f(x, r, w), (dy, ds))
+            torch.autograd.grad(f(x, r, w), (x, r, w), (dy, ds))
         bench(step, "add_rmsnorm_fwd_bwd", impl, bytes_moved=8 * T * H * 2, graph=True)
 
 
-def bench_layernorm(compile_):
+def bench_layernorm(liger, compile_):
     x = torch.randn(T, H, device=DEV, dtype=DT, requires_grad=True)
     w = torch.ones(H, device=DEV, dtype=DT, requires_grad=True)
     b = torch.zeros(H, device=DEV, dtype=DT, requires_grad=True)
     dy = torch.randn(T, H, device=DEV, dtype=DT)
     eager = lambda x, w, b: F.layer_norm(x, (H,), w, b, 1e-5)  # noqa: E731
-    for impl, f in implementations(eager, uk.layer_norm, None, compile_):
+    for impl, f in implementations(eager, uk.layer_norm, liger and liger["layernorm"], compile_):
         def step(f=f):
             x.grad = w.grad = b.grad = None
             f(x, w, b).backward(dy)
@@ -207,7 +212,7 @@ def bench_gated(liger, compile_):
 
     ge_eager = lambda a, b: F.gelu(a, approximate="tanh") * b  # noqa: E731
     ge_ours = lambda a, b: uk.geglu(a.view_as(a), b.view_as(b), approximate="tanh")  # noqa: E731
-    for impl, f in implementations(ge_eager, ge_ours, None, compile_):
+    for impl, f in implementations(ge_eager, ge_ours, liger and liger["geglu"], compile_):
         def step(f=f):
             a.grad = b.grad = None
             f(a, b).backward(dy)
@@ -245,7 +250,7 @@ def bench_nf4():
     dequantize = getattr(uk, "dequantize_nf4", None)
     if dequantize is None:
         return
-    from unsloth_kernels.nf4 import NestedAbsmax
+    from unsloth_kernels.nf4 import NestedAbsmax, dequantize_prepared, prepare_4bit
 
     try:
         import bitsandbytes.functional as bnbf  # the reference, when the bench machine has it
@@ -253,6 +258,7 @@ def bench_nf4():
         bnbf = None
     for rows, cols in [(I, H), (H, H)]:
         n = rows * cols
+        op = f"nf4_dequant_{rows}x{cols}"
         # Random bytes and scales are as good as a real weight for timing; nested (double) quant.
         packed = torch.randint(0, 256, (n // 2,), dtype=torch.uint8, device=DEV)
         absmax = torch.randint(0, 256, (n // 64,), dtype=torch.uint8, device=DEV)
@@ -260,14 +266,21 @@ def bench_nf4():
                               code=torch.linspace(-1, 1, 256, device=DEV), blocksize=256, offset=0.1)
         out = torch.empty(rows, cols, dtype=DT, device=DEV)
         nbytes = n // 2 + n // 64 + 2 * n  # packed + absmax read, bf16 written
-        bench(lambda: dequantize(packed, absmax, (rows, cols), DT, nested=nested, out=out),
-              f"nf4_dequant_{rows}x{cols}", "unsloth_kernels", bytes_moved=nbytes)
+        # A copy moving as many bytes: what the copy rate is at this size (launch, ramp and tail
+        # weigh on a 10 µs transfer, and the 2 GiB copy's rate hides them).
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device=DEV)
+        dst = torch.empty_like(src)
+        bench(lambda: dst.copy_(src), op, "torch copy, same bytes", bytes_moved=nbytes, graph=True)
+        # The trainer's path: each frozen weight prepared once, then one launch per dequantization.
+        prepared = prepare_4bit(packed, absmax, (rows, cols), nested=nested)
+        bench(lambda: dequantize_prepared(prepared, DT, out), op, "unsloth_kernels", bytes_moved=nbytes, graph=True)
+        bench(lambda: dequantize(packed, absmax, (rows, cols), DT, nested=nested, out=out), op,
+              "unsloth_kernels, unprepared", bytes_moved=nbytes, graph=True)
         if bnbf is None:
             continue
         w = torch.randn(rows, cols, device=DEV, dtype=DT)
         q, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
-        bench(lambda: bnbf.dequantize_4bit(q, state, out=out), f"nf4_dequant_{rows}x{cols}", "bitsandbytes",
-              bytes_moved=nbytes)
+        bench(lambda: bnbf.dequantize_4bit(q, state, out=out), op, "bitsandbytes", bytes_moved=nbytes, graph=True)
 
 
 def bench_lora_mlp():
@@ -361,7 +374,7 @@ def main(argv=None) -> int:
     bench_copy()
     runs = {
         "rmsnorm": lambda: bench_rmsnorm(liger, compile_),
-        "layernorm": lambda: bench_layernorm(compile_),
+        "layernorm": lambda: bench_layernorm(liger, compile_),
         "rope": lambda: bench_rope(liger, compile_),
         "swiglu": lambda: bench_gated(liger, compile_),
         "linear_ce": lambda: bench_linear_ce(liger, compile_),

@@ -105,11 +105,14 @@ def tune_rmsnorm():
     r = torch.randn_like(x, requires_grad=True)
     ds = torch.randn_like(dy)
 
-    def step_res():
-        x.grad = r.grad = w.grad = None
-        torch.autograd.backward(uk.rms_norm(x, w, 1e-5, residual=r), (dy, ds))
+    def step_res():  # autograd.grad: two leaves' .grad would clone the shared gradient
+        torch.autograd.grad(uk.rms_norm(x, w, 1e-5, residual=r), (x, r, w), (dy, ds))
 
     step_report("add_rmsnorm tuned", step_res)
+    _, s2, rstd = rms.rms_norm_forward(x.detach(), w.detach(), 1e-5, 0.0, r.detach(), "llama")
+    sweep("add_rmsnorm", "backward", BWD,
+          lambda: rms.rms_norm_backward(dy, ds, s2, w.detach(), rstd, 0.0, "llama", DT), check=maxdiff)
+    step_report("add_rmsnorm retuned", step_res)
 
 
 def tune_layernorm():
@@ -166,15 +169,17 @@ def tune_nf4():
                                   code=torch.linspace(-1, 1, 256, device=DEV), blocksize=256, offset=0.1)
         out = torch.empty(rows, cols, dtype=DT, device=DEV)
         call = lambda: uk.dequantize_nf4(packed, absmax, (rows, cols), DT, nested=nested, out=out)  # noqa: E731
+        prepared = nf4.prepare_4bit(packed, absmax, (rows, cols), nested=nested)
+        launch = lambda: nf4.dequantize_prepared(prepared, DT, out)  # noqa: E731 - the trainer's path
         ref = call().clone()
-        for (nbytes, warps), row in itertools.product(((1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8)),
-                                                      (8, 16, 32)):  # fmt: skip
+        configs = ((512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8))
+        for (nbytes, warps), row in itertools.product(configs, (8, 16, 32)):
             nf4._BYTES_PER_PROGRAM, nf4._WARPS, nf4._ROW_BYTES = nbytes, warps, row
-            same = bool(torch.equal(call(), ref))
-            ms = gpu_ms(call, rep=100)
+            same = bool(torch.equal(launch(), ref))
+            ms = gpu_ms(launch, rep=100)
             results.setdefault((nbytes, warps, row), []).append(ms)
-            emit(op=f"nf4 {rows}x{cols}", bytes=nbytes, warps=warps, row=row, ms=ms, same=same)
-        emit(op=f"nf4 {rows}x{cols}", host_us=host_us(call))
+            emit(op=f"nf4 {rows}x{cols}", bytes=nbytes, warps=warps, row=row, ms=ms, graph_ms=graph_ms(launch), same=same)
+        emit(op=f"nf4 {rows}x{cols}", host_us_unprepared=host_us(call), host_us_prepared=host_us(launch))
         if bnbf is not None:
             w = torch.randn(rows, cols, device=DEV, dtype=DT)
             qw, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
