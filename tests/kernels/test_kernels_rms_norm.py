@@ -99,10 +99,11 @@ def test_llama_module_matches_hf_llama_rmsnorm(dtype):
     x = torch.randn(6, 9, hidden, device=DEVICE).to(dtype)
     expected, actual = hf(x), ours(x)
     # Same roundings in the same order; only the fp32 sum of squares may differ in its last bit,
-    # which can move a value by one ulp in rare cases.
+    # which in rare cases moves the normalised row, rounded to dtype, by one ulp (relative <= 2u);
+    # the product with the weight is rounded again (<= u): 3u in all.
     assert actual.dtype == expected.dtype
     assert (actual == expected).float().mean() > 0.99
-    torch.testing.assert_close(actual, expected, rtol=2 * UNIT_ROUNDOFF[dtype], atol=0)
+    torch.testing.assert_close(actual, expected, rtol=3 * UNIT_ROUNDOFF[dtype], atol=0)
 
 
 @pytest.mark.parametrize("dtype", EXACT_DTYPES)
