@@ -3,7 +3,7 @@
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
 # sections: machine, tests, kernels, trainer, profile, ab, host; all = machine tests kernels trainer)
-# Results land in $OUT (logs and JSON lines).
+# Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
 set -u
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -41,9 +41,18 @@ kernels() {
   timeout 300 python3 bench/bench_kernels.py --no-compile --no-liger ${KERNELS:+--only $KERNELS} 2>&1 | tee "$OUT/bench-kernels.txt"
 }
 
+shape_args() {  # the harness's arguments for a shape named in $SHAPES
+  case $1 in
+    bf16) echo "" ;;
+    qlora) echo "--four-bit --batch 2" ;;
+    *) echo "unknown shape: $1 (bf16 or qlora)" >&2; exit 2 ;;
+  esac
+}
+
 trainer() {
   python3 .anchors/anchor_lora.py --impl make >/dev/null
-  for four in "" "--four-bit --batch 2"; do
+  for shape in ${SHAPES:-bf16 qlora}; do
+    four=$(shape_args "$shape") || exit 2
     # ours first, through the very same harness loop (our package answers `import unsloth`)
     # shellcheck disable=SC2086
     timeout 200 python3 .anchors/anchor_lora.py --impl unsloth $four 2>&1 | tail -4 | sed 's/"impl": "unsloth"/"impl": "ours"/' | tee -a "$OUT/trainer.jsonl"
@@ -57,7 +66,8 @@ trainer() {
 
 ab() {  # ours under each environment setting in $AB (e.g. "X=1 X=0"), then Unsloth, both shapes
   python3 .anchors/anchor_lora.py --impl make >/dev/null
-  for four in "" "--four-bit --batch 2"; do
+  for shape in ${SHAPES:-bf16 qlora}; do
+    four=$(shape_args "$shape") || exit 2
     for setting in ${AB:-UNSLOTH_REPLAY_PROJECTIONS=1}; do
       # shellcheck disable=SC2086
       env "$setting" timeout 200 python3 .anchors/anchor_lora.py --impl unsloth $four 2>&1 | tail -1 | sed "s/\"impl\": \"unsloth\"/\"impl\": \"ours $setting\"/" | tee -a "$OUT/ab.jsonl"

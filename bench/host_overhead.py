@@ -4,7 +4,7 @@ On ops this fast the host, not the GPU, sets the time the anchors measure. Per o
 (as the anchors time it), GPU ms (CUDA graph replay), host µs per step (issue rate with the GPU
 queue not yet full), then cProfile's top entries for our implementation.
 
-    python bench/host_overhead.py [--only rmsnorm,rope]
+    python bench/host_overhead.py [--only rmsnorm,layernorm,rope]
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ def report(op, impl, step, profile_it):
            "graph_ms": graph_ms(step), "host_us": round(host_us(step), 1)}
     print(json.dumps(row), flush=True)
     if profile_it:
-        print(cprofile_report(step, 50))
+        print(cprofile_report(step, 50, orders=("tottime", "cumulative"), lines=25))
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--only", default="rmsnorm,rope")
+    p.add_argument("--only", default="rmsnorm,layernorm,rope")
     only = p.parse_args().only.split(",")
     liger = liger_ops()
     if "rmsnorm" in only:
@@ -63,6 +63,20 @@ def main():
                 x.grad = w.grad = None
                 f(x, w).backward(dy)
             report("rmsnorm", impl, step, impl == "ours")
+    if "layernorm" in only:
+        x = torch.randn(T, H, device=DEV, dtype=DT, requires_grad=True)
+        w = torch.ones(H, device=DEV, dtype=DT, requires_grad=True)
+        b = torch.zeros(H, device=DEV, dtype=DT, requires_grad=True)
+        dy = torch.randn(T, H, device=DEV, dtype=DT)
+        for impl, f in (("ours", uk.layer_norm), ("liger", liger and liger["layernorm"]),
+                        ("eager", lambda x, w, b: torch.nn.functional.layer_norm(x, (H,), w, b, 1e-5))):
+            if f is None:
+                continue
+
+            def step(f=f):
+                x.grad = w.grad = b.grad = None
+                f(x, w, b).backward(dy)
+            report("layernorm", impl, step, impl == "ours")
     if "rope" in only:
         q, k, cos, sin, dq, dk = rope_inputs()
         for impl, f in (("ours", uk.apply_rope), ("liger", liger and liger["rope"])):
