@@ -186,6 +186,10 @@ def prepare_4bit(
                         blocksize2, nested is not None)  # fmt: skip
 
 
+# Keep `scale * code2 + offset` as two roundings (no FMA) so the result is bit-identical to bnb.
+_NO_FMA = {} if INTERPRET else {"enable_fp_fusion": False}
+
+
 def dequantize_prepared(p: Prepared4bit, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None):
     """The dense weight of a prepared 4-bit weight: one kernel launch."""
     n = prod(p.shape)
@@ -205,10 +209,6 @@ def dequantize_prepared(p: Prepared4bit, dtype: torch.dtype = torch.bfloat16, ou
         num_warps=_WARPS, **_NO_FMA,
     )  # fmt: skip
     return out
-
-
-# Keep `scale * code2 + offset` as two roundings (no FMA) so the result is bit-identical to bnb.
-_NO_FMA = {} if INTERPRET else {"enable_fp_fusion": False}
 
 
 def dequantize_nf4(

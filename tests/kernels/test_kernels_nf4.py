@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from reference import DEVICE, needs_kernels, real_shapes
+import unsloth_kernels.nf4 as nf4
 from unsloth_kernels.nf4 import NF4_CODE, dequantize_bnb_4bit, dequantize_nf4
 
 try:  # the reference; the GPU bench machine may lack it, and then only the real-shape test runs
@@ -109,11 +110,11 @@ def test_low_level_api_and_dtype_override():
     assert torch.equal(torch.tensor(NF4_CODE), state.code.float().cpu())  # our default code is bnb's NF4
 
 
-@pytest.mark.parametrize("blocksize", [2, 6, 48, 4096])
-@pytest.mark.parametrize("n", [1, 37, 4101])
+@pytest.mark.parametrize("blocksize", [2, 6, 48, 4096, 4 * nf4._BYTES_PER_PROGRAM])
+@pytest.mark.parametrize("n", [1, 37, 4101, 20001])
 def test_any_even_blocksize_against_the_formula(blocksize, n):
     """Block sizes bitsandbytes does not use, where the kernel's rows (bytes sharing one scale) are 1, 2
-    or 8 bytes, or longer than a program's tile: w[i] = code[index[i]] * absmax[i // blocksize]."""
+    or 8 bytes, or whose block spans two programs' bytes: w[i] = code[index[i]] * absmax[i // blocksize]."""
     g = torch.Generator().manual_seed(n + blocksize)
     packed = torch.randint(0, 256, ((n + 1) // 2,), generator=g, dtype=torch.uint8)
     absmax = torch.rand(-(-n // blocksize), generator=g) + 0.5
