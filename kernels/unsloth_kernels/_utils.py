@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import direct_launch
+
 # Triton's interpreter (TRITON_INTERPRET=1) runs kernels on the CPU: that is how CI tests them.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -146,6 +148,7 @@ def _store_sum(OUT, cols, total, mask, ROUND_BF16: tl.constexpr):
     tl.store(OUT + cols, total.to(OUT.dtype.element_ty), mask=mask)
 
 
+@direct_launch
 @triton.jit
 def _sum_partials(
     PARTIALS, OUT0, OUT1, n_partials, n_cols,

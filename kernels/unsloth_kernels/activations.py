@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import direct_launch
 from ._utils import cdiv, check_device
 
 _SILU, _GELU, _GELU_TANH = 0, 1, 2
@@ -39,6 +40,7 @@ def activation_and_derivative(g, ACT: tl.constexpr):
         return g * sig, sig + 2.0 * g * sig * tl.sigmoid(-2.0 * z) * dz
 
 
+@direct_launch
 @triton.jit
 def _glu_fwd(G, U, Y, n_cols, n_col_blocks, stride_g, stride_u, stride_y,
              ACT: tl.constexpr, BLOCK: tl.constexpr):
@@ -52,6 +54,7 @@ def _glu_fwd(G, U, Y, n_cols, n_col_blocks, stride_g, stride_u, stride_y,
     tl.store(Y + row * stride_y + cols, (act * u).to(Y.dtype.element_ty), mask=mask)
 
 
+@direct_launch
 @triton.jit
 def _glu_bwd(DY, G, U, DG, DU, n_cols, n_col_blocks, stride_dy, stride_g, stride_u, stride_dg, stride_du,
              ACT: tl.constexpr, BLOCK: tl.constexpr):

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import direct_launch
 from ._utils import block_size_for, check_device, is_hip
 
 # One chunk of logits (in the input dtype) stays under this; see `chunk_rows`. 256 MiB is 1024 rows
@@ -58,6 +59,7 @@ def _transform(logits, softcap, logit_scale, HAS_SCALE: tl.constexpr, HAS_SOFTCA
     return z, dz
 
 
+@direct_launch
 @triton.jit
 def _cross_entropy_rows_kernel(
     logits_ptr,

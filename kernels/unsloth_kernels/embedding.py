@@ -13,11 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import direct_launch
 from ._utils import block_size_for, cdiv
 
 _MAX_BLOCK = 4096  # columns per program: 8 KiB of bf16, a long contiguous read over PCIe
 
 
+@direct_launch
 @triton.jit
 def _gather_rows_kernel(TABLE, IDS, OUT, n_cols, stride_table, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

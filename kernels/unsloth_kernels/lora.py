@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import direct_launch
 from ._utils import INTERPRET, block_size_for, cdiv, check_device
 from .activations import ACT_CODES, activation_and_derivative
 from .nf4 import Prepared4bit, dequantize_prepared, prepare_bnb_4bit
@@ -143,6 +144,7 @@ def _low_rank(XA, W, rows, cols, n_rows, n_cols, stride_xa, stride_w_r, stride_w
     return tl.dot(a, w)
 
 
+@direct_launch
 @triton.jit
 def _gated_kernel(
     E, G, DH, XA, BG, BU, DYB, AD,

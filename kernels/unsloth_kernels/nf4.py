@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import direct_launch
 from ._utils import INTERPRET, cdiv, check_device, round_to_bf16
 
 # The 16 NF4 levels (quantiles of N(0, 1) scaled to [-1, 1]) as bitsandbytes defines them.
@@ -55,6 +56,7 @@ class NestedAbsmax:
     offset: torch.Tensor | float  # scalar added back after dequantizing
 
 
+@direct_launch
 @triton.jit
 def _dequantize_4bit_kernel(
     packed_ptr,

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import direct_launch
 from ._utils import block_size_for, check_device, num_warps_for
 
 
@@ -43,6 +44,7 @@ def _rotate_heads(X, XO, x_base, xo_base, stride_h, stride_ho, n_heads, c1, c2, 
         tl.store(xo_row + 2 * HALF + p, tl.load(x_row + 2 * HALF + p, mask=pmask), mask=pmask)
 
 
+@direct_launch
 @triton.jit
 def _rope_kernel(
     Q, K, QO, KO, COS, SIN, POS,
