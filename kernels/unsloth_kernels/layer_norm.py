@@ -11,9 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import direct_launch
 from ._utils import as_rows, cdiv, check_device, row_tile, split_rows, sum_partials
 
 
+@direct_launch
 @triton.jit
 def _layer_norm_fwd(
     X, W, B, Y, MEAN, RSTD,
@@ -47,6 +49,7 @@ def _load_tile(X, DY, MEAN, RSTD, rows, cols, last, n_cols, stride_x, stride_dy)
     return x, dy, tl.load(MEAN + rows, mask=row_mask, other=0.0), tl.load(RSTD + rows, mask=row_mask, other=0.0)
 
 
+@direct_launch
 @triton.jit
 def _layer_norm_bwd(
     DY, X, W, MEAN, RSTD, DX, PARTIALS,
@@ -138,15 +141,18 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         y, x2, mean, rstd = layer_norm_forward(x, weight, bias, eps)
-        ctx.save_for_backward(x2, weight, bias, mean, rstd)
+        # Inputs go through save_for_backward (it catches their in-place changes); the statistics,
+        # made here, are kept on ctx: every saved tensor costs host time to pack and unpack.
+        ctx.save_for_backward(x2, weight, bias)
+        ctx.mean, ctx.rstd = mean, rstd
         ctx.shape = tuple(x.shape)  # a tuple: view(torch.Size) is slower
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, bias, mean, rstd = ctx.saved_tensors
+        x2, weight, bias = ctx.saved_tensors
         _, need_dw, need_db, _ = ctx.needs_input_grad
-        dx, dw, db = layer_norm_backward(dy, x2, weight, bias, mean, rstd, need_dw, need_db)
+        dx, dw, db = layer_norm_backward(dy, x2, weight, bias, ctx.mean, ctx.rstd, need_dw, need_db)
         return dx.view(ctx.shape), dw, db, None
 
 

@@ -19,11 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import direct_launch
 from ._utils import as_rows, cdiv, check_device, row_tile, split_rows, sum_partials
 
 _CASTS = ("llama", "gemma")
 
 
+@direct_launch
 @triton.jit
 def _rms_norm_fwd(
     X, R, S, W, Y, RSTD,
@@ -67,6 +69,7 @@ def _load_tile(X, DY, DS, RSTD, rows, cols, last, n_cols, stride_x, stride_dy, s
     return x, dy, ds, tl.load(RSTD + rows, mask=row_mask, other=0.0)
 
 
+@direct_launch
 @triton.jit
 def _rms_norm_bwd(
     DY, DS, X, W, RSTD, DX, DW_PARTIAL,
@@ -165,7 +168,11 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset, residual, cast):
         y, x_used, rstd = rms_norm_forward(x, weight, eps, offset, residual, cast)
-        ctx.save_for_backward(x_used, weight, rstd)
+        # x (or the sum, an output) and the weight go through save_for_backward, which catches
+        # their in-place changes; rstd, made here, is kept on ctx: every saved tensor costs host
+        # time to pack and unpack.
+        ctx.save_for_backward(x_used, weight)
+        ctx.rstd = rstd
         ctx.offset, ctx.cast, ctx.has_residual = offset, cast, residual is not None
         ctx.shape, ctx.dtype = tuple(x.shape), x.dtype  # a tuple: view(torch.Size) is slower
         if residual is None:
@@ -174,9 +181,9 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, ds=None):
-        x2, weight, rstd = ctx.saved_tensors
+        x2, weight = ctx.saved_tensors
         need_dw = ctx.needs_input_grad[1]
-        dx, dw = rms_norm_backward(dy, ds, x2, weight, rstd, ctx.offset, ctx.cast, ctx.dtype, need_dw)
+        dx, dw = rms_norm_backward(dy, ds, x2, weight, ctx.rstd, ctx.offset, ctx.cast, ctx.dtype, need_dw)
         dx = dx.view(ctx.shape)
         # With the fused add, x and residual receive the same gradient (d(x + r) / dx = d/dr = 1).
         return dx, dw, None, None, (dx if ctx.has_residual else None), None
