@@ -64,13 +64,13 @@ trainer() {
   done
 }
 
-ab() {  # ours under each environment setting in $AB (e.g. "X=1 X=0"), then Unsloth, both shapes
+ab() {  # ours under each environment setting in $AB (e.g. "X=1 X=0"; no "|" in them), then Unsloth, both shapes
   python3 .anchors/anchor_lora.py --impl make >/dev/null
   for shape in ${SHAPES:-bf16 qlora}; do
     four=$(shape_args "$shape") || exit 2
     for setting in ${AB:-UNSLOTH_REPLAY_PROJECTIONS=1}; do
       # shellcheck disable=SC2086
-      env "$setting" timeout 200 python3 .anchors/anchor_lora.py --impl unsloth $four 2>&1 | tail -1 | sed "s/\"impl\": \"unsloth\"/\"impl\": \"ours $setting\"/" | tee -a "$OUT/ab.jsonl"
+      env "$setting" timeout 200 python3 .anchors/anchor_lora.py --impl unsloth $four 2>&1 | tail -1 | sed "s|\"impl\": \"unsloth\"|\"impl\": \"ours $setting\"|" | tee -a "$OUT/ab.jsonl"
     done
     # shellcheck disable=SC2086
     [ -n "${ANCHOR_IMPLS-unsloth}" ] && PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 200 python3 .anchors/anchor_lora.py --impl ${ANCHOR_IMPLS-unsloth} $four 2>&1 | tail -1 | tee -a "$OUT/ab.jsonl"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -25,16 +26,21 @@ DEV, DT = "cuda", torch.bfloat16
 T, H = 16384, 4096
 
 
-def host_us(step, n=60):
-    for _ in range(5):
+def host_us(step, n=20, batches=7):
+    """Median over batches of the host time to issue one step. Leases' hosts are shared and noisy,
+    and the first steps after a warm-up still pay for lazy set-up: one long batch would average
+    both in."""
+    for _ in range(20):
         step()
+    per_step = []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        per_step.append((time.perf_counter() - t0) / n * 1e6)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    issued = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return issued / n * 1e6
+    return statistics.median(per_step)
 
 
 def report(op, impl, step, profile_it):

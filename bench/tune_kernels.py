@@ -246,7 +246,8 @@ def tune_ce():
 
 
 def tune_host():
-    """Where the host time of an RMSNorm step goes: autograd, our launcher, a bare Triton launch."""
+    """Where the host time of an RMSNorm step goes: autograd, our launcher, a bare launch; then a
+    launch's parts and a LayerNorm step's (below)."""
     x = torch.randn(T, H, device=DEV, dtype=DT, requires_grad=True)
     w = torch.ones(H, device=DEV, dtype=DT, requires_grad=True)
     dy = torch.randn(T, H, device=DEV, dtype=DT)
@@ -279,7 +280,7 @@ def tune_host():
 
     rows = {"trivial autograd fn": trivial, "ours rms step": ours,
             "ours rms forward, no autograd": lambda: rms.rms_norm_forward(xd, wd, 1e-5, 0.0, None, "llama"),
-            "bare triton launch (rms fwd)": bare_launch, "torch.empty": lambda: torch.empty(T, device=DEV)}
+            "bare launch, direct (rms fwd)": bare_launch, "torch.empty": lambda: torch.empty(T, device=DEV)}
     try:
         from liger_kernel.ops import rms_norm as liger
 
@@ -297,6 +298,76 @@ def tune_host():
         emit(section="host", liger=str(e)[:200])
     for name, fn in rows.items():
         emit(op="host", what=name, host_us=host_us(fn, 100))
+    tune_launch_path()
+    tune_layernorm_host()
+
+
+def tune_launch_path():
+    """Where a Triton launch's host time goes: Triton's entry point against its parts (argument
+    binding and specialization, cache key, current stream, the compiled kernel's own launcher) and
+    against our direct launch (_launch.py). One-program grids, so the GPU never holds the host back."""
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import compute_cache_key
+
+    x = torch.randn(2, H, device=DEV, dtype=DT)
+    w = torch.ones(H, device=DEV, dtype=DT)
+    y, rstd, mean = torch.empty_like(x), torch.empty(2, device=DEV), torch.empty(2, device=DEV)
+    launches = {
+        "ours rms fwd": (rms._rms_norm_fwd, (1,), (x, x, y, w, y, rstd, 2, H, 1e-5, 0.0, H, 0, 0, H),
+                         dict(HAS_RESIDUAL=False, LLAMA_CAST=True, BLOCK_M=2, BLOCK_N=H, num_warps=16)),
+        "ours layernorm fwd": (ln._layer_norm_fwd, (1,), (x, w, w, y, mean, rstd, 2, H, 1e-5, H, H),
+                               dict(HAS_BIAS=True, BLOCK_M=2, BLOCK_N=H, num_warps=16)),
+    }
+    dev = driver.active.get_current_device()
+    for name, (kernel, grid, args, kwargs) in launches.items():
+        jit = getattr(kernel, "kernel", kernel)  # the JITFunction under our direct launch
+        compiled = jit[grid](*args, **kwargs)
+        _, key_cache, _, _, binder = jit.device_caches[dev]
+        options = dict(kwargs, debug=False, instrumentation_mode="")
+        bound, spec, opts = binder(*args, **options)
+        everything = tuple(bound.values())
+        stream = driver.active.get_current_stream(dev)
+        parts = {
+            "triton launch": lambda: jit[grid](*args, **kwargs),
+            "direct launch (ours)": lambda: kernel[grid](*args, **kwargs),
+            "binder": lambda: binder(*args, **options),
+            "cache key": lambda: compute_cache_key(key_cache, spec, opts),
+            "device + stream": lambda: driver.active.get_current_stream(driver.active.get_current_device()),
+            "compiled run": lambda: compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
+                                                 None, None, None, *everything),
+        }
+        for part, fn in parts.items():
+            emit(op="launch", kernel=name, part=part, host_us=host_us(fn, 200), args=len(args))
+
+
+def tune_layernorm_host():
+    """A LayerNorm step's host time in parts, with eager's; frozen weight and bias leave out the
+    partial sums' kernel, three allocations and two gradient accumulations."""
+    x = torch.randn(T, H, device=DEV, dtype=DT, requires_grad=True)
+    w = torch.ones(H, device=DEV, dtype=DT, requires_grad=True)
+    b = torch.zeros(H, device=DEV, dtype=DT, requires_grad=True)
+    w_frozen, b_frozen = w.detach().clone(), b.detach().clone()
+    dy = torch.randn(T, H, device=DEV, dtype=DT)
+    xd, wd, bd = x.detach(), w.detach(), b.detach()
+    _, x2, mean, rstd = ln.layer_norm_forward(xd, wd, bd, 1e-5)
+
+    def step(f):
+        def run():
+            x.grad = w.grad = b.grad = None
+            f(x, w, b).backward(dy)
+        return run
+
+    rows = {
+        "eager step": step(lambda x, w, b: torch.nn.functional.layer_norm(x, (H,), w, b, 1e-5)),
+        "ours step": step(uk.layer_norm),
+        "ours step, no bias": step(lambda x, w, b: uk.layer_norm(x, w)),
+        "ours step, frozen weight and bias": step(lambda x, w, b: uk.layer_norm(x, w_frozen, b_frozen)),
+        "ours forward, no autograd": lambda: ln.layer_norm_forward(xd, wd, bd, 1e-5),
+        "ours backward, no autograd": lambda: ln.layer_norm_backward(dy, x2, wd, bd, mean, rstd),
+        "7 torch.empty": lambda: [torch.empty(T, device=DEV) for _ in range(7)],
+    }
+    for name, fn in rows.items():
+        emit(op="layernorm host", what=name, host_us=host_us(fn, 100))
 
 
 SECTIONS = {"rmsnorm": tune_rmsnorm, "rope": tune_rope, "ce": tune_ce, "nf4": tune_nf4, "layernorm": tune_layernorm,
