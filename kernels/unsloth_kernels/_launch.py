@@ -97,6 +97,8 @@ class DirectLaunch:
         return compiled
 
     def __getattr__(self, name):  # the JITFunction's attributes (fn, arg_names, cache...) stay reachable
+        if name == "kernel":  # not set yet (copy, unpickling): no recursion through this method
+            raise AttributeError(name)
         return getattr(self.kernel, name)
 
 

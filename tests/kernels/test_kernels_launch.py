@@ -7,6 +7,7 @@ the launch logic against a stand-in kernel that records what it is asked to do.
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -165,3 +166,11 @@ def test_hooks_are_read_from_triton():
 def test_interpreter_kernels_are_left_alone():
     kernel = _Kernel()  # not a JITFunction, as the interpreter's kernels are not
     assert _launch.direct_launch(kernel) is kernel
+
+
+def test_the_kernels_attributes_stay_reachable_and_a_copy_launches_alike(launcher):
+    assert launcher.arg_names == _Kernel.arg_names
+    launcher[(1,)](*_args(), BLOCK=128, FLAG=True)
+    twin = copy.copy(launcher)
+    twin[(1,)](*_args(), BLOCK=128, FLAG=True)
+    assert twin.kernel is launcher.kernel and launcher.kernel.through_triton == 1
