@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import triton
@@ -20,33 +18,16 @@ import triton
 import unsloth_kernels as uk
 
 from bench_kernels import graph_ms, liger_ops, rope_inputs
-from profiling import cprofile_report
+from profiling import cprofile_report, host_us
 
 DEV, DT = "cuda", torch.bfloat16
 T, H = 16384, 4096
 
 
-def host_us(step, n=20, batches=7):
-    """Median over batches of the host time to issue one step. Leases' hosts are shared and noisy,
-    and the first steps after a warm-up still pay for lazy set-up: one long batch would average
-    both in."""
-    for _ in range(20):
-        step()
-    per_step = []
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            step()
-        per_step.append((time.perf_counter() - t0) / n * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(per_step)
-
-
 def report(op, impl, step, profile_it):
     row = {"op": op, "impl": impl,
            "ms": round(triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median"), 4),
-           "graph_ms": graph_ms(step), "host_us": round(host_us(step), 1)}
+           "graph_ms": graph_ms(step), "host_us": host_us(step)}
     print(json.dumps(row), flush=True)
     if profile_it:
         print(cprofile_report(step, 50, orders=("tottime", "cumulative"), lines=25))

@@ -1,12 +1,31 @@
-"""cProfile over a few calls of a step, as text: shared by the host-time benchmarks."""
+"""Host-time measurements shared by the benchmarks: the time to issue a step, and cProfile over a few calls."""
 
 from __future__ import annotations
 
 import cProfile
 import io
 import pstats
+import statistics
+import time
 
 import torch
+
+
+def host_us(step, n=20, batches=7):
+    """Median over batches of the host time to issue one step. Leases' hosts are shared and noisy,
+    and the first steps after a warm-up still pay for lazy set-up: one long batch would average
+    both in."""
+    for _ in range(20):
+        step()
+    per_step = []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        per_step.append((time.perf_counter() - t0) / n * 1e6)
+    torch.cuda.synchronize()
+    return round(statistics.median(per_step), 1)
 
 
 def cprofile_report(step, calls: int, orders=("tottime",), lines: int = 18) -> str:

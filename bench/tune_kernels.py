@@ -22,6 +22,7 @@ import triton
 
 import unsloth_kernels as uk
 from bench_kernels import B, DEV, DT, H, HD, NH, NKV, S, T, V, graph_ms, rope_inputs  # its shapes, timing
+from profiling import host_us
 from unsloth_kernels import _utils
 
 rms = importlib.import_module("unsloth_kernels.rms_norm")
@@ -37,17 +38,6 @@ def emit(**row):
 
 def gpu_ms(fn, rep=40):
     return round(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"), 4)
-
-
-def host_us(fn, n=50):
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return round((t1 - t0) / n * 1e6, 1)
 
 
 def step_report(op, step, n=50):
