@@ -470,7 +470,7 @@ def lora_o(x: torch.Tensor, o: LoraWeights, *, replay: tuple[torch.Tensor, torch
     o.validate("lora_o")
     if replay is not None:
         y, xa = replay
-        if y.shape != (*x.shape[:-1], o.out_features) or xa.shape != (y[..., 0].numel(), o.A.shape[0]):
+        if y.shape != (*x.shape[:-1], o.out_features) or xa.shape != (y.numel() // o.out_features, o.A.shape[0]):
             raise ValueError(f"lora_o: the replayed output {tuple(y.shape)} / x A^T {tuple(xa.shape)} "
                              f"do not fit x {tuple(x.shape)} and this projection")  # fmt: skip
         replay = ((y.reshape(-1, o.out_features),), xa)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from reference import DEVICE, assert_close_dtype, f64, needs_kernels, real_shapes, without_gpu
 
 from unsloth_kernels.activations import ACT_CODES
-from unsloth_kernels.lora import LoraWeights, lora_linear, lora_mlp, lora_o, lora_qkv
+from unsloth_kernels.lora import LoraWeights, lora_linear, lora_mlp, lora_o, lora_o_forward, lora_qkv
 
 pytestmark = needs_kernels
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -269,6 +269,28 @@ def test_lora_o_is_the_single_projection():
     x = torch.randn(3, 24, device=DEVICE)
     p = make_lora(24, 24, torch.float32)
     torch.testing.assert_close(lora_o(x, p), linear_ref(x, p))
+
+
+def test_lora_o_replays_a_kept_forward_with_the_same_gradients():
+    # A checkpoint's first pass keeps (y, x A^T); the recompute hands them back instead of the matmuls.
+    p = make_lora(24, 16, torch.float32)
+    x = torch.randn(2, 3, 16, device=DEVICE)
+    kept = lora_o_forward(x, p)
+    grads = []
+    for replay in (None, kept):
+        xg = x.clone().requires_grad_()
+        p.A.grad = p.B.grad = None
+        y = lora_o(xg, p, replay=replay)
+        (y * torch.linspace(-1, 1, y.numel(), device=DEVICE).view_as(y)).sum().backward()
+        grads.append((y.detach(), xg.grad, p.A.grad.clone(), p.B.grad.clone()))
+    assert torch.equal(grads[1][0], kept[0])  # returned as it was kept
+    for plain, replayed in zip(grads[0], grads[1]):
+        torch.testing.assert_close(replayed, plain)
+    y, xa = kept
+    with pytest.raises(ValueError, match="do not fit"):
+        lora_o(x, p, replay=(y, xa[:-1]))  # one row short
+    with pytest.raises(ValueError, match="do not fit"):
+        lora_o(x[:1], p, replay=kept)  # kept for another x
 
 
 def test_mlp_backward_twice_is_refused():
