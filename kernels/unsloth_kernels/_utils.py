@@ -113,10 +113,17 @@ def _split_rows(n_rows: int, block_m: int, per_sm: int, device_index: int) -> tu
     return cdiv(n_rows, rows_per_program), rows_per_program
 
 
-def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """A 2-D (rows, n_cols) view with unit column stride (copies only if it must)."""
+def rows_of(t: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, int]:
+    """t as rows of n_cols for a row-wise kernel, which takes a pointer and a row stride:
+    (tensor, row stride). A contiguous t goes as it is, whatever its shape: a reshaped view costs
+    a microsecond or more of host time, on every step of ops whose step time is host time.
+    Otherwise a 2-D view with unit column stride, copied only if it must be."""
+    if t.is_contiguous():
+        return t, n_cols
     t = t.reshape(-1, n_cols)
-    return t if t.stride(-1) == 1 else t.contiguous()
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t, t.stride(0)
 
 
 # --- the last step of a row-reducing backward: partial sums -> weight gradients ---

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ._launch import direct_launch
-from ._utils import as_rows, cdiv, check_device, row_tile, split_rows, sum_partials
+from ._utils import cdiv, check_device, row_tile, rows_of, split_rows, sum_partials
 
 
 @direct_launch
@@ -97,37 +97,39 @@ def _layer_norm_bwd(
 def layer_norm_forward(x, weight, bias, eps):
     """y (shaped like x), and what backward needs: the rows of x, mean and rstd."""
     n_cols = x.shape[-1]
-    x2 = as_rows(x, n_cols)
-    n_rows = x2.shape[0]
-    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    n_rows = x.numel() // n_cols
+    x_rows, stride_x = rows_of(x, n_cols)
+    # Made like x, contiguous: no view of a 2-D buffer to return (each view costs host time).
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
     block_m, block_n, warps = row_tile(n_cols, "forward")
     _layer_norm_fwd[(cdiv(n_rows, block_m),)](
-        x2, weight, bias if bias is not None else weight, y, mean, rstd,
-        n_rows, n_cols, eps, x2.stride(0), y.stride(0),
+        x_rows, weight, bias if bias is not None else weight, y, mean, rstd,
+        n_rows, n_cols, eps, stride_x, n_cols,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )
-    return y.view_as(x), x2, mean, rstd  # view_as: view(torch.Size) costs µs per call
+    return y, x_rows, mean, rstd
 
 
-def layer_norm_backward(dy, x2, weight, bias, mean, rstd, need_dw=True, need_db=None):
-    """(dx rows, dW or None, dB or None). By default dB is computed when there is a bias; a
-    gradient not needed (frozen norms, as in LoRA) is neither accumulated nor reduced."""
+def layer_norm_backward(dy, x_rows, weight, bias, mean, rstd, need_dw=True, need_db=None):
+    """(dx shaped like dy, dW or None, dB or None). By default dB is computed when there is a
+    bias; a gradient not needed (frozen norms, as in LoRA) is neither accumulated nor reduced."""
     if need_db is None:
         need_db = bias is not None
-    n_rows, n_cols = x2.shape
-    device = x2.device
-    dy2 = as_rows(dy, n_cols)
-    dx = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=device)
+    n_cols = x_rows.shape[-1]
+    n_rows = mean.shape[0]
+    x_rows, stride_x = rows_of(x_rows, n_cols)
+    dy_rows, stride_dy = rows_of(dy, n_cols)
+    dx = torch.empty_like(dy, dtype=x_rows.dtype, memory_format=torch.contiguous_format)
     block_m, block_n, warps = row_tile(n_cols, "backward")
-    n_programs, rows_per_program = split_rows(n_rows, block_m, device)
+    n_programs, rows_per_program = split_rows(n_rows, block_m, dx.device)
     # dW and dB partial rows in one (groups, programs, cols) buffer: one small kernel sums both.
     n_groups = need_dw + need_db
-    partials = torch.empty((n_groups, n_programs, n_cols), dtype=torch.float32, device=device) if n_groups else dx
+    partials = torch.empty((n_groups, n_programs, n_cols), dtype=torch.float32, device=dx.device) if n_groups else dx
     _layer_norm_bwd[(n_programs,)](
-        dy2, x2, weight, mean, rstd, dx, partials,
-        n_rows, n_cols, rows_per_program, dy2.stride(0), x2.stride(0), n_cols,
+        dy_rows, x_rows, weight, mean, rstd, dx, partials,
+        n_rows, n_cols, rows_per_program, stride_dy, stride_x, n_cols,
         HAS_DW=need_dw, HAS_DB=need_db, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )
     dw = torch.empty_like(weight) if need_dw else None
@@ -140,20 +142,19 @@ def layer_norm_backward(dy, x2, weight, bias, mean, rstd, need_dw=True, need_db=
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        y, x2, mean, rstd = layer_norm_forward(x, weight, bias, eps)
+        y, x_rows, mean, rstd = layer_norm_forward(x, weight, bias, eps)
         # Inputs go through save_for_backward (it catches their in-place changes); the statistics,
         # made here, are kept on ctx: every saved tensor costs host time to pack and unpack.
-        ctx.save_for_backward(x2, weight, bias)
+        ctx.save_for_backward(x_rows, weight, bias)
         ctx.mean, ctx.rstd = mean, rstd
-        ctx.shape = tuple(x.shape)  # a tuple: view(torch.Size) is slower
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, bias = ctx.saved_tensors
+        x_rows, weight, bias = ctx.saved_tensors
         _, need_dw, need_db, _ = ctx.needs_input_grad
-        dx, dw, db = layer_norm_backward(dy, x2, weight, bias, ctx.mean, ctx.rstd, need_dw, need_db)
-        return dx.view(ctx.shape), dw, db, None
+        dx, dw, db = layer_norm_backward(dy, x_rows, weight, bias, ctx.mean, ctx.rstd, need_dw, need_db)
+        return dx, dw, db, None
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5):

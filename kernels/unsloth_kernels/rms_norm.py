@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._launch import direct_launch
-from ._utils import as_rows, cdiv, check_device, row_tile, split_rows, sum_partials
+from ._utils import cdiv, check_device, row_tile, rows_of, split_rows, sum_partials
 
 _CASTS = ("llama", "gemma")
 
@@ -113,47 +113,49 @@ def _rms_norm_bwd(
 
 
 def rms_norm_forward(x, weight, eps, offset, residual, cast):
+    """y (shaped like x), the rows backward reads (x, or the sum x + residual: an output too,
+    shaped like x) and the per-row rstd."""
     n_cols = x.shape[-1]
-    device = x.device
-    x2 = as_rows(x, n_cols)
-    n_rows = x2.shape[0]
+    n_rows = x.numel() // n_cols
+    x_rows, stride_x = rows_of(x, n_cols)
     # Llama's `weight * hidden.to(dtype)` follows torch's type promotion (fp32 weight -> fp32 out).
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if cast == "llama" else x.dtype
-    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=device)
+    # Outputs made like x, contiguous: no view of a 2-D buffer to return (each view costs host time).
+    y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if residual is None:
-        r2, s, stride_r = x2, y, 0  # placeholders the kernel never touches
+        r_rows, s, stride_r = x_rows, y, 0  # placeholders the kernel never touches
     else:
-        r2 = as_rows(residual, n_cols)
-        s = torch.empty((n_rows, n_cols), dtype=x.dtype, device=device)
-        stride_r = r2.stride(0)
+        r_rows, stride_r = rows_of(residual, n_cols)
+        s = torch.empty_like(x, memory_format=torch.contiguous_format)
     block_m, block_n, warps = row_tile(n_cols, "forward")
     _rms_norm_fwd[(cdiv(n_rows, block_m),)](
-        x2, r2, s, weight, y, rstd,
+        x_rows, r_rows, s, weight, y, rstd,
         n_rows, n_cols, eps, offset,
-        x2.stride(0), stride_r, n_cols, n_cols,
+        stride_x, stride_r, n_cols, n_cols,
         HAS_RESIDUAL=residual is not None, LLAMA_CAST=cast == "llama",
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )
-    x_used = x2 if residual is None else s
-    return y.view_as(x), x_used, rstd  # view_as: view(torch.Size) costs µs per call
+    return y, (x_rows if residual is None else s), rstd
 
 
-def rms_norm_backward(dy, ds, x2, weight, rstd, offset, cast, input_dtype, need_dw=True):
-    """(dx rows, dW or None): dW only when `need_dw` (frozen norms, as in LoRA, skip its reduction)."""
-    n_rows, n_cols = x2.shape
-    device = x2.device
-    dy2 = as_rows(dy, n_cols)
-    ds2 = dy2 if ds is None else as_rows(ds, n_cols)
-    dx = torch.empty((n_rows, n_cols), dtype=input_dtype, device=device)
+def rms_norm_backward(dy, ds, x_rows, weight, rstd, offset, cast, input_dtype, need_dw=True):
+    """(dx shaped like dy, dW or None): dW only when `need_dw` (frozen norms, as in LoRA, skip its
+    reduction). `x_rows` is what the forward returned for backward."""
+    n_cols = x_rows.shape[-1]
+    n_rows = rstd.shape[0]
+    x_rows, stride_x = rows_of(x_rows, n_cols)
+    dy_rows, stride_dy = rows_of(dy, n_cols)
+    ds_rows, stride_ds = (dy_rows, stride_dy) if ds is None else rows_of(ds, n_cols)
+    dx = torch.empty_like(dy, dtype=input_dtype, memory_format=torch.contiguous_format)
     block_m, block_n, warps = row_tile(n_cols, "backward")
-    n_programs, rows_per_program = split_rows(n_rows, block_m, device)
+    n_programs, rows_per_program = split_rows(n_rows, block_m, dx.device)
     # Per-program fp32 partial rows of dW, summed by one small kernel below.
-    partials = torch.empty((1, n_programs, n_cols), dtype=torch.float32, device=device) if need_dw else dx
+    partials = torch.empty((1, n_programs, n_cols), dtype=torch.float32, device=dx.device) if need_dw else dx
     _rms_norm_bwd[(n_programs,)](
-        dy2, ds2, x2, weight, rstd, dx, partials,
+        dy_rows, ds_rows, x_rows, weight, rstd, dx, partials,
         n_rows, n_cols, offset, rows_per_program,
-        dy2.stride(0), ds2.stride(0), x2.stride(0), n_cols,
+        stride_dy, stride_ds, stride_x, n_cols,
         HAS_DS=ds is not None, HAS_DW=need_dw, LLAMA_CAST=cast == "llama",
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )
@@ -167,24 +169,22 @@ def rms_norm_backward(dy, ds, x2, weight, rstd, offset, cast, input_dtype, need_
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset, residual, cast):
-        y, x_used, rstd = rms_norm_forward(x, weight, eps, offset, residual, cast)
+        y, x_rows, rstd = rms_norm_forward(x, weight, eps, offset, residual, cast)
         # x (or the sum, an output) and the weight go through save_for_backward, which catches
         # their in-place changes; rstd, made here, is kept on ctx: every saved tensor costs host
         # time to pack and unpack.
-        ctx.save_for_backward(x_used, weight)
+        ctx.save_for_backward(x_rows, weight)
         ctx.rstd = rstd
-        ctx.offset, ctx.cast, ctx.has_residual = offset, cast, residual is not None
-        ctx.shape, ctx.dtype = tuple(x.shape), x.dtype  # a tuple: view(torch.Size) is slower
+        ctx.offset, ctx.cast, ctx.has_residual, ctx.dtype = offset, cast, residual is not None, x.dtype
         if residual is None:
             return y
-        return y, x_used.view_as(x)
+        return y, x_rows
 
     @staticmethod
     def backward(ctx, dy, ds=None):
-        x2, weight = ctx.saved_tensors
+        x_rows, weight = ctx.saved_tensors
         need_dw = ctx.needs_input_grad[1]
-        dx, dw = rms_norm_backward(dy, ds, x2, weight, ctx.rstd, ctx.offset, ctx.cast, ctx.dtype, need_dw)
-        dx = dx.view(ctx.shape)
+        dx, dw = rms_norm_backward(dy, ds, x_rows, weight, ctx.rstd, ctx.offset, ctx.cast, ctx.dtype, need_dw)
         # With the fused add, x and residual receive the same gradient (d(x + r) / dx = d/dr = 1).
         return dx, dw, None, None, (dx if ctx.has_residual else None), None
 

@@ -229,3 +229,14 @@ def gpu_compile_facts(cases) -> dict[str, list[dict]]:
     if done.returncode != 0:
         raise AssertionError(f"compiling for {list(GPU_TARGETS)} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def strided_layouts(rows, cols, dtype, seed):
+    """The same (2, rows // 2, cols) values laid out three ways: contiguous, a transpose (last-dim
+    stride > 1) and every other row of a taller tensor (rows apart in memory)."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(2, rows // 2, cols, generator=g).to(dtype).to(DEVICE)
+    transposed = base.transpose(-1, -2).contiguous().transpose(-1, -2)
+    taller = torch.zeros(2, rows, cols, dtype=dtype, device=DEVICE)
+    taller[:, ::2] = base
+    return {"contiguous": base, "transposed": transposed, "row-strided": taller[:, ::2]}

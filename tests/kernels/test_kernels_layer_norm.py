@@ -6,7 +6,7 @@ import pytest
 import torch
 from reference import (
     DEVICE, assert_close_dtype, assert_compile_for_gpus, f64, layer_norm_ref, needs_kernels, real_shapes,
-    tolerance, without_gpu,
+    strided_layouts, tolerance, without_gpu,
 )
 
 import unsloth_kernels._utils as kernel_utils
@@ -48,6 +48,23 @@ def check_against_float64(shape, dtype, bias, device=DEVICE):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_layer_norm_matches_float64(dtype, shape, bias):
     check_against_float64(shape, dtype, bias)
+
+
+def test_strided_inputs_and_gradients_give_the_contiguous_results():
+    layouts = strided_layouts(12, 64, torch.float32, seed=0)
+    dy_layouts = strided_layouts(12, 64, torch.float32, seed=1)  # dy laid out like x, values alike
+    weight = torch.linspace(0.5, 1.5, 64, device=DEVICE)
+    bias = torch.linspace(-1, 1, 64, device=DEVICE)
+    results = {}
+    for layout, x in layouts.items():
+        x, w, b = x.detach().requires_grad_(), weight.clone().requires_grad_(), bias.clone().requires_grad_()
+        y = layer_norm(x, w, b)
+        y.backward(dy_layouts[layout])
+        assert y.shape == x.shape
+        results[layout] = (y, x.grad, w.grad, b.grad)
+    for layout, result in results.items():
+        for got, want in zip(result, results["contiguous"]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=layout)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from reference import (
     DEVICE, UNIT_ROUNDOFF, assert_close_dtype, assert_compile_for_gpus, f64, needs_kernels, real_shapes,
-    rms_norm_ref, without_gpu,
+    rms_norm_ref, strided_layouts, without_gpu,
 )
 
 import unsloth_kernels._utils as kernel_utils
@@ -133,11 +133,27 @@ def test_fp32_weight_with_16_bit_input_promotes_like_hf(dtype):
     torch.testing.assert_close(y, weight.float() * x_hat.to(dtype), rtol=2 * UNIT_ROUNDOFF[dtype], atol=0)
 
 
-def test_non_contiguous_input_is_handled():
-    x, _, _ = make_inputs((64, 6), torch.float32)
+@pytest.mark.parametrize("residual", [False, True])
+def test_strided_inputs_and_gradients_give_the_contiguous_results(residual):
+    x_layouts = strided_layouts(12, 64, torch.float32, seed=0)
+    r_layouts = strided_layouts(12, 64, torch.float32, seed=1)
     weight = torch.linspace(0.5, 1.5, 64, device=DEVICE)
-    xt = x.t()  # (6, 64), last-dim stride 6
-    torch.testing.assert_close(rms_norm(xt, weight), rms_norm(xt.contiguous(), weight), rtol=0, atol=0)
+    dy = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    results = {}
+    for layout in x_layouts:
+        x = x_layouts[layout].detach().requires_grad_()
+        w = weight.clone().requires_grad_()
+        r = r_layouts[layout].detach().requires_grad_() if residual else None
+        out = rms_norm(x, w, residual=r)
+        outs = out if residual else (out,)
+        # dy as autograd hands it over from a sum(): an expanded tensor, every stride 0 but one.
+        grads = (dy, dy[:1, :1].expand_as(dy)) if residual else (dy,)
+        torch.autograd.backward(outs, grads)
+        assert all(o.shape == x.shape for o in outs)
+        results[layout] = [*outs, x.grad, w.grad] + ([r.grad] if residual else [])
+    for layout, result in results.items():
+        for got, want in zip(result, results["contiguous"]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{layout}")
 
 
 def test_bad_arguments_are_named():
