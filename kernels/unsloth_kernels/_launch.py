@@ -12,7 +12,8 @@ specialises and launches as usual) and remembers the compiled kernel it chose. L
 with arguments of the same kind call that compiled kernel directly. "Kind" is everything Triton
 specialises a kernel on, taken as finely as Triton does or more, so a remembered kernel is always
 the one Triton would pick:
-- a tensor: its dtype and whether its address is 16-byte aligned;
+- a tensor: its dtype, whether its address is 16-byte aligned, and whether it is on the GPU
+  (Triton's path rejects memory the GPU cannot reach; the direct path passes the address alone);
 - an int from 2 to 2**31 - 1 (sizes, strides): whether it is a multiple of 16. Other ints (1 is a
   constant to Triton; 0, negatives and 64-bit values are rare) are keyed by value;
 - a float: nothing (always fp32);
@@ -32,10 +33,14 @@ import triton
 from triton.runtime.jit import JITFunction
 
 
-def _kinds(args) -> list:
-    """What Triton specialises a kernel on, per argument (see the module docstring). One loop, no
-    call per argument: this runs on every launch."""
-    kinds = []
+def _kinds(args) -> tuple[list, list]:
+    """(kinds, values): what Triton specialises a kernel on, per argument (see the module
+    docstring), and the arguments as the compiled launcher takes them, a tensor as its address.
+    Given a tensor, that launcher would call its data_ptr() again and ask the driver about the
+    pointer, on every launch: Triton's own path has checked it on this kind's first launch, and
+    a tensor not on the GPU is a kind of its own. One loop, no call per argument: this runs on
+    every launch."""
+    kinds, values = [], []
     for arg in args:
         kind = type(arg)
         if kind is int:
@@ -43,10 +48,13 @@ def _kinds(args) -> list:
         elif kind is float:
             kinds.append(float)
         elif isinstance(arg, torch.Tensor):
-            kinds.append((arg.dtype, arg.data_ptr() % 16 == 0))
+            address = arg.data_ptr()
+            kinds.append((arg.dtype, address % 16 == 0, arg.is_cuda))
+            arg = address
         else:
             kinds.append((kind, arg))  # by type too: True == 1, but Triton types a bool apart
-    return kinds
+        values.append(arg)
+    return kinds, values
 
 
 def _hooks_installed() -> bool:
@@ -71,14 +79,15 @@ class DirectLaunch:
     def _launch(self, grid, args, kwargs):
         driver = self._driver or self._bind_driver()
         device = driver.get_current_device()
-        key = (device, *_kinds(args), *kwargs.items())
+        kinds, values = _kinds(args)
+        key = (device, *kinds, *kwargs.items())
         hit = self._compiled.get(key)
         if hit is None or _hooks_installed():
             return self._launch_through_triton(key, grid, args, kwargs)
         compiled, tail = hit
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         compiled.run(grid_x, grid_y, grid_z, driver.get_current_stream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args, *tail)
+                     compiled.packed_metadata, None, None, None, *values, *tail)
         return compiled
 
     def _bind_driver(self):

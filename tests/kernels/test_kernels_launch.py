@@ -43,7 +43,7 @@ def test_arguments_of_one_kind_get_one_specialisation_from_triton():
     # The property the direct path rests on: two arguments it treats alike, Triton treats alike.
     # (It may split finer than Triton, e.g. ints by value outside 2..2**31-1: that only costs a
     # second cache entry.)
-    for (a, kind_a), (b, kind_b) in itertools.combinations(zip(ARGS, _kinds(ARGS)), 2):
+    for (a, kind_a), (b, kind_b) in itertools.combinations(zip(ARGS, _kinds(ARGS)[0]), 2):
         if kind_a == kind_b:
             assert _triton_specialisation(a) == _triton_specialisation(b), (a, b)
 
@@ -52,7 +52,13 @@ def test_sizes_and_strides_fall_into_two_kinds_as_in_triton():
     # The ints a launcher passes on every call (rows, columns, strides): a new batch length must
     # not mean a new kind, or the direct path would miss on every step of a varying-length run.
     sizes = [2, 15, 16, 17, 48, 4096, 4097, 16384, 2**31 - 16, 2**31 - 1]
-    assert len(set(_kinds(sizes))) == len({_triton_specialisation(n) for n in sizes}) == 2
+    assert len(set(_kinds(sizes)[0])) == len({_triton_specialisation(n) for n in sizes}) == 2
+
+
+class _OnGpu(torch.Tensor):
+    """A host tensor that says it is on the GPU: the one tensor property no CPU can give."""
+
+    is_cuda = True
 
 
 class _Compiled:
@@ -111,14 +117,15 @@ def _args(n=4096, x=None):
 
 
 def test_first_launch_of_a_kind_goes_through_triton_and_later_ones_do_not(launcher):
+    first = launcher[(8,)](*_args(), BLOCK=128, FLAG=True, num_warps=4)
     args = _args()
-    first = launcher[(8,)](*args, BLOCK=128, FLAG=True, num_warps=4)
-    second = launcher[(3, 2)](*_args(), BLOCK=128, FLAG=True, num_warps=4)
+    second = launcher[(3, 2)](*args, BLOCK=128, FLAG=True, num_warps=4)
     assert first is second and launcher.kernel.through_triton == 1
     grid, stream, function, metadata, passed = first.launches[-1]
     assert grid == (3, 2, 1) and stream == 1234 and (function, metadata) == ("function handle", "metadata")
-    # Every parameter, in the kernel's order: positional ones, then the keyword constexprs (not num_warps).
-    assert passed[2:] == (4096, 1e-6, 128, True) and passed[0].dtype == torch.float32
+    # Every parameter, in the kernel's order: positional ones (a tensor as its address), then the
+    # keyword constexprs (not num_warps).
+    assert passed == (*(t.data_ptr() for t in args[:2]), 4096, 1e-6, 128, True)
 
 
 def test_a_new_kind_of_argument_goes_through_triton_again(launcher):
@@ -127,15 +134,16 @@ def test_a_new_kind_of_argument_goes_through_triton_again(launcher):
     launcher[(1,)](*_args(1), BLOCK=128, FLAG=True)  # 1 is a constant to Triton
     launcher[(1,)](*_args(x=torch.zeros(64)[1:]), BLOCK=128, FLAG=True)  # a misaligned tensor
     launcher[(1,)](*_args(x=torch.zeros(64, dtype=torch.float16)), BLOCK=128, FLAG=True)  # another dtype
+    launcher[(1,)](*_args(x=torch.zeros(64).as_subclass(_OnGpu)), BLOCK=128, FLAG=True)  # GPU memory, not host
     launcher[(1,)](*_args(), BLOCK=256, FLAG=True)  # another constexpr
     launcher[(1,)](*_args(), BLOCK=128, FLAG=True, num_warps=8)  # another option
-    assert launcher.kernel.through_triton == 7
+    assert launcher.kernel.through_triton == 8
     launcher._driver.device = 1  # the same kind on another GPU: compiled for that device
     launcher[(1,)](*_args(), BLOCK=128, FLAG=True)
-    assert launcher.kernel.through_triton == 8
+    assert launcher.kernel.through_triton == 9
     for n in (4112, 16 * 999):  # kinds seen before: no Triton
         launcher[(1,)](*_args(n), BLOCK=128, FLAG=True)
-    assert launcher.kernel.through_triton == 8
+    assert launcher.kernel.through_triton == 9
 
 
 def test_parameters_left_to_their_defaults_keep_tritons_path(launcher):
