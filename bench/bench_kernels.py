@@ -2,12 +2,14 @@
 
 Measured the way the project's anchor harness measures PyTorch eager, torch.compile and Liger, in
 the same process, so the numbers line up with the published anchors: 16,384 tokens (8 x 2048),
-hidden 4096, 32 q / 8 kv heads of 128, MLP 14336, vocab 128256; time = median of
-triton.testing.do_bench(warmup=25, rep=100); for the memory-bound ops also "graph ms", the same step
-replayed from a CUDA graph: the GPU time alone, without the host's launch overhead (when "ms" is
-well above it, the step is host-bound: Python, autograd and kernel launches); peak = extra device memory over the inputs (GiB);
-GB/s and the floor use the fewest bytes the op must move, against a device-to-device copy
-roofline measured in this run.
+hidden 4096, 32 q / 8 kv heads of 128, MLP 14336, vocab 128256.
+- ms: the median of triton.testing.do_bench(warmup=25, rep=100), taken in 3 rounds that alternate
+  the implementations of an op; the median round counts.
+- graph ms (memory-bound ops): the same step replayed from a CUDA graph, the GPU time alone. When
+  ms is well above it the step is host-bound (Python, autograd and kernel launches).
+- peak: extra device memory over the inputs (GiB).
+- GB/s and the floor: the fewest bytes the op must move, against a device-to-device copy roofline
+  measured in this run (2 GiB; the NF4 rows also time a copy of their own size).
 
     python bench/bench_kernels.py                 # everything
     python bench/bench_kernels.py --only rmsnorm,rope --no-compile
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
 import sys
 
 import torch
@@ -32,6 +35,8 @@ DEV, DT = "cuda", torch.bfloat16
 B, S = 8, 2048
 T, H, I, V, NH, NKV, HD = B * S, 4096, 14336, 128256, 32, 8, 128
 RANK = 16
+ROUNDS = 3
+SIZE_COPY = "torch copy, same bytes"
 ROWS: list[dict] = []
 
 
@@ -53,26 +58,43 @@ def graph_ms(fn):
         return None
 
 
-def bench(fn, op, impl, *, bytes_moved=None, flops=None, graph=False):
+def peak_gib(step) -> float:
+    """Device memory one call of `step` takes beyond what is allocated before it (GiB)."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    fn()
+    step()
     torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    row = {"op": op, "impl": impl, "ms": round(ms, 4), "peak_gib": round(peak, 3)}
-    if bytes_moved:
-        row["bytes"] = bytes_moved
-        row["GBps"] = round(bytes_moved / ms / 1e6, 1)
-    if flops:
-        row["TFLOPs"] = round(flops / ms / 1e9, 1)
-    if graph and not impl.startswith("compile"):
-        row["graph_ms"] = graph_ms(fn)
-    ROWS.append(row)
-    print(json.dumps(row), file=sys.stderr, flush=True)
-    return ms
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def bench(op, steps: dict, *, bytes_moved=None, flops=None, graph=False):
+    """Time each implementation's step of one op (`steps`: impl -> step) and add a row per impl.
+
+    An impl's ms is the median of ROUNDS do_bench medians, the rounds taking the implementations
+    in turn. On the small ops the host's time to issue a step is part of what do_bench measures,
+    and the leases' hosts are shared and noisy: alternating keeps a burst of that noise from
+    landing on one implementation alone.
+    """
+    peaks = {impl: peak_gib(step) for impl, step in steps.items()}  # also compiles and warms up
+    times = {impl: [] for impl in steps}
+    for _ in range(ROUNDS):
+        for impl, step in steps.items():
+            times[impl].append(triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median"))
+    for impl, step in steps.items():
+        ms = statistics.median(times[impl])
+        row = {"op": op, "impl": impl, "ms": round(ms, 4), "rounds": [round(t, 4) for t in times[impl]],
+               "peak_gib": round(peaks[impl], 3)}
+        if bytes_moved:
+            row["bytes"] = bytes_moved
+            row["GBps"] = round(bytes_moved / ms / 1e6, 1)
+        if flops:
+            row["TFLOPs"] = round(flops / ms / 1e9, 1)
+        if graph and not impl.startswith("compile"):
+            row["graph_ms"] = graph_ms(step)
+        ROWS.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
 
 
 def implementations(eager, ours, liger=None, compile_=True):
@@ -108,7 +130,7 @@ def liger_ops():
 def bench_copy():
     src = torch.empty(2 * 2**30, dtype=torch.uint8, device=DEV)
     dst = torch.empty_like(src)
-    bench(lambda: dst.copy_(src), "copy_2GiB", "torch", bytes_moved=2 * src.numel())
+    bench("copy_2GiB", {"torch": lambda: dst.copy_(src)}, bytes_moved=2 * src.numel())
 
 
 def bench_rmsnorm(liger, compile_):
@@ -121,12 +143,14 @@ def bench_rmsnorm(liger, compile_):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(DT) * w
 
     ours = lambda x, w: uk.rms_norm(x, w, 1e-5)  # noqa: E731
+    steps = {}
     for impl, f in implementations(eager, ours, liger and liger["rmsnorm"], compile_):
         def step(f=f):
             x.grad = w.grad = None
             f(x, w).backward(dy)
-        # read x, dy, x again; write y, dx (weight and rstd are negligible)
-        bench(step, "rmsnorm_fwd_bwd", impl, bytes_moved=5 * T * H * 2, graph=True)
+        steps[impl] = step
+    # read x, dy, x again; write y, dx (weight and rstd are negligible)
+    bench("rmsnorm_fwd_bwd", steps, bytes_moved=5 * T * H * 2, graph=True)
 
     # the fused residual add: read x, r, dy, ds, s; write s, y, dx (dx doubles as d residual)
     r = torch.randn_like(x, requires_grad=True)
@@ -139,13 +163,15 @@ def bench_rmsnorm(liger, compile_):
     def ours_res(x, r, w):
         return uk.rms_norm(x, w, 1e-5, residual=r)
 
+    steps = {}
     for impl, f in implementations(eager_res, ours_res, liger and liger["add_rmsnorm"], compile_):
         # autograd.grad, not .backward(): x and r receive one and the same gradient tensor, and
         # accumulating it into two leaves' .grad clones it (128 MiB more traffic); in a model both
         # come from earlier ops, which take the tensor as it is.
         def step(f=f):
             torch.autograd.grad(f(x, r, w), (x, r, w), (dy, ds))
-        bench(step, "add_rmsnorm_fwd_bwd", impl, bytes_moved=8 * T * H * 2, graph=True)
+        steps[impl] = step
+    bench("add_rmsnorm_fwd_bwd", steps, bytes_moved=8 * T * H * 2, graph=True)
 
 
 def bench_layernorm(liger, compile_):
@@ -154,11 +180,13 @@ def bench_layernorm(liger, compile_):
     b = torch.zeros(H, device=DEV, dtype=DT, requires_grad=True)
     dy = torch.randn(T, H, device=DEV, dtype=DT)
     eager = lambda x, w, b: F.layer_norm(x, (H,), w, b, 1e-5)  # noqa: E731
+    steps = {}
     for impl, f in implementations(eager, uk.layer_norm, liger and liger["layernorm"], compile_):
         def step(f=f):
             x.grad = w.grad = b.grad = None
             f(x, w, b).backward(dy)
-        bench(step, "layernorm_fwd_bwd", impl, bytes_moved=5 * T * H * 2, graph=True)
+        steps[impl] = step
+    bench("layernorm_fwd_bwd", steps, bytes_moved=5 * T * H * 2, graph=True)
 
 
 def rope_inputs():
@@ -182,13 +210,15 @@ def bench_rope(liger, compile_):
         c, s = cos[:, None], sin[:, None]
         return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
+    steps = {}
     for impl, f in implementations(eager, uk.apply_rope, liger and liger["rope"], compile_):
         def step(f=f):
             q.grad = k.grad = None
             oq, ok = f(q, k, cos, sin)
             torch.autograd.backward([oq, ok], [dq, dk])
-        # read q, k and write them, forward and backward
-        bench(step, "rope_fwd_bwd", impl, bytes_moved=4 * (q.numel() + k.numel()) * 2, graph=True)
+        steps[impl] = step
+    # read q, k and write them, forward and backward
+    bench("rope_fwd_bwd", steps, bytes_moved=4 * (q.numel() + k.numel()) * 2, graph=True)
 
 
 def bench_gated(liger, compile_):
@@ -197,26 +227,23 @@ def bench_gated(liger, compile_):
     dy = torch.randn(T, I, device=DEV, dtype=DT)
     nbytes = 8 * T * I * 2  # read a, b (fwd), dy, a, b (bwd); write y, da, db
     sw_eager = lambda a, b: F.silu(a) * b  # noqa: E731
-    for impl, f in implementations(sw_eager, uk.swiglu, liger and liger["swiglu"], compile_):
-        def step(f=f):
-            a.grad = b.grad = None
-            f(a, b).backward(dy)
-        bench(step, "swiglu_fwd_bwd", impl, bytes_moved=nbytes)
-
     # In a model gate/up are activations, and backward reuses their buffers for the gradients
-    # (Liger above does the same to these leaves). A view makes them non-leaf at no GPU cost.
-    def step_activations():
-        a.grad = b.grad = None
-        uk.swiglu(a.view_as(a), b.view_as(b)).backward(dy)
-    bench(step_activations, "swiglu_fwd_bwd", "unsloth_kernels_inplace", bytes_moved=nbytes)
-
+    # (Liger does the same to these leaves). A view makes them non-leaf at no GPU cost.
+    sw_inplace = lambda a, b: uk.swiglu(a.view_as(a), b.view_as(b))  # noqa: E731
     ge_eager = lambda a, b: F.gelu(a, approximate="tanh") * b  # noqa: E731
     ge_ours = lambda a, b: uk.geglu(a.view_as(a), b.view_as(b), approximate="tanh")  # noqa: E731
-    for impl, f in implementations(ge_eager, ge_ours, liger and liger["geglu"], compile_):
-        def step(f=f):
-            a.grad = b.grad = None
-            f(a, b).backward(dy)
-        bench(step, "geglu_tanh_fwd_bwd", impl, bytes_moved=nbytes)
+    for op, impls in [
+        ("swiglu_fwd_bwd", implementations(sw_eager, uk.swiglu, liger and liger["swiglu"], compile_)
+         + [("unsloth_kernels_inplace", sw_inplace)]),
+        ("geglu_tanh_fwd_bwd", implementations(ge_eager, ge_ours, liger and liger["geglu"], compile_)),
+    ]:
+        steps = {}
+        for impl, f in impls:
+            def step(f=f):
+                a.grad = b.grad = None
+                f(a, b).backward(dy)
+            steps[impl] = step
+        bench(op, steps, bytes_moved=nbytes)
 
 
 # --- helper F's kernels: each section runs when its function exists ---------------------------
@@ -239,11 +266,13 @@ def bench_linear_ce(liger, compile_):
         default = chunk_rows(T, V, 2)
         impls += [(f"unsloth_kernels chunk={c}", functools.partial(ours, chunk_size=c))
                   for c in (256, 1024, 2048) if c != default]  # fmt: skip
+    steps = {}
     for impl, f in impls:
         def step(f=f):
             h.grad = None
             f(h, W, y).backward()
-        bench(step, "linear_ce_fwd_bwd", impl, flops=2 * 2 * T * H * V)  # forward logits + dX
+        steps[impl] = step
+    bench("linear_ce_fwd_bwd", steps, flops=2 * 2 * T * H * V)  # forward logits + dX
 
 
 def bench_nf4():
@@ -270,17 +299,18 @@ def bench_nf4():
         # weigh on a 10 µs transfer, and the 2 GiB copy's rate hides them).
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device=DEV)
         dst = torch.empty_like(src)
-        bench(lambda: dst.copy_(src), op, "torch copy, same bytes", bytes_moved=nbytes, graph=True)
         # The trainer's path: each frozen weight prepared once, then one launch per dequantization.
         prepared = prepare_4bit(packed, absmax, (rows, cols), nested=nested)
-        bench(lambda: dequantize_prepared(prepared, DT, out), op, "unsloth_kernels", bytes_moved=nbytes, graph=True)
-        bench(lambda: dequantize(packed, absmax, (rows, cols), DT, nested=nested, out=out), op,
-              "unsloth_kernels, unprepared", bytes_moved=nbytes, graph=True)
-        if bnbf is None:
-            continue
-        w = torch.randn(rows, cols, device=DEV, dtype=DT)
-        q, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
-        bench(lambda: bnbf.dequantize_4bit(q, state, out=out), op, "bitsandbytes", bytes_moved=nbytes, graph=True)
+        steps = {
+            SIZE_COPY: lambda: dst.copy_(src),
+            "unsloth_kernels": lambda: dequantize_prepared(prepared, DT, out),
+            "unsloth_kernels, unprepared": lambda: dequantize(packed, absmax, (rows, cols), DT, nested=nested, out=out),
+        }
+        if bnbf is not None:
+            w = torch.randn(rows, cols, device=DEV, dtype=DT)
+            q, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+            steps["bitsandbytes"] = lambda: bnbf.dequantize_4bit(q, state, out=out)
+        bench(op, steps, bytes_moved=nbytes, graph=True)
 
 
 def bench_lora_mlp():
@@ -322,6 +352,7 @@ def bench_lora_mlp():
     q_gate, q_up, q_down = nf4(gate), nf4(up), nf4(down)
     params = [p for a in (gate, up, down) for p in (a.A, a.B)]
     flops = 6 * 2 * T * H * I  # base GEMMs: 3 forward + 3 for dX (frozen base); LoRA side is ~1%
+    steps = {}
     for impl, f in [("eager", eager), ("unsloth_kernels", lambda x: lora_mlp(x, gate, up, down)),
                     ("unsloth_kernels nf4 base", lambda x: lora_mlp(x, q_gate, q_up, q_down))]:  # fmt: skip
         def step(f=f):
@@ -329,7 +360,8 @@ def bench_lora_mlp():
             for p in params:
                 p.grad = None
             f(x).backward(dy)
-        bench(step, "lora_mlp_fwd_bwd", impl, flops=flops)
+        steps[impl] = step
+    bench("lora_mlp_fwd_bwd", steps, flops=flops)
 
 
 # --- report -------------------------------------------------------------------------------------
@@ -339,15 +371,20 @@ SECTIONS = ("rmsnorm", "layernorm", "rope", "swiglu", "linear_ce", "nf4", "lora_
 
 def report():
     copy_gbps = next((r["GBps"] for r in ROWS if r["op"] == "copy_2GiB"), None)
-    lines = ["| op | impl | ms | graph ms | peak GiB | GB/s | % of copy | floor ms | x floor | TFLOP/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    # Where an op also times a copy of its own size (NF4), the floor at that size: launch, ramp
+    # and tail weigh on a transfer of a few µs, and the 2 GiB copy's rate hides them.
+    size_copy_ms = {r["op"]: r["ms"] for r in ROWS if r["impl"] == SIZE_COPY}
+    lines = ["| op | impl | ms | graph ms | peak GiB | GB/s | % of copy | floor ms | x floor | x same-size copy | TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in ROWS:
         if copy_gbps and "bytes" in r:
             floor = r["bytes"] / copy_gbps / 1e6
             r["floor_ms"], r["x_floor"] = round(floor, 4), round(r["ms"] / floor, 2)
             r["pct_copy"] = round(100 * r["GBps"] / copy_gbps, 1)
+        if r["op"] in size_copy_ms:
+            r["x_size_copy"] = round(r["ms"] / size_copy_ms[r["op"]], 2)
         cells = [r["op"], r["impl"], r["ms"], r.get("graph_ms") or "", r["peak_gib"], r.get("GBps", ""), r.get("pct_copy", ""),
-                 r.get("floor_ms", ""), r.get("x_floor", ""), r.get("TFLOPs", "")]
+                 r.get("floor_ms", ""), r.get("x_floor", ""), r.get("x_size_copy", ""), r.get("TFLOPs", "")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     print("\n".join(lines))
     print(json.dumps({"bench": "unsloth_kernels", "device": torch.cuda.get_device_name(),
