@@ -4,7 +4,7 @@ On ops this fast the host, not the GPU, sets the time the anchors measure. Per o
 (as the anchors time it), GPU ms (CUDA graph replay), host µs per step (issue rate with the GPU
 queue not yet full), then cProfile's top entries for our implementation.
 
-    python bench/host_overhead.py [--only rmsnorm,layernorm,rope]
+    python bench/host_overhead.py [--only rmsnorm,add_rmsnorm,layernorm,rope]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def report(op, impl, step, profile_it):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--only", default="rmsnorm,layernorm,rope")
+    p.add_argument("--only", default="rmsnorm,add_rmsnorm,layernorm,rope")
     only = p.parse_args().only.split(",")
     liger = liger_ops()
     if "rmsnorm" in only:
@@ -50,6 +50,18 @@ def main():
                 x.grad = w.grad = None
                 f(x, w).backward(dy)
             report("rmsnorm", impl, step, impl == "ours")
+    if "add_rmsnorm" in only:
+        x, r = (torch.randn(T, H, device=DEV, dtype=DT, requires_grad=True) for _ in range(2))
+        w = torch.ones(H, device=DEV, dtype=DT, requires_grad=True)
+        dy, ds = torch.randn(T, H, device=DEV, dtype=DT), torch.randn(T, H, device=DEV, dtype=DT)
+        for impl, f in (("ours", lambda x, r, w: uk.rms_norm(x, w, 1e-5, residual=r)),
+                        ("liger", liger and liger["add_rmsnorm"])):
+            if f is None:
+                continue
+
+            def step(f=f):  # as bench_kernels.py times it
+                torch.autograd.grad(f(x, r, w), (x, r, w), (dy, ds))
+            report("add_rmsnorm", impl, step, impl == "ours")
     if "layernorm" in only:
         x = torch.randn(T, H, device=DEV, dtype=DT, requires_grad=True)
         w = torch.ones(H, device=DEV, dtype=DT, requires_grad=True)
