@@ -3,7 +3,7 @@
 Measured the way the project's anchor harness measures PyTorch eager, torch.compile and Liger, in
 the same process, so the numbers line up with the published anchors: 16,384 tokens (8 x 2048),
 hidden 4096, 32 q / 8 kv heads of 128, MLP 14336, vocab 128256.
-- ms: the median of triton.testing.do_bench(warmup=25, rep=100), taken in 3 rounds that alternate
+- ms: the median of triton.testing.do_bench(warmup=25, rep=100), taken in 5 rounds that alternate
   the implementations of an op; the median round counts.
 - graph ms (memory-bound ops): the same step replayed from a CUDA graph, the GPU time alone. When
   ms is well above it the step is host-bound (Python, autograd and kernel launches).
@@ -35,7 +35,7 @@ DEV, DT = "cuda", torch.bfloat16
 B, S = 8, 2048
 T, H, I, V, NH, NKV, HD = B * S, 4096, 14336, 128256, 32, 8, 128
 RANK = 16
-ROUNDS = 3
+ROUNDS = 5
 SIZE_COPY = "torch copy, same bytes"
 ROWS: list[dict] = []
 
