@@ -231,11 +231,13 @@ def bench_gated(liger, compile_):
     # (Liger does the same to these leaves). A view makes them non-leaf at no GPU cost.
     sw_inplace = lambda a, b: uk.swiglu(a.view_as(a), b.view_as(b))  # noqa: E731
     ge_eager = lambda a, b: F.gelu(a, approximate="tanh") * b  # noqa: E731
-    ge_ours = lambda a, b: uk.geglu(a.view_as(a), b.view_as(b), approximate="tanh")  # noqa: E731
+    ge_ours = lambda a, b: uk.geglu(a, b, approximate="tanh")  # noqa: E731
+    ge_inplace = lambda a, b: uk.geglu(a.view_as(a), b.view_as(b), approximate="tanh")  # noqa: E731
     for op, impls in [
         ("swiglu_fwd_bwd", implementations(sw_eager, uk.swiglu, liger and liger["swiglu"], compile_)
          + [("unsloth_kernels_inplace", sw_inplace)]),
-        ("geglu_tanh_fwd_bwd", implementations(ge_eager, ge_ours, liger and liger["geglu"], compile_)),
+        ("geglu_tanh_fwd_bwd", implementations(ge_eager, ge_ours, liger and liger["geglu"], compile_)
+         + [("unsloth_kernels_inplace", ge_inplace)]),
     ]:
         steps = {}
         for impl, f in impls:
