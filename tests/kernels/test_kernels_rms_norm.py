@@ -146,14 +146,14 @@ def test_strided_inputs_and_gradients_give_the_contiguous_results(residual):
         r = r_layouts[layout].detach().requires_grad_() if residual else None
         out = rms_norm(x, w, residual=r)
         outs = out if residual else (out,)
-        # dy as autograd hands it over from a sum(): an expanded tensor, every stride 0 but one.
+        # ds as autograd may hand it over: expanded, every stride 0 but the last.
         grads = (dy, dy[:1, :1].expand_as(dy)) if residual else (dy,)
         torch.autograd.backward(outs, grads)
         assert all(o.shape == x.shape for o in outs)
         results[layout] = [*outs, x.grad, w.grad] + ([r.grad] if residual else [])
     for layout, result in results.items():
         for got, want in zip(result, results["contiguous"]):
-            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{layout}")
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=layout)
 
 
 def test_bad_arguments_are_named():
