@@ -77,7 +77,7 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from unsloth.export.converter import write_gguf
-    from unsloth.export.merge import merged_tensors
+    from unsloth.models.merge import merged_tensors
     from unsloth.export.methods import resolve
     from unsloth.export.quantize import quantize
     from unsloth.export.validate import reference_run, validate

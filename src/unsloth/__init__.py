@@ -11,9 +11,9 @@ __version__ = "0.1.0"
 
 # name -> module that defines it; resolved on first access (PEP 562).
 _LAZY = {
-    "FastLanguageModel": "unsloth.models.fast",
-    "FastModel": "unsloth.models.fast",
-    "is_bfloat16_supported": "unsloth.models.fast",
+    "FastLanguageModel": "unsloth.notebook.fast_model",
+    "FastModel": "unsloth.notebook.fast_model",
+    "is_bfloat16_supported": "unsloth.notebook.fast_model",
 }
 
 

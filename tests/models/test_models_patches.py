@@ -9,7 +9,7 @@ import torch
 
 from tiny_families import VOCAB, tiny_model
 from unsloth.models.patches import FAMILIES, patch_model, patch_peft_model
-from unsloth.training.memory import apply_gradient_checkpointing
+from unsloth.models.checkpointing import apply_gradient_checkpointing
 
 FAMILY_NAMES = sorted(FAMILIES)
 
@@ -43,7 +43,7 @@ def test_patched_matches_unpatched(family, checkpointing, monkeypatch):
     """Checkpointed: the patched model also recomputes its layers in backward (where the fused MLP of
     a family in MLP_FEEDS_RESIDUAL skips its output, and the attention projections replay the
     outputs the first pass kept); the reference keeps everything."""
-    from unsloth.training import memory
+    from unsloth.models import checkpointing as memory
 
     replayed = []
     kept_for_recompute = memory.kept_for_recompute

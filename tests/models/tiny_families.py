@@ -45,3 +45,14 @@ def tiny_model(family: str, seed: int = 0, dtype=torch.float32):
             if "norm" in name:
                 p.normal_(0.0, 0.3)
     return model.eval()
+
+
+def tiny_llama():
+    """An in-memory random Llama (no tokenizer) for tests that feed token ids directly."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return LlamaForCausalLM(config).eval()

@@ -105,7 +105,7 @@ def test_adapters_name_a_local_base_model_by_its_absolute_path(tiny, tmp_path, m
     # Export reads the base model from adapter_config.json, from whatever directory it runs in.
     from pathlib import Path
 
-    from unsloth.models.fast import FastLanguageModel
+    from unsloth.notebook.fast_model import FastLanguageModel
 
     model_dir = Path(tiny[0])
     monkeypatch.chdir(model_dir.parent)

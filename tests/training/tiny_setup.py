@@ -10,17 +10,6 @@ from unsloth.training.demo import build_tokenizer, load_examples
 VOCAB = 300
 
 
-def tiny_llama():
-    """An in-memory random Llama (no tokenizer) for tests that feed token ids directly."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    return LlamaForCausalLM(config).eval()
-
-
 def write_tiny_model(directory: Path) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -35,7 +35,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from unsloth.export import ExportError
-    from unsloth.export.merge import resolve_checkpoint
+    from unsloth.export.checkpoint import resolve_checkpoint
     from unsloth.export.methods import resolve_all
 
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _export(checkpoint: Path, out: Path, methods: list[str], args: argparse.Namespace, default_name: str):
     from unsloth.export.gguf import save_pretrained_gguf
-    from unsloth.export.merge import load_checkpoint
+    from unsloth.export.checkpoint import load_checkpoint
 
     model, tokenizer = load_checkpoint(checkpoint, dtype=_load_dtype(checkpoint))
     return save_pretrained_gguf(

@@ -25,7 +25,7 @@ from unsloth.export.architectures import (
     write_hparams,
 )
 from unsloth.export.errors import ExportError
-from unsloth.export.merge import TensorSource
+from unsloth.models.merge import TensorSource
 from unsloth.export.methods import Method
 from unsloth.export.vocab import write_vocab
 

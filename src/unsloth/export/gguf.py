@@ -19,7 +19,7 @@ from unsloth.export.architectures import architecture_for
 from unsloth.export.converter import write_gguf
 from unsloth.export.errors import ExportError
 from unsloth.export.files import atomic_output, ensure_free_space
-from unsloth.export.merge import base_model, merged_tensors
+from unsloth.models.merge import base_model, merged_tensors
 from unsloth.export.methods import METHODS, Method, estimated_bytes, resolve_all
 from unsloth.export.modelfile import write_modelfile
 from unsloth.export.quantize import quantize

@@ -1,66 +1,114 @@
-"""Save a LoRA model as plain 16-bit merged weights (W + scale * B @ A), leaving the model as it is.
+"""A model's merged weights: LoRA adapters merged in, quantized bases dequantized, the model untouched.
 
-The merged tensors come from ``unsloth.export.merge.merged_tensors`` (the one place that merges and
-dequantizes 4-bit bases), so the result is an ordinary transformers checkpoint that export (GGUF)
-and any loader read.
+The one place that merges: the GGUF export and ``save_pretrained_merged`` both read
+``merged_tensors``, which yields each tensor on demand, so a merge never holds a second copy of the
+model in memory, and the user's model keeps its adapters (unlike ``merge_and_unload``).
 """
 
 from __future__ import annotations
 
-import copy
-import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
-from torch import nn
 
-from unsloth.export.merge import base_model, merged_tensors
-
-
-def merged_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The base model's state dict with every LoRA layer merged and every floating tensor in `dtype` (on the CPU)."""
-    state = {}
-    for name, source in merged_tensors(model).items():
-        tensor = source.load()
-        state[name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).cpu()
-    return state
+from unsloth.errors import UnslothError
 
 
-def save_pretrained_merged(self, save_directory: str, tokenizer=None, save_method: str = "merged_16bit",
-                           max_shard_size: str = "5GB", **_unused) -> str:
-    """Save merged 16-bit weights + config (+ tokenizer) to `save_directory`; "lora" saves adapters only."""
-    if save_method == "lora":
-        self.save_pretrained(save_directory)
-    elif save_method == "merged_16bit":
-        from huggingface_hub import save_torch_state_dict
-
-        base = base_model(self)
-        config = copy.deepcopy(base.config)
-        dtype = _save_dtype(base)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.dtype = dtype
-        config.use_cache = True  # a saved model is for inference; training turned the cache off
-        state = merged_state_dict(self, dtype)
-        if getattr(config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)  # the loader ties it back to the embeddings
-        os.makedirs(save_directory, exist_ok=True)
-        save_torch_state_dict(state, save_directory, max_shard_size=max_shard_size)
-        config.save_pretrained(save_directory)
-        if getattr(base, "generation_config", None) is not None:
-            base.generation_config.save_pretrained(save_directory)
-    else:
-        raise ValueError(f"save_method must be 'merged_16bit' or 'lora', got {save_method!r}")
-    if tokenizer is not None:
-        tokenizer.save_pretrained(save_directory)
-    return save_directory
+class MergeError(UnslothError):
+    """A model whose adapters cannot be merged as they are."""
 
 
-def _save_dtype(base: nn.Module) -> torch.dtype:
-    quant = getattr(base.config, "quantization_config", None)
-    compute = getattr(quant, "bnb_4bit_compute_dtype", None) if quant is not None else None
-    if isinstance(compute, torch.dtype):
-        return compute
-    for p in base.parameters():
-        if p.is_floating_point() and p.element_size() >= 2:
-            return p.dtype
-    return torch.float16
+class TensorSource(NamedTuple):
+    shape: tuple[int, ...]  # known without computing the tensor (the header is written first)
+    load: Callable[[], torch.Tensor]
+
+
+def _logical_shape(weight: torch.Tensor) -> tuple[int, ...]:
+    quant_state = getattr(weight, "quant_state", None)  # bitsandbytes 4-bit packs the data
+    return tuple(quant_state.shape) if quant_state is not None else tuple(weight.shape)
+
+
+def _as_is(tensor: torch.Tensor) -> TensorSource:
+    return TensorSource(tuple(tensor.shape), tensor.detach)
+
+
+def base_model(model: Any) -> Any:
+    """The transformers model under a peft wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def dequantized_weight(layer: Any) -> torch.Tensor:
+    """A linear layer's weight as a floating tensor: bitsandbytes 4-bit through our NF4 kernel where
+    it runs (else bitsandbytes), 8-bit through peft; other weights as they are."""
+    weight = layer.weight
+    quant_state = getattr(weight, "quant_state", None)
+    if quant_state is not None:  # bitsandbytes Params4bit
+        from unsloth.models.kernels import unavailable_reason  # not kernels_available: no "training" warning
+
+        if unavailable_reason(weight.device) is None:
+            from unsloth_kernels.nf4 import dequantize_bnb_4bit
+
+            return dequantize_bnb_4bit(weight.data, quant_state)
+        import bitsandbytes.functional as bnbf
+
+        return bnbf.dequantize_4bit(weight.data, quant_state)
+    from peft.utils.integrations import dequantize_module_weight
+
+    return dequantize_module_weight(layer).detach()
+
+
+def _lora_weight(module: Any) -> torch.Tensor:
+    weight = dequantized_weight(module.get_base_layer()).to(torch.float32)
+    if module.disable_adapters:
+        return weight
+    for adapter in module.active_adapters:
+        if adapter in module.merged_adapters or adapter not in module.lora_A.keys() | module.lora_embedding_A.keys():
+            continue  # already in the base weight, or not targeting this layer
+        if module.use_dora.get(adapter):
+            raise MergeError(
+                "DoRA adapters cannot be merged on the fly",
+                fix="merge first: model = model.merge_and_unload(), then export the merged model",
+            )
+        weight = weight + module.get_delta_weight(adapter).detach().to(weight.device, torch.float32)
+    return weight
+
+
+def merged_tensors(model: Any) -> dict[str, TensorSource]:
+    """HF state-dict name -> a function returning that tensor with every active adapter merged in."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    sources: dict[str, TensorSource] = {}
+    covered: list[str] = []  # prefixes whose parameters are handled by a wrapper above them
+    for name, module in base_model(model).named_modules(remove_duplicate=False):
+        if any(name.startswith(prefix) for prefix in covered):
+            continue
+        prefix = f"{name}." if name else ""
+        if isinstance(module, LoraLayer):
+            covered.append(prefix)
+            shape = _logical_shape(module.get_base_layer().weight)
+            sources[f"{prefix}weight"] = TensorSource(shape, lambda m=module: _lora_weight(m))
+            bias = getattr(module.get_base_layer(), "bias", None)
+            if bias is not None:
+                sources[f"{prefix}bias"] = _as_is(bias)
+            continue
+        if isinstance(module, ModulesToSaveWrapper):  # fully trained copies (e.g. embeddings)
+            covered.append(prefix)
+            module = module.modules_to_save[module.active_adapter] if not module.disable_adapters else module.original_module
+            for pname, param in module.named_parameters():
+                sources[f"{prefix}{pname}"] = _as_is(param)
+            continue
+        if module.__class__.__name__ in ("Linear4bit", "Linear8bitLt"):  # bitsandbytes base layer
+            shape = _logical_shape(module.weight)
+            sources[f"{prefix}weight"] = TensorSource(shape, lambda m=module: dequantized_weight(m))
+            if module.bias is not None:
+                sources[f"{prefix}bias"] = _as_is(module.bias)
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            sources[f"{prefix}{pname}"] = _as_is(param)
+        for bname, buf in module.named_buffers(recurse=False):
+            if bname not in module._non_persistent_buffers_set:
+                sources[f"{prefix}{bname}"] = _as_is(buf)
+    return sources

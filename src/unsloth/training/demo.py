@@ -132,7 +132,7 @@ def run_demo(output_dir: str = DEFAULT_OUTPUT, max_steps: int = 150, show: int =
     """Build, train, check and save the demo model; returns the loss log and a few answers."""
     import torch
 
-    from unsloth.models.fast import FastLanguageModel
+    from unsloth.models.loader import model_config
     from unsloth.training.sft import train
 
     if not torch.cuda.is_available():
@@ -145,7 +145,8 @@ def run_demo(output_dir: str = DEFAULT_OUTPUT, max_steps: int = 150, show: int =
     config.model.name = base_dir
     echo(f"unsloth demo: a {_describe(base_dir)} learns the capitals of 50 countries ({max_steps} steps)")
     result = train(config, echo=echo)
-    FastLanguageModel.for_inference(result.model)
+    result.model.eval()
+    model_config(result.model).use_cache = True  # for generate
     countries = load_examples()[::3]  # one phrasing per country
     examples = countries[:: max(1, len(countries) // max(show, 1))][:show]
     got = ask(result.model, result.tokenizer, [q for q, _ in examples])

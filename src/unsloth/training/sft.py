@@ -163,11 +163,11 @@ def _callbacks(output_dir: str, echo: Callable[[str], None], losses: list[float]
 
 def load_model(config: TrainConfig):
     """The model (with LoRA unless full fine-tuning) and tokenizer a config asks for."""
-    from unsloth.models.fast import FastLanguageModel
+    from unsloth.models.loader import add_lora, load_pretrained
 
     m = config.model
     try:
-        model, tokenizer = FastLanguageModel.from_pretrained(
+        model, tokenizer = load_pretrained(
             m.name, max_seq_length=m.max_seq_length, dtype=m.dtype, load_in_4bit=m.load_in_4bit,
             load_in_8bit=m.load_in_8bit, full_finetuning=m.full_finetuning, trust_remote_code=m.trust_remote_code,
             revision=m.revision, use_gradient_checkpointing=config.gradient_checkpointing, random_state=config.seed,
@@ -179,7 +179,7 @@ def load_model(config: TrainConfig):
         tokenizer.chat_template = m.chat_template
     if not m.full_finetuning:
         lora = config.lora
-        model = FastLanguageModel.get_peft_model(
+        model = add_lora(
             model, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
             bias=lora.bias, use_rslora=lora.use_rslora, use_gradient_checkpointing=config.gradient_checkpointing,
             random_state=config.seed,
@@ -227,5 +227,7 @@ def _save(model, tokenizer, trainer, config: TrainConfig) -> str | None:
     model.save_pretrained(str(output / "lora"))
     tokenizer.save_pretrained(str(output / "lora"))
     if config.save_merged:
-        return model.save_pretrained_merged(str(output / "merged"), tokenizer)
+        from unsloth.export.merged import save_pretrained_merged
+
+        return save_pretrained_merged(model, str(output / "merged"), tokenizer)
     return None

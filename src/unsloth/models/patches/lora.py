@@ -64,7 +64,7 @@ def _lora_linear_forward(self, x, *args, **kwargs):
         return type(self).forward(self, x, *args, **kwargs)
     from unsloth_kernels.lora import lora_o, lora_o_forward
 
-    from unsloth.training.memory import keep_for_recompute, keeping_for_recompute, kept_for_recompute
+    from unsloth.models.checkpointing import keep_for_recompute, keeping_for_recompute, kept_for_recompute
 
     # Inside our checkpoint: the first pass keeps this projection's output, the recompute replays it.
     kept = kept_for_recompute(self)
@@ -85,7 +85,7 @@ def _lora_mlp_forward(self, x):
         return _gated_mlp_forward(self, x)
     from unsloth_kernels.lora import lora_mlp
 
-    from unsloth.training.memory import recomputing  # our checkpoint's rerun: the output goes unread
+    from unsloth.models.checkpointing import recomputing  # our checkpoint's rerun: the output goes unread
 
     output_needed = not (self._unsloth_mlp_feeds_residual and recomputing())
     return lora_mlp(x, *weights, activation=_MLP_ACTIVATION[self._unsloth_act], output_needed=output_needed)

@@ -32,7 +32,7 @@ def _leave(module, args, output):
 def _fast_rope(q, k, cos, sin):
     from unsloth_kernels.rope import apply_rope
 
-    from unsloth.training.memory import keeping_for_recompute
+    from unsloth.models.checkpointing import keeping_for_recompute
 
     # Not in place while a checkpoint keeps the projections' outputs: q and k are views of them.
     return apply_rope(q, k, cos, sin, inplace=not keeping_for_recompute())

@@ -1,0 +1,66 @@
+"""Save a LoRA model as plain 16-bit merged weights (W + scale * B @ A), leaving the model as it is.
+
+The merged tensors come from ``unsloth.models.merge.merged_tensors`` (the one place that merges and
+dequantizes 4-bit bases), so the result is an ordinary transformers checkpoint that export (GGUF)
+and any loader read.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from torch import nn
+
+from unsloth.models.merge import base_model, merged_tensors
+
+
+def merged_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The base model's state dict with every LoRA layer merged and every floating tensor in `dtype` (on the CPU)."""
+    state = {}
+    for name, source in merged_tensors(model).items():
+        tensor = source.load()
+        state[name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).cpu()
+    return state
+
+
+def save_pretrained_merged(self, save_directory: str, tokenizer=None, save_method: str = "merged_16bit",
+                           max_shard_size: str = "5GB", **_unused) -> str:
+    """Save merged 16-bit weights + config (+ tokenizer) to `save_directory`; "lora" saves adapters only."""
+    if save_method == "lora":
+        self.save_pretrained(save_directory)
+    elif save_method == "merged_16bit":
+        from huggingface_hub import save_torch_state_dict
+
+        base = base_model(self)
+        config = copy.deepcopy(base.config)
+        dtype = _save_dtype(base)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = dtype
+        config.use_cache = True  # a saved model is for inference; training turned the cache off
+        state = merged_state_dict(self, dtype)
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # the loader ties it back to the embeddings
+        os.makedirs(save_directory, exist_ok=True)
+        save_torch_state_dict(state, save_directory, max_shard_size=max_shard_size)
+        config.save_pretrained(save_directory)
+        if getattr(base, "generation_config", None) is not None:
+            base.generation_config.save_pretrained(save_directory)
+    else:
+        raise ValueError(f"save_method must be 'merged_16bit' or 'lora', got {save_method!r}")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(save_directory)
+    return save_directory
+
+
+def _save_dtype(base: nn.Module) -> torch.dtype:
+    quant = getattr(base.config, "quantization_config", None)
+    compute = getattr(quant, "bnb_4bit_compute_dtype", None) if quant is not None else None
+    if isinstance(compute, torch.dtype):
+        return compute
+    for p in base.parameters():
+        if p.is_floating_point() and p.element_size() >= 2:
+            return p.dtype
+    return torch.float16

@@ -1,0 +1,204 @@
+"""Loading a causal LM with our kernels patched in, and adding LoRA adapters to it.
+
+Loading goes through transformers, LoRA through peft; our part is the patches (kernels) and
+gradient checkpointing with offload. The notebook facade (``unsloth.notebook``) and the trainer
+(``unsloth.training``) both load through here.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from unsloth.models.embedding import offload_input_embedding
+from unsloth.models.patches import patch_model, patch_peft_model
+from unsloth.models.checkpointing import apply_gradient_checkpointing
+
+log = logging.getLogger("unsloth")
+
+DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# Options of the original Unsloth API that change nothing here: accepted so notebooks run as they are.
+_ACCEPTED_UNUSED = {
+    "fix_tokenizer", "use_exact_model_name", "resize_model_vocab", "float8_kv_cache", "disable_log_stats",
+    "max_lora_rank", "gpu_memory_utilization", "float32_mixed_precision", "text_only",
+    "unsloth_tiled_mlp", "qat_scheme", "load_in_16bit", "load_in_fp8", "ensure_weight_tying",
+}
+
+
+def is_bfloat16_supported() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def _default_dtype() -> torch.dtype:
+    if is_bfloat16_supported():
+        return torch.bfloat16
+    return torch.float16 if torch.cuda.is_available() else torch.float32
+
+
+def _resolve_dtype(dtype) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return _default_dtype()
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"dtype {dtype!r} is not a torch dtype; use bfloat16, float16, float32 or auto")
+        return resolved
+    return dtype
+
+
+def _quantization_config(load_in_4bit: bool, load_in_8bit: bool, dtype: torch.dtype):
+    if not (load_in_4bit or load_in_8bit):
+        return None
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        log.warning("unsloth: bitsandbytes is not installed, so the weights load in 16-bit "
+                    "(`pip install bitsandbytes` for 4-bit / 8-bit).")
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=dtype)
+
+
+def _prepare_tokenizer(tokenizer, max_seq_length: int):
+    tokenizer.model_max_length = max_seq_length
+    if tokenizer.pad_token is None:  # batches need one; eos is the usual stand-in
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def load_pretrained(
+    model_name: str = "unsloth/Llama-3.2-1B-Instruct",
+    max_seq_length: int = 2048,
+    dtype=None,
+    load_in_4bit: bool = True,
+    load_in_8bit: bool = False,
+    full_finetuning: bool = False,
+    token: str | None = None,
+    device_map=None,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    use_gradient_checkpointing: bool | str = "unsloth",
+    random_state: int = 3407,
+    attn_implementation: str = "sdpa",
+    fast_inference: bool = False,  # changes nothing: grpo_trainer uses vLLM whenever installed, on a GPU
+    rope_scaling=None,
+    tokenizer_name: str | None = None,
+    offload_embedding: bool | None = None,
+    **kwargs,
+):
+    """Load a causal LM and its tokenizer, with our kernels patched in. Returns (model, tokenizer).
+
+    `offload_embedding`: keep the (frozen) input embedding in pinned host memory during LoRA
+    training (unsloth.models.embedding). None: whenever it can; False: never; True: also say why
+    when it cannot.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ignored = sorted(set(kwargs) & _ACCEPTED_UNUSED)
+    for name in ignored:
+        kwargs.pop(name)
+    if ignored:
+        log.info("unsloth: ignoring options that change nothing here: %s", ", ".join(ignored))
+    torch.manual_seed(random_state)
+    dtype = _resolve_dtype(dtype)
+    if full_finetuning and (load_in_4bit or load_in_8bit):
+        log.info("unsloth: full fine-tuning trains every weight, so they load in %s, not quantized.", dtype)
+        load_in_4bit = load_in_8bit = False
+    if device_map is None:
+        device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = rope_scaling
+    if Path(model_name).expanduser().is_dir():
+        # peft writes this name into adapter_config.json as the base model; a relative path would
+        # later resolve against whatever directory the export runs from.
+        model_name = str(Path(model_name).expanduser().resolve())
+    model = AutoModelForCausalLM.from_pretrained(
+        model_name,
+        dtype=dtype,
+        device_map=device_map,
+        quantization_config=_quantization_config(load_in_4bit, load_in_8bit, dtype),
+        token=token,
+        revision=revision,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+        **kwargs,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer_name or model_name, token=token, revision=revision, trust_remote_code=trust_remote_code,
+        **{k: v for k, v in kwargs.items() if k in ("local_files_only", "cache_dir")},
+    )
+    model.max_seq_length = max_seq_length
+    model._unsloth_offload_embedding = offload_embedding
+    patch_model(model)
+    if full_finetuning:
+        for p in model.parameters():
+            p.requires_grad_(p.is_floating_point())
+        model._unsloth_checkpointing = use_gradient_checkpointing
+        apply_gradient_checkpointing(model, use_gradient_checkpointing)
+    else:
+        model.requires_grad_(False)  # LoRA adapters come next and are the only trainable weights
+    return model, _prepare_tokenizer(tokenizer, max_seq_length)
+
+
+def add_lora(
+    model,
+    r: int = 16,
+    target_modules=None,
+    lora_alpha: int = 16,
+    lora_dropout: float = 0.0,
+    bias: str = "none",
+    layers_to_transform=None,
+    layers_pattern=None,
+    use_gradient_checkpointing: bool | str = "unsloth",
+    random_state: int = 3407,
+    max_seq_length: int | None = None,
+    use_rslora: bool = False,
+    modules_to_save=None,
+    init_lora_weights=True,
+    loftq_config=None,
+    **kwargs,
+):
+    """Add LoRA adapters (peft) and route the LoRA layers through our fast paths. Returns the PeftModel."""
+    from peft import LoraConfig, get_peft_model
+
+    for name in sorted(set(kwargs) & (_ACCEPTED_UNUSED | {"finetune_last_n_layers", "target_parameters"})):
+        kwargs.pop(name)
+    torch.manual_seed(random_state)
+    config = LoraConfig(
+        r=r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        bias=bias,
+        target_modules=list(target_modules or DEFAULT_TARGETS),
+        layers_to_transform=layers_to_transform,
+        layers_pattern=layers_pattern,
+        use_rslora=use_rslora,
+        modules_to_save=modules_to_save,
+        init_lora_weights=init_lora_weights,
+        loftq_config=loftq_config or {},
+        task_type="CAUSAL_LM",
+        **kwargs,
+    )
+    peft_model = get_peft_model(model, config)
+    peft_model.max_seq_length = max_seq_length or getattr(model, "max_seq_length", None)
+    peft_model._unsloth_checkpointing = use_gradient_checkpointing
+    apply_gradient_checkpointing(peft_model.get_base_model(), use_gradient_checkpointing)
+    patch_peft_model(peft_model)
+    wanted = getattr(model, "_unsloth_offload_embedding", None)
+    if wanted is not False:
+        reason = offload_input_embedding(peft_model)
+        if reason and wanted:
+            log.warning("unsloth: offload_embedding: the input embedding stays on the GPU: %s.", reason)
+    return peft_model
+
+
+def model_config(model):
+    return model.get_base_model().config if hasattr(model, "get_base_model") else model.config

@@ -1,0 +1,8 @@
+"""The notebook facade: the names fine-tuning notebooks import, above the trainer and the export.
+
+    model, tokenizer = FastLanguageModel.from_pretrained("org/model", max_seq_length=2048, load_in_4bit=True)
+    model = FastLanguageModel.get_peft_model(model, r=16, use_gradient_checkpointing="unsloth")
+    ... TRL's SFTTrainer / GRPOTrainer as usual ...
+    model.save_pretrained("lora")                        # adapters (peft)
+    model.save_pretrained_merged("merged", tokenizer)    # 16-bit merged weights
+"""

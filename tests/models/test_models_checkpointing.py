@@ -1,0 +1,158 @@
+"""Gradient checkpointing of decoder layers (and offload on a GPU) keeps the gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tiny_families import VOCAB, tiny_llama
+from unsloth.models.checkpointing import apply_gradient_checkpointing
+
+
+def _lora_grads(model, ids, mode):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                                                  task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    layers = apply_gradient_checkpointing(peft_model.get_base_model(), mode)
+    peft_model.train()
+    loss = peft_model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return layers, loss.detach(), {n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("mode", [True, "unsloth"])
+def test_checkpointed_layers_give_the_same_gradients(mode, monkeypatch):
+    monkeypatch.setenv("UNSLOTH_KERNELS", "0")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # "unsloth" offloads only on a GPU
+    model = tiny_llama().to(device)
+    ids = torch.randint(0, VOCAB, (2, 16), device=device)
+    _, ref_loss, ref_grads = _lora_grads(copy.deepcopy(model), ids, False)
+    layers, loss, grads = _lora_grads(model, ids, mode)
+    assert layers == model.config.num_hidden_layers
+    torch.testing.assert_close(loss, ref_loss)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+
+
+def _patched_lora_model(model, mode):
+    """Our kernels patched in, LoRA on the attention projections, checkpointing in `mode`."""
+    from peft import LoraConfig, get_peft_model
+
+    from unsloth.models.patches import patch_model, patch_peft_model
+
+    patch_model(model)
+    torch.manual_seed(0)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM",
+                                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    patch_peft_model(peft_model)
+    apply_gradient_checkpointing(peft_model.get_base_model(), mode)
+    peft_model.train()
+    return peft_model
+
+
+def _step(peft_model, *batches):
+    """Forward every batch, then one backward of the summed losses; returns (loss, grads)."""
+    peft_model.zero_grad()
+    loss = sum(peft_model(input_ids=ids, labels=ids).loss for ids in batches)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+
+
+def _patched_lora_grads(model, ids, mode):
+    return _step(_patched_lora_model(model, mode), ids)
+
+
+def test_replayed_projections_give_the_recomputed_gradients(monkeypatch):
+    """Our kernels on: with offload the attention projections keep their outputs (on a GPU, in pinned
+    host memory) and the recompute replays them; the gradients are those of a plain recompute."""
+    from unsloth.models import checkpointing as memory
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_llama().to(device)
+    ids = torch.randint(0, VOCAB, (2, 16), device=device)
+    ref_loss, ref_grads = _patched_lora_grads(copy.deepcopy(model), ids, True)
+    replays = []
+    kept_for_recompute = memory.kept_for_recompute
+
+    def counting(key):
+        replays.append(kept_for_recompute(key))
+        return replays[-1]
+
+    monkeypatch.setattr(memory, "kept_for_recompute", counting)
+    loss, grads = _patched_lora_grads(model, ids, "unsloth")
+    assert sum(r is not None for r in replays) == 4 * model.config.num_hidden_layers
+    torch.testing.assert_close(loss, ref_loss)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host buffers: a GPU")
+def test_the_next_step_reuses_the_pinned_buffers():
+    model = tiny_llama().cuda()
+    ids = torch.randint(0, VOCAB, (2, 16), device="cuda")
+    _patched_lora_grads(model, ids, "unsloth")
+    offloader = model.model.layers[0]._unsloth_offloader
+    first = {h.data_ptr() for entry in offloader.saved for h in entry.host}
+    model(input_ids=ids, labels=ids).loss.backward()
+    second = {h.data_ptr() for entry in offloader.saved for h in entry.host}
+    assert first and second == first
+
+
+def test_two_forwards_before_one_backward_keep_their_own_saved_tensors():
+    """A step's pinned buffers are reused by the next pass only once its backward has fetched them."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_llama().to(device)
+    first, second = (torch.randint(0, VOCAB, (2, 16), device=device) for _ in range(2))
+    grads = {}
+    for mode in (True, "unsloth"):
+        peft_model = _patched_lora_model(copy.deepcopy(model), mode)
+        _step(peft_model, first)  # a whole step first: its buffers are then free for the next pass
+        grads[mode] = _step(peft_model, first, second)[1]
+    for name, grad in grads[True].items():
+        torch.testing.assert_close(grads["unsloth"][name], grad, msg=name)
+
+
+def test_kept_outputs_changed_in_place_are_not_replayed():
+    from unsloth.models.checkpointing import _Offloader
+
+    offloader = _Offloader()
+    entry = offloader.save(torch.zeros(3), 0)
+    changed, untouched = torch.ones(2), torch.ones(2)
+    entry.keep("changed", (changed,))
+    entry.keep("untouched", (untouched,))
+    changed.add_(1)
+    entry.seal()
+    hidden, kept = entry.fetch()
+    assert torch.equal(hidden, torch.zeros(3))
+    assert set(kept) == {"untouched"} and torch.equal(kept["untouched"][0][0], torch.ones(2))
+
+
+def test_replay_can_be_switched_off(monkeypatch):
+    from unsloth.models.checkpointing import _Offloader
+
+    monkeypatch.setenv("UNSLOTH_REPLAY_PROJECTIONS", "0")
+    entry = _Offloader().save(torch.zeros(3), 0)
+    assert not entry.room_to_keep()
+
+
+def test_checkpointing_stays_out_of_inference():
+    model = tiny_llama()
+    apply_gradient_checkpointing(model, True)
+    ids = torch.randint(0, VOCAB, (1, 8))
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 11)
+    with pytest.raises(ValueError, match="True, False or"):
+        apply_gradient_checkpointing(model, "always")

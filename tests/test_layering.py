@@ -1,0 +1,106 @@
+"""The import graph runs one way: kernels <- models <- training / export <- notebook <- commands.
+
+Read from the source (every import statement, including those inside functions), so a new arrow
+running back up a layer fails here rather than in a reviewer's head.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "unsloth"
+KERNELS = ROOT / "kernels" / "unsloth_kernels"
+
+# package (or module) -> packages it must never import
+FORBIDDEN = {
+    "unsloth_kernels": ["unsloth"],
+    "unsloth.errors": ["unsloth"],
+    "unsloth.models": ["unsloth.training", "unsloth.export", "unsloth.notebook", "unsloth.commands", "unsloth.cli"],
+    "unsloth.training": ["unsloth.notebook", "unsloth.commands", "unsloth.cli"],
+    "unsloth.export": ["unsloth.training", "unsloth.notebook", "unsloth.commands", "unsloth.cli"],
+    "unsloth.notebook": ["unsloth.commands", "unsloth.cli"],
+    "unsloth.platform": ["unsloth.plan", "unsloth.envs", "unsloth.doctor", "unsloth.commands", "unsloth.models"],
+    "unsloth.matrix": ["unsloth.plan", "unsloth.envs", "unsloth.doctor", "unsloth.commands"],
+    "unsloth.plan": ["unsloth.envs", "unsloth.doctor", "unsloth.commands"],
+    "unsloth.envs": ["unsloth.commands"],  # TODO(#19): and unsloth.doctor, once the self-test package exists
+    "unsloth.doctor": ["unsloth.commands"],
+}
+
+
+def _module_name(path: Path) -> str:
+    if path.is_relative_to(KERNELS):
+        rel = path.relative_to(KERNELS.parent)
+    else:
+        rel = path.relative_to(SRC.parent)
+    parts = list(rel.with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    return _imported_names(path.read_text(), package)
+
+
+def _imported_names(source: str, package: str) -> set[str]:
+    tree = ast.parse(source)
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names.add(target)
+            names.update(f"{target}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _sources():
+    return sorted([*SRC.rglob("*.py"), *KERNELS.rglob("*.py")])
+
+
+def test_the_walk_finds_the_layers():
+    modules = {_module_name(p) for p in _sources()}
+    for layer in FORBIDDEN:
+        assert any(_within(m, layer) for m in modules), f"no module of {layer}: the layer table is stale"
+
+
+def _violations(module: str, names: set[str]) -> list[str]:
+    return [f"{module} imports {name} ({layer} must not import {bad})"
+            for layer, above in FORBIDDEN.items() if _within(module, layer)
+            for name in sorted(names) for bad in above if _within(name, bad)]
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_import_runs_up_a_layer(path):
+    wrong = _violations(_module_name(path), _imports(path))
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("source", [
+    "def f():\n    from unsloth.training.sft import train\n",   # inside a function
+    "from ...export import gguf\n",                            # relative, from unsloth.models.patches
+    "import unsloth.notebook.fast_model\n",
+])
+def test_the_checker_sees_an_upward_import(source):
+    names = _imported_names(source, "unsloth.models.patches")
+    assert _violations("unsloth.models.patches.lora", names)
+
+
+def test_the_checker_allows_a_downward_import():
+    names = _imported_names("from unsloth.models.merge import merged_tensors\nimport unsloth_kernels\n", "unsloth.export")
+    assert not _violations("unsloth.export.gguf", names)
