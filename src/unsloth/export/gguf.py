@@ -82,6 +82,10 @@ def save_pretrained_gguf(
     result = ExportResult()
     expected = reference_run(model, tokenizer) if validate_export else None  # transformers, once
     reference_path = out_dir / gguf_filename(name, reference_method)
+    if not keep_reference:
+        # Only the source to quantize from: a name of its own, so an F16 file an earlier export kept
+        # in this folder is neither replaced nor deleted.
+        reference_path = out_dir / f".{name}.{reference_method.name.upper()}.reference-{os.getpid()}.gguf"
     with atomic_output(reference_path) as partial:
         log.info("writing %s%s", reference_path, "" if keep_reference else " (the reference to quantize from; not kept)")
         write_gguf(model, tokenizer, sources, partial, reference_method, name=name)

@@ -49,6 +49,21 @@ def _resolve_dtype(dtype) -> torch.dtype:
     return dtype
 
 
+def _checkpoint_dtype(model_name: str, token, revision, trust_remote_code) -> torch.dtype | None:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_name, token=token, revision=revision,
+                                            trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
 def _quantization_config(load_in_4bit: bool, load_in_8bit: bool, dtype: torch.dtype):
     if not (load_in_4bit or load_in_8bit):
         return None
@@ -108,6 +123,7 @@ def load_pretrained(
     if ignored:
         log.info("unsloth: ignoring options that change nothing here: %s", ", ".join(ignored))
     torch.manual_seed(random_state)
+    auto_dtype = dtype is None or dtype == "auto"
     dtype = _resolve_dtype(dtype)
     if full_finetuning and (load_in_4bit or load_in_8bit):
         log.info("unsloth: full fine-tuning trains every weight, so they load in %s, not quantized.", dtype)
@@ -136,6 +152,8 @@ def load_pretrained(
         **{k: v for k, v in kwargs.items() if k in ("local_files_only", "cache_dir")},
     )
     model.max_seq_length = max_seq_length
+    if auto_dtype:  # the checkpoint's own dtype, for saves: float32 on a CPU is a compute choice, not the model's
+        model._unsloth_source_dtype = _checkpoint_dtype(model_name, token, revision, trust_remote_code)
     model._unsloth_offload_embedding = offload_embedding
     patch_model(model)
     if full_finetuning:
