@@ -166,3 +166,14 @@ def test_import_unsloth_stays_cheap():
 
     code = "import sys, unsloth; assert 'torch' not in sys.modules and 'trl' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_prequantized_names_resolve(tmp_path):
+    from unsloth.models.loader import resolve_model_name
+
+    assert resolve_model_name("unsloth/llama-3-8b-bnb-4bit", load_in_4bit=True) == "unsloth/llama-3-8b-bnb-4bit"
+    assert resolve_model_name("unsloth/llama-3-8b-bnb-4bit", load_in_4bit=False) == "unsloth/llama-3-8b"
+    assert resolve_model_name("unsloth/Qwen3-14B-unsloth-bnb-4bit", load_in_4bit=False) == "unsloth/Qwen3-14B"
+    local = tmp_path / "my-bnb-4bit"
+    local.mkdir()
+    assert resolve_model_name(str(local), load_in_4bit=False) == str(local)  # a folder is what it is

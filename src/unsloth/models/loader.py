@@ -49,6 +49,27 @@ def _resolve_dtype(dtype) -> torch.dtype:
     return dtype
 
 
+_PREQUANTIZED = ("-unsloth-bnb-4bit", "-bnb-4bit")
+
+
+def resolve_model_name(model_name: str, load_in_4bit: bool) -> str:
+    """A hub `...-bnb-4bit` name (a prequantized 4-bit checkpoint) loads as it is when 4-bit is wanted
+    and bitsandbytes is there; otherwise its base model's name, with a note. Local folders are kept."""
+    import importlib.util
+
+    if Path(model_name).expanduser().exists():
+        return model_name
+    suffix = next((s for s in _PREQUANTIZED if model_name.lower().endswith(s)), None)
+    if suffix is None:
+        return model_name
+    if load_in_4bit and importlib.util.find_spec("bitsandbytes") is not None:
+        return model_name
+    base = model_name[: -len(suffix)]
+    why = "load_in_4bit=False" if not load_in_4bit else "bitsandbytes is not installed"
+    log.warning("unsloth: %s is prequantized to 4 bits and %s: loading its base model %s", model_name, why, base)
+    return base
+
+
 def _checkpoint_dtype(model_name: str, token, revision, trust_remote_code) -> torch.dtype | None:
     from transformers import AutoConfig
 
@@ -132,6 +153,7 @@ def load_pretrained(
         device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
+    model_name = resolve_model_name(model_name, load_in_4bit)
     if Path(model_name).expanduser().is_dir():
         # peft writes this name into adapter_config.json as the base model; a relative path would
         # later resolve against whatever directory the export runs from.
