@@ -269,7 +269,8 @@ def _verify(run, python: Path, plan, request: Request, optional_failed: dict[str
 
 def _doctor_checks(python: Path, plan, platform, request: Request, logs: Path, console: Console) -> None:
     """doctor's environment checks (a real matmul, bitsandbytes, Triton, llama.cpp) must not fail."""
-    from unsloth.doctor.env_checks import probe_findings, run_env_probe
+    from unsloth.selftest.judge import probe_findings
+    from unsloth.selftest.run import run_env_probe
 
     with console.status("Doctor's environment checks"):
         run = run_env_probe(python, plan.torch.backend)

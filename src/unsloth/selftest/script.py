@@ -1,7 +1,7 @@
-"""Checks that run inside an environment's own Python and print one JSON line per check.
+"""The self-test: checks that run inside an environment's own Python and print one JSON line per check.
 
-`unsloth doctor` copies this file to a temporary folder and runs it with the managed
-environment's interpreter (`python env_probe.py --backend cuda`), so one interpreter start
+unsloth.selftest.run copies this file to a temporary folder and runs it with the managed
+environment's interpreter (`python selftest.py --backend cuda`), so one interpreter start
 covers every check and a hang costs one timeout. It uses only the standard library at
 import, because it must report, not crash, when torch or anything else is broken.
 
