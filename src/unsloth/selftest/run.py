@@ -31,6 +31,14 @@ class ProbeRun:
     timeout_s: float = DEFAULT_TIMEOUT_S
 
 
+def copy_script(folder: Path) -> Path:
+    """The script, copied into ``folder``: run from there, its own folder (the first entry of its
+    ``sys.path``) holds nothing that could shadow a package."""
+    copy = folder / "selftest.py"
+    shutil.copyfile(script.__file__, copy)
+    return copy
+
+
 def run_env_probe(python: Path, plan_backend: str, timeout_s: float = DEFAULT_TIMEOUT_S,
                   plan_env: Mapping[str, str] | None = None) -> ProbeRun:
     """Run selftest.py with ``python``, under the plan's env vars (``plan.env``: an
@@ -38,8 +46,7 @@ def run_env_probe(python: Path, plan_backend: str, timeout_s: float = DEFAULT_TI
     nothing in the current directory (a project's own `torch/` or `kernels/`) shadows the
     environment's packages."""
     with tempfile.TemporaryDirectory(prefix="unsloth-selftest-") as tmp:
-        copy = Path(tmp) / "selftest.py"
-        shutil.copyfile(script.__file__, copy)
+        copy = copy_script(Path(tmp))
         env = {**os.environ, **(plan_env or {}), "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
         env.pop("PYTHONPATH", None)  # the environment's own packages, not ours
         start = time.monotonic()
