@@ -15,78 +15,13 @@ from packaging.version import InvalidVersion, Version
 from unsloth.platform import identification as ident
 from unsloth.platform.facts import Gpu, Platform, ProbeResult
 from unsloth.platform.parsers import Findings, parser_for
-
-# Probes that list GPUs, most detailed first. GPUs are reported in the order the first of these
-# that saw them lists them; later probes fill in what earlier ones left unknown.
-GPU_SOURCES = (
-    "nvidia-smi-query",
-    "nvidia-smi",
-    "rocminfo",
-    "rocminfo-no-override",
-    "amd-smi",
-    "amd-smi-list",
-    "rocm-smi-json",
-    "rocm-smi",
-    "kfd-topology",
-    "drm",
-    "lspci",
-    "win32-videocontroller",
-    "system-profiler",
+from unsloth.platform.probes import (  # detection's orders, derived from the one table of probes
+    FACT_SOURCES,
+    GPU_SOURCES,
+    REAL_ARCH_SOURCES,
+    ROCM_VERSION_SOURCES,
 )
-# Where the physical AMD target comes from: KFD sysfs and tools that read it, which an
-# HSA_OVERRIDE_GFX_VERSION cannot change; rocminfo (the HSA runtime) reports the override.
-REAL_ARCH_SOURCES = ("kfd-topology", "rocminfo-no-override", "amd-smi", "amd-smi-list", "rocm-smi-json", "rocm-smi")
-# Platform facts: the first probe in each list that states the fact wins; the others are checked.
-FACT_SOURCES = {
-    "os": (
-        "host",
-        "proc-version",
-        "uname",
-        "os-release",
-        "device-nodes",
-        "win32-videocontroller",
-        "win-registry-video",
-        "system-profiler",
-        "nvidia-smi",
-        "nvidia-smi-query",
-        "rocminfo",
-        "rocm-smi",
-        "rocm-smi-json",
-        "amd-smi",
-        "amd-smi-version",
-        "hipconfig",
-        "rocm-version",
-        "kfd-topology",
-        "drm",
-        "lspci",
-        "proc-driver-nvidia-version",
-        "sys-module-nvidia-version",
-    ),
-    "wsl": (
-        "proc-version",
-        "uname",
-        "device-nodes",
-        "env",
-        "nvidia-smi",
-        "nvidia-smi-query",
-        "win32-videocontroller",
-        "win-registry-video",
-        "system-profiler",
-    ),
-    "wsl_version": ("proc-version", "uname", "device-nodes"),
-    "kernel": ("proc-version", "uname"),
-    "machine": ("host", "uname", "proc-version"),
-    "distro": ("os-release",),
-    "cpu": ("host",),
-    "ram_bytes": ("host",),
-    "nvidia_driver": ("nvidia-smi-query", "nvidia-smi", "sys-module-nvidia-version", "proc-driver-nvidia-version"),
-    "cuda_driver": ("nvidia-smi", "nvidia-smi-query"),
-    "env": ("env",),
-    "hsa_override": ("env",),
-    "dev_kfd": ("device-nodes",),
-    "dev_dxg": ("device-nodes",),
-}
-ROCM_VERSION_SOURCES = ("rocm-version", "amd-smi-version", "amd-smi", "hipconfig")
+
 _GPU_FIELDS = ("name", "pci_id", "bus_id", "uuid", "vram_bytes", "compute_capability", "integrated", "chip", "family")
 
 
