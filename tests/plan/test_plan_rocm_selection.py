@@ -65,6 +65,13 @@ def test_rocm_missing_on_linux_still_plans_rocm_and_says_how_to_install(matrix):
     assert advice.fix == "Install ROCm 7.2: https://rocm.docs.amd.com/projects/install-on-linux/en/latest/"
 
 
+def test_a_rocm_tool_that_answered_is_rocm_installed_without_a_version(matrix):
+    """The planner reads detection's rocm_installed fact, not which probe files a dump holds."""
+    plan = plan_for(matrix, rocm=None, rocm_installed=True)
+    assert not any("ROCm was not found" in advice.message for advice in plan.warnings)
+    assert any("ROCm was not found" in advice.message for advice in plan_for(matrix, rocm=None, rocm_installed=False).warnings)
+
+
 def test_missing_dev_kfd_is_reported(matrix):
     plan = plan_for(matrix, dev_kfd=False)
     assert any("/dev/kfd" in advice.message and "render,video" in advice.fix for advice in plan.warnings)

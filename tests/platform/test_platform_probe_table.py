@@ -66,3 +66,13 @@ def test_a_higher_priority_probe_wins_a_fact():
     platform = detect.detect(results)
     assert (platform.nvidia_driver, platform.provenance["nvidia_driver"]) == ("550.54.15", "nvidia-smi-query")
     assert platform.gpus and isinstance(platform.gpus[0], Gpu)
+
+
+def test_rocm_installed_is_a_fact_from_the_probes_that_show_rocm():
+    assert detect.detect({"lspci": ProbeResult("lspci", "ok", "")}).rocm_installed is None  # no ROCm probe ran
+    absent = detect.detect({"rocminfo": ProbeResult("rocminfo", "absent"), "hipconfig": ProbeResult("hipconfig", "failed")})
+    assert absent.rocm_installed is False and "rocm_installed" not in absent.provenance
+    # rocm-smi answered, though it says no version: ROCm is there
+    seen = detect.detect({"rocminfo": ProbeResult("rocminfo", "absent"), "rocm-smi": ProbeResult("rocm-smi", "ok", "")})
+    assert (seen.rocm_installed, seen.provenance["rocm_installed"], seen.rocm_version) == (True, "rocm-smi", None)
+    assert detect.detect({"kfd-topology": ProbeResult("kfd-topology", "ok", "")}).rocm_installed is None  # the kernel side

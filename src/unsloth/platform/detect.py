@@ -19,6 +19,7 @@ from unsloth.platform.probes import (  # detection's orders, derived from the on
     FACT_SOURCES,
     GPU_SOURCES,
     REAL_ARCH_SOURCES,
+    ROCM_PROBES,
     ROCM_VERSION_SOURCES,
 )
 
@@ -82,9 +83,21 @@ def _platform_facts(platform: Platform, findings: dict[str, Findings]) -> None:
     if not platform.wsl:
         platform.wsl_version = None
     _rocm_version(platform, findings)
+    _rocm_installed(platform)
     for name, found in sorted(findings.items()):
         if error := found.facts.get("_error"):
             platform.notes.append(f"{name} failed: {error}")
+
+
+def _rocm_installed(platform: Platform) -> None:
+    """True when a probe that answers only where ROCm is installed answered; False when such probes
+    ran and none did; None when none ran (another OS, a partial dump)."""
+    ran = [name for name in ROCM_PROBES if name in platform.probes]
+    if ran:
+        answered = next((name for name in ran if platform.probes[name] == "ok"), None)
+        platform.rocm_installed = answered is not None
+        if answered:
+            platform.provenance["rocm_installed"] = answered
 
 
 def _rocm_version(platform: Platform, findings: dict[str, Findings]) -> None:
