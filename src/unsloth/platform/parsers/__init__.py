@@ -73,6 +73,21 @@ def vendor_from_name(name: str | None) -> str | None:
     return None
 
 
+_QUOTE = re.compile(r"^[ \t]*(?:>[ \t]?)+", re.M)
+_FENCE = re.compile(r"^[ \t]*(```|~~~).*$", re.M)
+
+
+def unquote(text: str) -> str:
+    """Output as pasted into an issue: markdown '> ' quote prefixes and code fences removed,
+    when most lines carry the prefix (tool output itself does not start lines with '>')."""
+    text = _FENCE.sub("", text)
+    lines = [line for line in text.splitlines() if line.strip()]
+    quoted = sum(1 for line in lines if line.lstrip().startswith(">"))
+    if lines and quoted * 2 >= len(lines):
+        text = _QUOTE.sub("", text)
+    return text
+
+
 def blocks(text: str, start: re.Pattern[str]) -> list[str]:
     """Split text into blocks, each beginning at a line that matches ``start``."""
     out: list[list[str]] = []
