@@ -122,8 +122,8 @@ def _parse_query_log(text: str) -> Findings:
                 found.facts.update(os="linux", wsl=True)
             else:
                 found.facts.update(os="windows", wsl=False)
-        elif model and persistence in ("Enabled", "Disabled"):
-            found.facts["os"] = "linux"
+        elif persistence in ("Enabled", "Disabled"):
+            found.facts["os"] = "linux"  # a persistence mode exists only on Linux
     found.gpus += [Gpu(vendor="nvidia") for _ in range((attached or 0) - len(sections))]
     return found
 
