@@ -14,7 +14,7 @@ from packaging.version import InvalidVersion, Version
 
 from unsloth.platform import identification as ident
 from unsloth.platform.facts import Gpu, Platform, ProbeResult
-from unsloth.platform.parsers import Findings, parser_for
+from unsloth.platform.parsers import Findings, parser_for, unquote
 from unsloth.platform.probes import (  # detection's orders, derived from the one table of probes
     FACT_SOURCES,
     GPU_SOURCES,
@@ -23,6 +23,9 @@ from unsloth.platform.probes import (  # detection's orders, derived from the on
     ROCM_VERSION_SOURCES,
 )
 
+# More GPUs than any one host holds is not a machine but text misread as one: such a probe's GPUs
+# are dropped (and merging stays cheap: it compares every GPU with every other).
+MAX_GPUS_PER_PROBE = 64
 _GPU_FIELDS = ("name", "pci_id", "bus_id", "uuid", "vram_bytes", "compute_capability", "integrated", "chip", "family")
 
 
@@ -34,9 +37,14 @@ def detect(results: dict[str, ProbeResult]) -> Platform:
         if parser is None or not result.text:
             continue
         try:
-            findings[name] = parser(result.text)
+            found = parser(unquote(result.text))
         except Exception as exc:  # a parser bug must not cost the other probes' facts
             platform.notes.append(f"{name}: could not be read ({type(exc).__name__}: {exc})")
+            continue
+        if len(found.gpus) > MAX_GPUS_PER_PROBE:
+            platform.notes.append(f"{name}: {len(found.gpus)} GPUs is no real machine's output; its GPUs are ignored")
+            found.gpus = []
+        findings[name] = found
     _platform_facts(platform, findings)
     platform.gpus = _merge_gpus(findings, platform)
     _apply_registry_memory(platform, findings)
