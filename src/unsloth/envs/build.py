@@ -29,16 +29,17 @@ from unsloth.envs.runner import Step, StepFailed, run_step
 from unsloth.envs.sources import TORCH_FAMILY, local_listings, torch_source
 from unsloth.envs.steps import Request, Tool
 from unsloth.envs.verify import problems
+from unsloth.errors import UnslothError
 
 TRAIN_IMPORTS = ["transformers", "peft", "trl", "accelerate", "datasets"]
 
 
-class BuildFailed(Exception):
+class BuildFailed(UnslothError):
     """The new environment does not fit the plan; it has been removed, the active one is untouched."""
 
     def __init__(self, message: str, found: list[str], fix: str, log: Path | None = None):
-        super().__init__(message)
-        self.found, self.fix, self.log = found, fix, log
+        super().__init__(message, fix)
+        self.found, self.log = found, log
 
 
 def find_uv() -> str | None:

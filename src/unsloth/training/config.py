@@ -25,8 +25,13 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
-    """A config problem, worded for the user: where, what, and the fix."""
+from unsloth.errors import ExitCode, UnslothError
+
+
+class ConfigError(UnslothError, ValueError):
+    """A config problem, worded for the user: where, what, and the fix. Found before training starts."""
+
+    exit_code = ExitCode.USAGE
 
 
 @dataclass
