@@ -13,6 +13,7 @@ import os
 import sys
 
 from unsloth import __version__
+from unsloth.interrupts import signals_as_interrupt
 
 # Order is the order of `unsloth --help`.
 COMMAND_MODULES = (
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return int(args.func(args) or 0)
+        with signals_as_interrupt():  # a `kill` cleans up like Ctrl-C: no partial file is left behind
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -30,7 +30,7 @@ DRIVER = textwrap.dedent(
     import sys
     from pathlib import Path
     from rich.console import Console
-    from unsloth.envs.manager import signals_as_interrupt
+    from unsloth.interrupts import signals_as_interrupt
     from unsloth.envs.runner import Step, run_step
 
     env = Path(sys.argv[1])
