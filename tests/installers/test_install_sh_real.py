@@ -43,7 +43,7 @@ def receipt(sandbox, name=None) -> dict:
 def test_fresh_home_ends_with_unsloth_on_path_and_a_green_doctor(sandbox, installed):
     _, done = installed
     assert "Ready" in done.stdout and "unsloth doctor" in done.stdout
-    assert "Done. Run:" in done.stdout  # install.sh got past `unsloth doctor` (exit 0 = no required check failed)
+    assert "Done. Run:" in done.stderr  # install.sh got past `unsloth doctor` (exit 0 = no required check failed)
     # PATH: one line in the start-up files, the user's own content untouched.
     bashrc = (sandbox.home / ".bashrc").read_text()
     assert bashrc.startswith("# the user's own settings\nexport EDITOR=vi\n") and bashrc.count("unsloth installer") == 1
@@ -78,7 +78,7 @@ def test_second_run_under_bash_is_a_fast_no_op(sandbox, installed):
     done = sandbox.run(["bash", str(sandbox.source / "install.sh"), "--yes", *WITHOUT])
     elapsed = time.monotonic() - start
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "Up to date" in done.stdout and "Nothing changed" in done.stdout
+    assert "Up to date" in done.stdout and "Nothing changed" in done.stderr
     assert sandbox.current() == active and sandbox.envs() == [active]
     assert elapsed < 60, f"a no-op re-run took {elapsed:.0f}s"
     assert (sandbox.home / ".bashrc").read_text().count("unsloth installer") == 1
