@@ -268,7 +268,7 @@ def _identify(gpu: Gpu, platform: Platform) -> None:
         row = ident.amd_by_pci(gpu.pci_id) or {}
         gpu.chip = gpu.chip or row.get("chip")
         gpu.name = gpu.name or row.get("name")
-        gpu.family = ident.amd_family(gpu.arch) or gpu.family
+        gpu.family = ident.amd_family(gpu.arch) or gpu.family or ident.amd_legacy_family(gpu.name, gpu.chip)
         if gpu.integrated is None:
             gpu.integrated = row.get("integrated", ident.integrated_by_name("amd", gpu.name))
     elif gpu.vendor == "nvidia":

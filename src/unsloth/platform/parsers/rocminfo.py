@@ -24,6 +24,8 @@ def parse(text: str) -> Findings:
         if gpu := _gpu(agent):
             gpu.index = len(found.gpus)
             found.gpus.append(gpu)
+    if found.gpus:
+        found.facts["os"] = "linux"
     return found
 
 
