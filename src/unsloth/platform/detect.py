@@ -90,7 +90,9 @@ FACT_SOURCES = {
 # are dropped (and merging stays cheap: it compares every GPU with every other).
 MAX_GPUS_PER_PROBE = 64
 ROCM_VERSION_SOURCES = ("rocm-version", "amd-smi-version", "amd-smi", "hipconfig")
-_GPU_FIELDS = ("name", "pci_id", "bus_id", "uuid", "vram_bytes", "compute_capability", "integrated", "chip", "family")
+_GPU_FIELDS = (
+    "name", "pci_id", "bus_id", "uuid", "vram_bytes", "compute_capability", "integrated", "chip", "family", "kfd_node"
+)
 
 
 def detect(results: dict[str, ProbeResult]) -> Platform:
