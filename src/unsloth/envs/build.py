@@ -29,6 +29,7 @@ from unsloth.envs.runner import Step, StepFailed, run_step
 from unsloth.envs.sources import TORCH_FAMILY, local_listings, torch_source
 from unsloth.envs.steps import Request, Tool
 from unsloth.envs.verify import problems
+from unsloth.errors import UnslothError
 from unsloth.selftest.judge import probe_findings
 from unsloth.selftest.parse import parse_probe_output, verification
 from unsloth.selftest.run import copy_script, run_env_probe
@@ -37,12 +38,12 @@ from unsloth.selftest.script import IMPORTS
 TRAIN_IMPORTS = ["transformers", "peft", "trl", "accelerate", "datasets"]
 
 
-class BuildFailed(Exception):
+class BuildFailed(UnslothError):
     """The new environment does not fit the plan; it has been removed, the active one is untouched."""
 
     def __init__(self, message: str, found: list[str], fix: str, log: Path | None = None):
-        super().__init__(message)
-        self.found, self.fix, self.log = found, fix, log
+        super().__init__(message, fix)
+        self.found, self.log = found, log
 
 
 def find_uv() -> str | None:
