@@ -20,6 +20,7 @@ import traceback
 
 from unsloth import __version__
 from unsloth.errors import ExitCode, UnslothError
+from unsloth.interrupts import signals_as_interrupt
 
 # Order is the order of `unsloth --help`.
 COMMAND_MODULES = (
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return ExitCode.OK
     try:
-        return int(args.func(args) or 0)
+        with signals_as_interrupt():  # a `kill` cleans up like Ctrl-C: no partial file is left behind
+            return int(args.func(args) or 0)
     except UnslothError as exc:
         return report_error(args, exc)
     except KeyboardInterrupt:

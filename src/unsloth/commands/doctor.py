@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 from unsloth.commands.detect import add_from_argument, detect_platform
-from unsloth.doctor.env_checks import DEFAULT_TIMEOUT_S
 from unsloth.errors import UsageError
+from unsloth.selftest.run import DEFAULT_TIMEOUT_S
 
 
 def _seconds(text: str) -> float:

@@ -18,6 +18,7 @@ from unsloth.errors import UnslothError
 from unsloth.matrix import Matrix
 from unsloth.platform.facts import Gpu, Platform
 from unsloth.plan import Plan, support_phrase, version_or_none
+from unsloth.selftest.judge import backend, target_gpu
 
 GIB = 2**30
 MIN_RAM_GIB = 8  # tokenizer, dataset and the model's CPU copy during load; below this loads swap
@@ -52,18 +53,6 @@ def needs_from_matrix(matrix: Matrix, platform: Platform, plan: Plan | None) -> 
 
 def _gib(n: int) -> str:
     return f"{n / GIB:.0f} GiB"
-
-
-def target_gpu(platform: Platform, plan: Plan | None) -> Gpu | None:
-    """The GPU the checks are about: the plan's device, else the first discrete GPU, else any."""
-    if plan is not None and plan.device is not None:
-        return plan.device
-    discrete = [g for g in platform.gpus if not g.integrated]
-    return (discrete or platform.gpus or [None])[0]
-
-
-def backend(plan: Plan | None) -> str:
-    return plan.torch.backend if plan is not None else "cpu"
 
 
 def describe_gpu(gpu: Gpu) -> str:

@@ -16,20 +16,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from unsloth.doctor import checks
-from unsloth.doctor.env_checks import (
-    DEFAULT_TIMEOUT_S,
-    EnvTarget,
-    check_env,
-    probe_findings,
-    run_env_probe,
-    skipped_env_findings,
-)
+from unsloth.doctor.env_checks import EnvTarget, check_env
 from unsloth.doctor.findings import Finding, summarize
 from unsloth.doctor.host import HostFacts, gather_host_facts
 from unsloth.envs.paths import active_env, env_python, home
 from unsloth.envs.receipt import read_receipt
 from unsloth.matrix import MatrixError, load_matrix
 from unsloth.plan import Overrides, Plan, resolve
+from unsloth.selftest.judge import probe_findings, skipped_env_findings
+from unsloth.selftest.run import DEFAULT_TIMEOUT_S, run_env_probe
 from unsloth.platform.facts import Platform
 
 JSON_SCHEMA = 1
