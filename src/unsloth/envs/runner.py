@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from unsloth.envs.processes import PIDFILE, group_options, kill_tree, record
+from unsloth.errors import UnslothError
 
 
 @dataclass
@@ -26,10 +27,10 @@ class Step:
     env: dict[str, str | None] = field(default_factory=dict)  # on top of ours; None unsets a variable
 
 
-class StepFailed(Exception):
+class StepFailed(UnslothError):
     def __init__(self, step: Step, log: Path, tail: str, fix: str):
-        super().__init__(f"{step.title} failed")
-        self.step, self.log, self.tail, self.fix = step, log, tail, fix
+        super().__init__(f"{step.title} failed", fix)
+        self.step, self.log, self.tail = step, log, tail
 
 
 _CREDENTIALS = re.compile(r"(?<=://)[^/@\s:]+:[^/@\s]+@")

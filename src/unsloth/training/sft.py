@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from unsloth.training.config import ConfigError, DatasetConfig, TrainConfig, check_value
+from unsloth.training.inputs import KEPT, check_data_file, check_data_folder, check_model
 
 # Known local data files -> the `datasets` builder that reads them.
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -44,11 +45,16 @@ def load_dataset_from(config: DatasetConfig):
             raise ConfigError(f"dataset.name: {path} does not exist (a local .jsonl/.json/.parquet/.csv file, "
                               "or a Hugging Face dataset name such as 'trl-lib/Capybara')")
         if path.is_dir():
-            data = load_dataset(str(path), split=config.split)
+            check_data_folder(path)
+            data = _load_local(path, lambda: load_dataset(str(path), split=config.split))
         elif path.suffix.lower() not in _BUILDERS:
             raise ConfigError(f"dataset.name: {path.name}: unknown file type; use .jsonl, .json, .parquet or .csv")
         else:
-            data = load_dataset(_BUILDERS[path.suffix.lower()], data_files=str(path), split="train")
+            check_data_file(path)
+            data = _load_local(path, lambda: load_dataset(_BUILDERS[path.suffix.lower()], data_files=str(path),
+                                                          split="train"))
+        if len(data) == 0:
+            raise ConfigError(f"dataset.name: {path} holds no rows", "add training examples", kept=KEPT)
     else:
         try:
             data = load_dataset(config.name, config.subset, split=config.split)
@@ -71,8 +77,22 @@ def load_dataset_from(config: DatasetConfig):
     return data
 
 
+def _load_local(path: Path, load: Callable[[], Any]):
+    """``load()``, with what `datasets` still refuses after our checks (mixed column types, ...) named by file."""
+    try:
+        return load()
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - `datasets` raises many kinds; the user needs the file and the reason
+        reason = str(getattr(exc, "__cause__", None) or exc).splitlines()[0][:300]
+        raise ConfigError(f"dataset.name: `datasets` could not read {path} ({type(exc).__name__}: {reason})",
+                          "make every row the same shape (the same keys, with values of the same types)",
+                          kept=KEPT) from exc
+
+
 def check_before_loading(config: TrainConfig) -> None:
     """The mistakes that need no model: caught before minutes of loading, not after."""
+    check_model(config.model)  # a local folder: config.json, model_type, weights
     sft_arguments(config, bf16=False, fp16=False)  # the [training] keys and values
     complete = [p for p in _checkpoints(config.output_dir) if complete_checkpoint(p)]
     if config.resume is True and not complete:
