@@ -94,9 +94,11 @@ class _Offloader:
         self.keep_budget = _host_budget() if _replay_enabled() else 0
 
     def save(self, hidden: torch.Tensor, layer_index: int) -> "_Saved":
-        if layer_index == 0:  # a new forward pass (whatever happened to the last one)
+        # A new forward pass (whatever happened to the last one) starts at a layer not above the last
+        # one saved: not always layer 0, since a multimodal model's text-only batch skips its vision tower.
+        if not self.saved or layer_index <= self.saved[-1].layer_index:
             self._recycle()
-        entry = _Saved(self, len(self.saved))
+        entry = _Saved(self, len(self.saved), layer_index)
         entry.add(hidden)
         self.saved.append(entry)
         return entry
@@ -124,8 +126,8 @@ class _Saved:
     """One layer's input, then the outputs its modules keep: copied to pinned host memory on the side
     stream as they come, brought back together on demand."""
 
-    def __init__(self, offloader: _Offloader, index: int):
-        self.offloader, self.index = offloader, index
+    def __init__(self, offloader: _Offloader, index: int, layer_index: int):
+        self.offloader, self.index, self.layer_index = offloader, index, layer_index
         self.host: list[torch.Tensor] = []
         self.device: torch.device | None = None  # the GPU they came from; None: nothing was copied
         self.gpu: list[torch.Tensor] | None = None
@@ -198,20 +200,23 @@ class _CheckpointedLayer(torch.autograd.Function):
     """Run a layer without keeping its activations; recompute them from its input in backward."""
 
     @staticmethod
-    def forward(ctx, run, offloader, layer_index, hidden):
+    def forward(ctx, run, offloader, layer_index, hidden, *extras):
+        # `extras`: the layer's other tensor arguments that need gradients (Gemma 3n/4's per-layer
+        # inputs); they stay on the GPU, as they are, and get their gradients from the recompute.
         ctx.run = run
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
         ctx.offloaded = offloader is not None
         if not ctx.offloaded:
-            ctx.save_for_backward(hidden)
+            ctx.save_for_backward(hidden, *extras)
             with torch.no_grad():
-                return run(hidden)
+                return run(hidden, *extras)
+        ctx.save_for_backward(*extras)
         ctx.saved = offloader.save(hidden, layer_index)
         previous, _recompute.keeping = _keeping_entry(), ctx.saved
         try:
             with torch.no_grad():
-                return run(hidden)
+                return run(hidden, *extras)
         finally:
             _recompute.keeping = previous
             ctx.saved.seal()
@@ -219,10 +224,11 @@ class _CheckpointedLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         if ctx.offloaded:
-            hidden, kept = ctx.saved.fetch()
+            (hidden, kept), extras = ctx.saved.fetch(), ctx.saved_tensors
         else:
-            hidden, kept = ctx.saved_tensors[0], {}
+            (hidden, *extras), kept = ctx.saved_tensors, {}
         hidden = hidden.detach().requires_grad_(True)
+        extras = [t.detach().requires_grad_(True) for t in extras]
         devices = [hidden.device] if hidden.is_cuda else []
         with torch.random.fork_rng(devices=devices):
             torch.set_rng_state(ctx.rng)
@@ -232,12 +238,12 @@ class _CheckpointedLayer(torch.autograd.Function):
             _recompute.active, _recompute.kept = True, kept
             try:
                 with torch.enable_grad():
-                    output = ctx.run(hidden)
+                    output = ctx.run(hidden, *extras)
             finally:
                 _recompute.active, _recompute.kept = state
         del kept
         torch.autograd.backward(output, grad_output)
-        return (None, None, None, hidden.grad)
+        return (None, None, None, hidden.grad, *(t.grad for t in extras))
 
 
 def _checkpointed_forward(self, hidden_states, *args, **kwargs):
@@ -252,16 +258,27 @@ def _checkpointed_forward(self, hidden_states, *args, **kwargs):
         if kwargs.get(name) is not None:
             kwargs[name] = None
     returns_tuple = []
+    # Tensor arguments besides the hidden state that need gradients go into the checkpoint as inputs:
+    # captured as they are, the recompute's backward would run through the graph that made them once
+    # per layer (and that graph is freed after the first).
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+    extras = [args[i] for i in positions] + [kwargs[k] for k in names]
 
-    def run(hidden):
-        out = original(hidden, *args, **kwargs)
+    def run(hidden, *extras):
+        call_args, call_kwargs = list(args), dict(kwargs)
+        for i, t in zip(positions, extras):
+            call_args[i] = t
+        for k, t in zip(names, extras[len(positions) :]):
+            call_kwargs[k] = t
+        out = original(hidden, *call_args, **call_kwargs)
         if isinstance(out, tuple):  # older transformers return (hidden_states, ...)
-            returns_tuple.append(out[1:])
+            returns_tuple[:] = [out[1:]]
             return out[0]
         return out
 
     offloader = self._unsloth_offloader
-    output = _CheckpointedLayer.apply(run, offloader, self._unsloth_layer_index, hidden_states)
+    output = _CheckpointedLayer.apply(run, offloader, self._unsloth_layer_index, hidden_states, *extras)
     return (output, *returns_tuple[0]) if returns_tuple else output
 
 

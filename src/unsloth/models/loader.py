@@ -142,7 +142,9 @@ def load_pretrained(
         for p in model.parameters():
             p.requires_grad_(p.is_floating_point())
         model._unsloth_checkpointing = use_gradient_checkpointing
-        apply_gradient_checkpointing(model, use_gradient_checkpointing)
+        _record_checkpointing(model, apply_gradient_checkpointing(model, use_gradient_checkpointing),
+                              use_gradient_checkpointing)
+        _say_what_is_fast(model)
     else:
         model.requires_grad_(False)  # LoRA adapters come next and are the only trainable weights
     return model, _prepare_tokenizer(tokenizer, max_seq_length)
@@ -190,14 +192,32 @@ def add_lora(
     peft_model = get_peft_model(model, config)
     peft_model.max_seq_length = max_seq_length or getattr(model, "max_seq_length", None)
     peft_model._unsloth_checkpointing = use_gradient_checkpointing
-    apply_gradient_checkpointing(peft_model.get_base_model(), use_gradient_checkpointing)
+    base = peft_model.get_base_model()
+    layers = apply_gradient_checkpointing(base, use_gradient_checkpointing)
+    _record_checkpointing(base, layers, use_gradient_checkpointing)
     patch_peft_model(peft_model)
     wanted = getattr(model, "_unsloth_offload_embedding", None)
-    if wanted is not False:
-        reason = offload_input_embedding(peft_model)
-        if reason and wanted:
-            log.warning("unsloth: offload_embedding: the input embedding stays on the GPU: %s.", reason)
+    reason = "offload_embedding=False" if wanted is False else offload_input_embedding(peft_model)
+    if reason and wanted:
+        log.warning("unsloth: offload_embedding: the input embedding stays on the GPU: %s.", reason)
+    report = getattr(base, "_unsloth_patches", None)
+    if report is not None:
+        report.embedding = reason or "host memory"
+    _say_what_is_fast(base)
     return peft_model
+
+
+def _record_checkpointing(model, layers: int, mode) -> None:
+    report = getattr(model, "_unsloth_patches", None)
+    if report is not None:
+        report.checkpointed, report.offloaded = layers, mode == "unsloth" and torch.cuda.is_available()
+
+
+def _say_what_is_fast(model) -> None:
+    """The load message: which parts of this model run through our code and which do not."""
+    report = getattr(model, "_unsloth_patches", None)
+    if report is not None:
+        log.info(report.summary())
 
 
 def model_config(model):
