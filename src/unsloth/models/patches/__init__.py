@@ -16,6 +16,7 @@ from torch import nn
 from unsloth.models.kernels import unavailable_reason
 from unsloth.models.patches.loss import patch_loss
 from unsloth.models.patches.mlp import patch_mlps
+from unsloth.models.patches.moe import patch_moe_experts
 from unsloth.models.patches.norms import patch_rms_norms
 from unsloth.models.patches.probe import module_device_dtype
 from unsloth.models.patches.rope import patch_rope
@@ -34,6 +35,23 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "gemma3_text": ALL,
 }
 
+# Mixture-of-experts families: their packed experts also run as our grouped GEMMs ("moe"); the
+# other patches cover what these models share with dense ones (norms, RoPE, shared-expert MLPs).
+MOE = ALL + ("moe",)
+MOE_FAMILIES: dict[str, tuple[str, ...]] = {
+    # gpt-oss rotates with half-width cos/sin tables of its own (and keeps its attention sinks and
+    # sliding window): its RoPE and attention stay transformers'.
+    "gpt_oss": tuple(p for p in MOE if p != "rope"),
+    "qwen3_moe": MOE,
+    "qwen3_5_moe_text": MOE,
+    "qwen2_moe": MOE,
+    "mixtral": MOE,
+    "olmoe": MOE,
+    "deepseek_v3": MOE,
+    "glm4_moe": MOE,
+    "gemma4_text": MOE,
+}
+
 # Families whose decoder layer adds the MLP's output straight to the residual stream, with no norm
 # after it (Gemma 2 and 3 have one): a checkpoint's recompute pass never reads that output, so the
 # fused MLP skips its down projection there. tests/models checks each family's gradients with it.
@@ -48,6 +66,7 @@ class PatchReport:
     rms_norm: int = 0
     rope: int = 0
     mlp: int = 0
+    moe: int = 0
     loss: bool = False
     lora: dict[str, int] = field(default_factory=dict)
     skipped: str | None = None
@@ -57,6 +76,8 @@ class PatchReport:
             return f"unsloth: {self.family}: unpatched ({self.skipped})"
         parts = [f"{self.rms_norm} RMSNorm", f"{self.rope} RoPE", f"{self.mlp} MLP",
                  "fused loss" if self.loss else "stock loss"]
+        if self.moe:
+            parts.insert(3, f"{self.moe} MoE experts")
         parts += [f"{n} LoRA {kind}" for kind, n in self.lora.items()]
         return f"unsloth: {self.family}: patched " + ", ".join(parts)
 
@@ -65,7 +86,7 @@ def patch_model(model: nn.Module) -> PatchReport:
     """Put our kernels into a loaded causal LM (before LoRA); returns what was done."""
     family = getattr(model.config, "model_type", type(model).__name__)
     report = PatchReport(family)
-    wanted = FAMILIES.get(family)
+    wanted = FAMILIES.get(family) or MOE_FAMILIES.get(family)
     device, dtype = module_device_dtype(model)
     if wanted is None:
         report.skipped = "no kernels for this family yet; LoRA/QLoRA train through transformers + peft"
@@ -78,6 +99,8 @@ def patch_model(model: nn.Module) -> PatchReport:
             report.rope = patch_rope(model, device, dtype)
         if "mlp" in wanted:
             report.mlp = patch_mlps(model, device, dtype)
+        if "moe" in wanted:
+            report.moe = patch_moe_experts(model, device, dtype)
         if "loss" in wanted:
             report.loss = patch_loss(model, device)
     model._unsloth_patches = report
@@ -88,11 +111,15 @@ def patch_model(model: nn.Module) -> PatchReport:
 def patch_peft_model(model) -> PatchReport | None:
     """After get_peft_model: route eligible LoRA layers through our fused LoRA kernels."""
     from unsloth.models.patches.lora import patch_lora
+    from unsloth.models.patches.moe import patch_moe_lora
 
     base = model.get_base_model()
     report = getattr(base, "_unsloth_patches", None)
-    if report is None or report.skipped or "lora" not in FAMILIES.get(report.family, ()):
+    wanted = FAMILIES.get(report.family) or MOE_FAMILIES.get(report.family, ()) if report else ()
+    if report is None or report.skipped or "lora" not in wanted:
         return report
     report.lora = patch_lora(model, mlp_feeds_residual=report.family in MLP_FEEDS_RESIDUAL)
+    if "moe" in wanted:
+        report.lora["MoE experts"] = patch_moe_lora(model)
     log.info(report.summary())
     return report
