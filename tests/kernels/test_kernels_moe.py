@@ -142,6 +142,7 @@ def by_expert(name, grad, experts):
     return grad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_moe_experts_topk(k, dtype):
@@ -150,6 +151,7 @@ def test_moe_experts_topk(k, dtype):
     assert (counts == 0).any() or k > 8, "the routing should leave some experts empty"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_moe_experts_gpt_oss_layout(dtype):
     """gpt-oss: (E, in, out) weights, interleaved gate/up, biases, the clamped SwiGLU (limit reached)."""
@@ -214,8 +216,7 @@ def test_moe_kernels_compile_for_gpus():
     """The grouped GEMM, the per-expert sums and the activation compile for sm_90 and gfx942."""
     from reference import gpu_compile_facts
 
-    common = {"DOT_FP32": False, "num_warps": None}
-    del common["num_warps"]
+    common = {"DOT_FP32": False}
     cases = [
         ("unsloth_kernels.moe", "_grouped_gemm_kernel",
          {"GATHER": True, "HAS_BIAS": True, "LORA": True, "BLOCK_R": 16, "BLOCK_E": 32, "BLOCK_M": 64,
@@ -231,3 +232,36 @@ def test_moe_kernels_compile_for_gpus():
     facts = gpu_compile_facts(cases)
     assert set(facts) == {"sm90", "gfx942"}
     assert all(len(per_target) == len(cases) for per_target in facts.values())
+
+
+@pytest.mark.slow
+def test_moe_experts_nf4_stacks_match_their_dequantized_weights():
+    """bitsandbytes 4-bit expert stacks (double-quantized NF4 over the flattened (E, out, in) stack):
+    the same outputs and LoRA gradients, bit for bit, as the dense stacks they dequantize to."""
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    from unsloth_kernels.nf4 import dequantize_bnb_4bit
+
+    dtype, experts, hidden, inter, rank = torch.bfloat16, 5, 32, 16, 4
+    index, weights = uneven_routing(10, experts, 2)
+    weights = weights.to(DEVICE, dtype)
+    x = torch.randn(10, hidden, dtype=dtype, device=DEVICE)
+    runs = []
+    for quantized in (True, False):
+        stacks = []
+        for seed, (out, inp) in enumerate(((2 * inter, hidden), (hidden, inter))):
+            w, A, B, _ = make_experts(experts, out, inp, dtype, rank=rank, seed=seed)
+            packed, state = bnb_functional.quantize_4bit(w.float(), blocksize=64, compress_statistics=True,
+                                                         quant_type="nf4")  # fmt: skip
+            state.dtype = dtype
+            p = views(w, A, B, None, rank=rank, scaling=2.0)
+            if quantized:
+                p = ExpertWeights(packed, p.A, p.B, p.scaling, quant_state=state)
+            else:
+                p = ExpertWeights(dequantize_bnb_4bit(packed, state), p.A, p.B, p.scaling)
+            stacks.append((p, A, B))
+        xi = x.clone().requires_grad_()
+        out = moe_experts(xi, index, weights, stacks[0][0], stacks[1][0])
+        out.backward(torch.ones_like(out))
+        runs.append([out, xi.grad, *(t.grad for _, A, B in stacks for t in (A, B))])
+    for quantized, dense in zip(*runs):
+        assert torch.equal(quantized, dense)

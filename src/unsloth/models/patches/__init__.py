@@ -38,16 +38,18 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 # Mixture-of-experts families: their packed experts also run as our grouped GEMMs ("moe"); the
 # other patches cover what these models share with dense ones (norms, RoPE, shared-expert MLPs).
 MOE = ALL + ("moe",)
+MOE_NO_ROPE = tuple(p for p in MOE if p != "rope")
 MOE_FAMILIES: dict[str, tuple[str, ...]] = {
     # gpt-oss rotates with half-width cos/sin tables of its own (and keeps its attention sinks and
-    # sliding window): its RoPE and attention stay transformers'.
-    "gpt_oss": tuple(p for p in MOE if p != "rope"),
+    # sliding window), DeepSeek-V3's MLA rotates only its rope part of q/k: their RoPE stays
+    # transformers' (our RoPE patch broke both on a tiny model).
+    "gpt_oss": MOE_NO_ROPE,
     "qwen3_moe": MOE,
     "qwen3_5_moe_text": MOE,
     "qwen2_moe": MOE,
     "mixtral": MOE,
     "olmoe": MOE,
-    "deepseek_v3": MOE,
+    "deepseek_v3": MOE_NO_ROPE,
     "glm4_moe": MOE,
     "gemma4_text": MOE,
 }
