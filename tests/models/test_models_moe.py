@@ -33,7 +33,8 @@ def moe_config(family: str):
         return t.Qwen2MoeConfig(**TINY, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
                                 num_experts=6, num_experts_per_tok=2)  # fmt: skip
     if family == "deepseek_v3":
-        return t.DeepseekV3Config(**TINY, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
+        tiny = {**TINY, "num_key_value_heads": TINY["num_attention_heads"]}  # MLA: keys for every head
+        return t.DeepseekV3Config(**tiny, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
                                   num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
                                   first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
                                   qk_nope_head_dim=8, v_head_dim=8)  # fmt: skip

@@ -41,15 +41,14 @@ MOE = ALL + ("moe",)
 MOE_NO_ROPE = tuple(p for p in MOE if p != "rope")
 MOE_FAMILIES: dict[str, tuple[str, ...]] = {
     # gpt-oss rotates with half-width cos/sin tables of its own (and keeps its attention sinks and
-    # sliding window), DeepSeek-V3's MLA rotates only its rope part of q/k: their RoPE stays
-    # transformers' (our RoPE patch broke both on a tiny model).
+    # sliding window): its RoPE stays transformers' (our RoPE patch broke it on a tiny model).
     "gpt_oss": MOE_NO_ROPE,
     "qwen3_moe": MOE,
     "qwen3_5_moe_text": MOE,
     "qwen2_moe": MOE,
     "mixtral": MOE,
     "olmoe": MOE,
-    "deepseek_v3": MOE_NO_ROPE,
+    "deepseek_v3": MOE,
     "glm4_moe": MOE,
     "gemma4_text": MOE,
 }
