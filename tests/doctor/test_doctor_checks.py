@@ -67,7 +67,7 @@ def test_each_plan_warning_becomes_a_finding_with_its_fix(make_plan):
 
 
 def test_advice_about_a_fact_doctor_judged_itself_is_said_once(make_plan):
-    # Advice.check names the doctor check covering the same fact (plan.py sets it where one does).
+    # Advice.check names the doctor check covering the same fact (the plan sets it where one does).
     about_driver = SimpleNamespace(message="No NVIDIA driver was detected", fix="install it", check="driver")
     other = SimpleNamespace(message="UNSLOTH_TORCH_INDEX_URL pins a rocm build", fix="unset it", check=None)
     plan = make_plan(warnings=[about_driver, other])

@@ -104,9 +104,9 @@ def test_path_line_is_added_once_and_removed_exactly(tmp_path):
     (user / ".bashrc").write_text("alias ll='ls -l'")  # no trailing newline
     (user / ".config" / "fish").mkdir(parents=True)
     bin_dir = tmp_path / "bin"
-    changed = launcher.add_to_path(bin_dir, user)
+    changed = launcher.add_to_path(bin_dir, user, shell="")
     assert sorted(p.name for p in changed) == [".bashrc", ".profile", "unsloth.fish"]
-    assert launcher.add_to_path(bin_dir, user) == []  # a re-run adds nothing
+    assert launcher.add_to_path(bin_dir, user, shell="") == []  # a re-run adds nothing
     bashrc = (user / ".bashrc").read_text()
     assert bashrc.count(launcher.MARKER) == 1 and bashrc.startswith("alias ll='ls -l'\n")
     # the line itself works in sh and never duplicates PATH entries
@@ -118,6 +118,18 @@ def test_path_line_is_added_once_and_removed_exactly(tmp_path):
     assert (user / ".bashrc").read_text() == "alias ll='ls -l'\n"
     assert not (user / ".profile").exists()  # it held only our line: we had created it
     assert not launcher.fish_file(user).exists()
+
+
+@pytest.mark.parametrize("shell, read_by_a_new_window", [
+    ("bash", ".bashrc"), ("zsh", ".zshrc"), ("fish", ".config/fish/conf.d/unsloth.fish"), ("sh", None)])
+def test_a_fresh_home_gets_the_path_line_where_the_users_shell_reads_it(tmp_path, shell, read_by_a_new_window):
+    user = tmp_path / "user"
+    user.mkdir()
+    changed = launcher.add_to_path(tmp_path / "bin", user, shell=launcher.login_shell({"SHELL": f"/usr/bin/{shell}"}))
+    names = sorted(str(p.relative_to(user)) for p in changed)
+    assert names == sorted([".profile"] + ([read_by_a_new_window] if read_by_a_new_window else []))
+    launcher.remove_from_path(tmp_path / "bin", user)
+    assert sorted(p.name for p in user.rglob("*") if p.is_file()) == []
 
 
 def test_update_reads_what_the_active_environment_was_asked_for(tmp_path):

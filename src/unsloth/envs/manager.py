@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from rich.console import Console
 from rich.markup import escape
@@ -27,6 +25,7 @@ from unsloth.envs.receipt import hardware_fingerprint, read_receipt
 from unsloth.envs.runner import StepFailed
 from unsloth.envs.sources import Sources, parse_pip_config
 from unsloth.envs.steps import DIST_NAME, Request
+from unsloth.interrupts import signals_as_interrupt
 
 KEEP_ON_UNINSTALL_HINT = "model caches (~/.cache/huggingface) and your training outputs are kept"
 
@@ -73,22 +72,6 @@ def active_request(root: Path) -> dict:
     """What the active environment was built from (its receipt's request), or {}."""
     env = active_env(root)
     return ((read_receipt(env) or {}).get("request") or {}) if env else {}
-
-
-@contextmanager
-def signals_as_interrupt() -> Iterator[None]:
-    """SIGTERM / SIGHUP clean up like Ctrl-C: the half-built environment is removed."""
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    names = [name for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
-    old = {name: signal.signal(getattr(signal, name), interrupt) for name in names}
-    try:
-        yield
-    finally:
-        for name, handler in old.items():
-            signal.signal(getattr(signal, name), handler)
 
 
 def locked(root: Path, console: Console) -> InstallLock:

@@ -14,7 +14,7 @@ from packaging.version import InvalidVersion, Version
 
 from unsloth.platform import identification as ident
 from unsloth.platform.facts import Gpu, Platform, ProbeResult
-from unsloth.platform.parsers import Findings, parser_for
+from unsloth.platform.parsers import Findings, parser_for, unquote
 
 # Probes that list GPUs, most detailed first. GPUs are reported in the order the first of these
 # that saw them lists them; later probes fill in what earlier ones left unknown.
@@ -86,6 +86,9 @@ FACT_SOURCES = {
     "dev_kfd": ("device-nodes",),
     "dev_dxg": ("device-nodes",),
 }
+# More GPUs than any one host holds is not a machine but text misread as one: such a probe's GPUs
+# are dropped (and merging stays cheap: it compares every GPU with every other).
+MAX_GPUS_PER_PROBE = 64
 ROCM_VERSION_SOURCES = ("rocm-version", "amd-smi-version", "amd-smi", "hipconfig")
 _GPU_FIELDS = ("name", "pci_id", "bus_id", "uuid", "vram_bytes", "compute_capability", "integrated", "chip", "family")
 
@@ -98,9 +101,14 @@ def detect(results: dict[str, ProbeResult]) -> Platform:
         if parser is None or not result.text:
             continue
         try:
-            findings[name] = parser(result.text)
+            found = parser(unquote(result.text))
         except Exception as exc:  # a parser bug must not cost the other probes' facts
             platform.notes.append(f"{name}: could not be read ({type(exc).__name__}: {exc})")
+            continue
+        if len(found.gpus) > MAX_GPUS_PER_PROBE:
+            platform.notes.append(f"{name}: {len(found.gpus)} GPUs is no real machine's output; its GPUs are ignored")
+            found.gpus = []
+        findings[name] = found
     _platform_facts(platform, findings)
     platform.gpus = _merge_gpus(findings, platform)
     _apply_registry_memory(platform, findings)

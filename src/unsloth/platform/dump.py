@@ -13,6 +13,9 @@ from pathlib import Path
 from unsloth.platform.facts import ProbeResult
 
 INDEX = "probes.json"
+# No tool prints more than a few hundred KB about its GPUs (rocminfo on an 8-GPU host, lspci
+# -vvv); a bigger file is something else, so only its beginning is read and parsed.
+MAX_PROBE_BYTES = 2 * 2**20
 
 
 def write_dump(directory: str | Path, results: dict[str, ProbeResult]) -> Path:
@@ -44,10 +47,17 @@ def read_dump(directory: str | Path) -> dict[str, ProbeResult]:
     }
     for path in sorted(directory.glob("*.txt")):
         entry = index.get(path.stem, {})
-        results[path.stem] = ProbeResult(
-            path.stem, str(entry.get("status", "ok")), decode(path.read_bytes()), str(entry.get("detail", ""))
-        )
+        data, detail = read_bounded(path), str(entry.get("detail", ""))
+        if len(data) > MAX_PROBE_BYTES:
+            data, detail = data[:MAX_PROBE_BYTES], f"{detail} (only the first {MAX_PROBE_BYTES} bytes read)".strip()
+        results[path.stem] = ProbeResult(path.stem, str(entry.get("status", "ok")), decode(data), detail)
     return results
+
+
+def read_bounded(path: Path, limit: int = MAX_PROBE_BYTES) -> bytes:
+    """The first ``limit`` bytes of a file, plus one more byte when there are more."""
+    with path.open("rb") as handle:
+        return handle.read(limit + 1)
 
 
 def decode(data: bytes) -> str:

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from unsloth.platform.dump import MAX_PROBE_BYTES, read_bounded
 from unsloth.platform.facts import ProbeResult
 from unsloth.platform.parsers.host import ENV_VARS
 
@@ -42,7 +43,7 @@ class Probe:
 def _file(path: str) -> Callable[[], str | None]:
     def read() -> str | None:
         try:
-            return Path(path).read_text(encoding="utf-8", errors="replace")
+            return read_bounded(Path(path))[:MAX_PROBE_BYTES].decode("utf-8", errors="replace")
         except FileNotFoundError:
             return None
 
@@ -196,7 +197,7 @@ def run_command(name: str, command: tuple[str, ...], timeout: float, env: dict[s
     except subprocess.TimeoutExpired:
         _kill(process)
         return ProbeResult(name, "timeout", detail=f"{line}: no answer within {timeout:g} s")
-    text = out.decode("utf-8", errors="replace")
+    text = out[:MAX_PROBE_BYTES].decode("utf-8", errors="replace")
     if process.returncode != 0:
         return ProbeResult(name, "failed", text, detail=f"{line}: exit code {process.returncode}")
     return ProbeResult(name, "ok", text, detail=line)
