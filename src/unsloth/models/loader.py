@@ -179,15 +179,22 @@ def add_lora(
     """Add LoRA adapters (peft) and route the LoRA layers through our fast paths. Returns the PeftModel."""
     from peft import LoraConfig, get_peft_model
 
-    for name in sorted(set(kwargs) & (_ACCEPTED_UNUSED | {"finetune_last_n_layers", "target_parameters"})):
+    from unsloth.models.patches.moe import expert_target_parameters
+
+    target_parameters = kwargs.pop("target_parameters", None) or []
+    for name in sorted(set(kwargs) & (_ACCEPTED_UNUSED | {"finetune_last_n_layers"})):
         kwargs.pop(name)
     torch.manual_seed(random_state)
+    target_modules = list(target_modules or DEFAULT_TARGETS)
+    # packed MoE experts are parameters, not modules: peft adapts them through target_parameters
+    target_parameters = list(dict.fromkeys([*target_parameters, *expert_target_parameters(model, target_modules)]))
     config = LoraConfig(
         r=r,
         lora_alpha=lora_alpha,
         lora_dropout=lora_dropout,
         bias=bias,
-        target_modules=list(target_modules or DEFAULT_TARGETS),
+        target_modules=target_modules,
+        target_parameters=target_parameters or None,
         layers_to_transform=layers_to_transform,
         layers_pattern=layers_pattern,
         use_rslora=use_rslora,
