@@ -23,7 +23,7 @@ SCRIPT = REPO / "install.ps1"
 WINDOWS_DUMP = Path(__file__).parent / "fixtures" / "Get-WmiObject__gfx1036+gfx1100_windows__1"
 # Cmdlets that ship with Windows PowerShell 5.1 and PowerShell 7; anything else must be defined in the script.
 BUILTIN = {"Copy-Item", "Expand-Archive", "Get-Command", "Get-Content", "Get-FileHash", "Invoke-WebRequest", "Join-Path",
-           "New-Item", "Out-Null", "Read-Host", "Remove-Item", "Select-String", "Split-Path", "Test-Path", "Write-Host"}
+           "New-Item", "Out-Null", "Read-Host", "Remove-Item", "Select-String", "Split-Path", "Start-Sleep", "Test-Path", "Write-Host"}
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +79,18 @@ def test_both_installers_take_the_same_documented_variables():
     shared = {"UNSLOTH_HOME", "UNSLOTH_SOURCE", "UNSLOTH_VERSION", "UNSLOTH_PYTHON", "UNSLOTH_INDEX_URL",
               "UNSLOTH_TORCH_INDEX_URL", "UNSLOTH_FIND_LINKS", "UNSLOTH_WITHOUT", "UNSLOTH_NO_MODIFY_PATH", "UNSLOTH_UV"}
     assert shared <= ps1 and shared <= sh
+
+
+def test_both_installers_take_the_same_options():
+    """One interface: every install.sh flag is an install.ps1 parameter (--index-url is -IndexUrl)."""
+    usage = (REPO / "install.sh").read_text().split("usage() {")[1].split("EOF")[1]
+    sh = {"".join(part.capitalize() for part in flag.split("-")) for flag in re.findall(r"--([a-z][a-z-]*)", usage)}
+    function = SCRIPT.read_text().split("function Install-Unsloth {")[1].split("    )")[0]
+    declared = re.findall(r"(?:\[Alias\('(\w+)'\)\] )?\[(?:switch|string)\]\$(\w+)", function)
+    ps1 = {alias or name for alias, name in declared} - {"PassThrough"}
+    assert sh == ps1
+    usage_ps1 = SCRIPT.read_text().split("function Show-Usage {")[1].split("'@")[0]
+    assert {name for name in ps1 if f"-{name}" not in usage_ps1} == set()  # and its help lists them all
 
 
 def test_the_windows_plan_from_a_dump():

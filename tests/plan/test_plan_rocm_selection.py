@@ -176,3 +176,56 @@ def test_llama_cpp_wheels_follow_the_gfx_target(matrix):
     }
     windows = plan_for(matrix, arch="gfx1201", os_name="windows", rocm=None)
     assert windows.llama_cpp.index_url.endswith("/whl/hip-radeon")
+
+
+def _apu_with_dgpu(igpu_arch: str, dgpu_arch: str, **facts):
+    igpu = amd(igpu_arch, name="Radeon 780M", integrated=True, index=0)
+    dgpu = amd(dgpu_arch, name="Radeon RX dGPU", index=1)
+    igpu.kfd_node, dgpu.kfd_node = 1, 2  # KFD node 0 is the CPU
+    return machine("linux", igpu, dgpu, **facts)
+
+
+def test_an_override_beside_an_amd_gpu_of_another_target_is_per_node(matrix):
+    # The 780M (gfx1103, runs as gfx1100 with 11.0.0) is full, the RX 6700 XT (gfx1031) limited:
+    # the global variable would also make the 6700 XT load gfx1100 kernels.
+    plan = resolve(_apu_with_dgpu("gfx1103", "gfx1031"), matrix)
+    assert plan.device.arch == "gfx1103"
+    assert plan.env["HSA_OVERRIDE_GFX_VERSION_1"] == "11.0.0"
+    assert "HSA_OVERRIDE_GFX_VERSION" not in plan.env
+
+
+def test_the_dgpus_override_names_its_own_node(matrix):
+    # gfx1031 dGPU beside a gfx1036 iGPU: both RDNA2 and both need 10.3.0, but they are different
+    # targets, so only the training GPU (node 2) gets it.
+    plan = resolve(_apu_with_dgpu("gfx1036", "gfx1031"), matrix)
+    assert plan.device.arch == "gfx1031"
+    assert {k: v for k, v in plan.env.items() if k.startswith("HSA")} == {"HSA_OVERRIDE_GFX_VERSION_2": "10.3.0"}
+
+
+def test_peers_of_one_target_keep_the_global_override(matrix):
+    cards = [amd("gfx1031", index=n) for n in range(2)]
+    for node, card in enumerate(cards, start=1):
+        card.kfd_node = node
+    plan = resolve(machine("linux", *cards), matrix)
+    assert plan.env == {"HSA_OVERRIDE_GFX_VERSION": "10.3.0"}
+
+
+def test_without_a_node_id_the_override_stays_global(matrix):
+    platform = _apu_with_dgpu("gfx1103", "gfx1031")
+    platform.gpus[0].kfd_node = None
+    assert resolve(platform, matrix).env["HSA_OVERRIDE_GFX_VERSION"] == "11.0.0"
+
+
+def test_a_global_override_set_by_hand_is_flagged_when_the_plan_is_per_node(matrix):
+    plan = resolve(_apu_with_dgpu("gfx1103", "gfx1031", hsa_override="11.0.0"), matrix)
+    [advice] = [w for w in plan.warnings if w.check == "hsa-override"]
+    assert "HSA_OVERRIDE_GFX_VERSION_1=11.0.0" in advice.message and advice.fix.startswith("unset")
+
+
+@pytest.mark.parametrize(("arch", "leaf"), [("gfx1103", "gfx110X-all"), ("gfx1150", "gfx1150"),
+                                            ("gfx1151", "gfx1151"), ("gfx1152", "gfx1152")])
+def test_phoenix_and_strix_apus_on_windows_use_amds_windows_wheels(matrix, arch, leaf):
+    plan = resolve(machine("windows", amd(arch, integrated=True)), matrix)
+    assert (plan.support, plan.torch.backend, plan.torch.variant) == ("full", "rocm", leaf)
+    assert plan.torch.index_url == f"https://repo.amd.com/rocm/whl/{leaf}/"
+    assert not any(k.startswith("HSA_OVERRIDE") for k in plan.env)  # no HSA override on Windows

@@ -5,15 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from unsloth.errors import ExitCode
 from unsloth.selftest.findings import STATUSES, Finding
 
-EXIT_OK = 0  # every required check passed (warnings allowed)
-EXIT_FAILED = 1  # a required check failed
-EXIT_USAGE = 2  # bad arguments or an unreadable dump: nothing was checked
 
-
-def exit_code(findings: Iterable[Finding]) -> int:
-    return EXIT_FAILED if any(f.fails for f in findings) else EXIT_OK
+def exit_code(findings: Iterable[Finding]) -> ExitCode:
+    """FAILED when a required check failed, else OK (warnings allowed)."""
+    return ExitCode.FAILED if any(f.fails for f in findings) else ExitCode.OK
 
 
 def summarize(findings: list[Finding]) -> dict[str, Any]:
@@ -21,5 +19,5 @@ def summarize(findings: list[Finding]) -> dict[str, Any]:
     return {
         **counts,
         "failed_required": [f.id for f in findings if f.fails],
-        "exit_code": exit_code(findings),
+        "exit_code": int(exit_code(findings)),
     }

@@ -23,12 +23,13 @@ from rich.markup import escape
 
 from unsloth import __version__
 from unsloth.envs import steps as plan_steps
-from unsloth.envs.paths import env_python, env_scripts, envs_dir, home
+from unsloth.envs.paths import build_caches, env_python, env_scripts, envs_dir, home
 from unsloth.envs.receipt import digest, hardware_fingerprint, utc_now, write_receipt
 from unsloth.envs.runner import Step, StepFailed, run_step
 from unsloth.envs.sources import TORCH_FAMILY, local_listings, torch_source
 from unsloth.envs.steps import Request, Tool
 from unsloth.envs.verify import problems
+from unsloth.errors import UnslothError
 from unsloth.selftest.judge import probe_findings
 from unsloth.selftest.parse import parse_probe_output, verification
 from unsloth.selftest.run import copy_script, run_env_probe
@@ -37,12 +38,12 @@ from unsloth.selftest.script import IMPORTS
 TRAIN_IMPORTS = ["transformers", "peft", "trl", "accelerate", "datasets"]
 
 
-class BuildFailed(Exception):
+class BuildFailed(UnslothError):
     """The new environment does not fit the plan; it has been removed, the active one is untouched."""
 
     def __init__(self, message: str, found: list[str], fix: str, log: Path | None = None):
-        super().__init__(message)
-        self.found, self.fix, self.log = found, fix, log
+        super().__init__(message, fix)
+        self.found, self.log = found, log
 
 
 def find_uv() -> str | None:
@@ -171,7 +172,8 @@ def _build(
     count = iter(range(1, 100))
 
     def run(step: Step) -> str:
-        step.env = {**request.sources.env(os.environ), **step.env}  # our sources only, nothing pip or uv adds
+        # Our sources only, nothing pip or uv adds; downloads and built wheels in our caches.
+        step.env = {**build_caches(env.parent.parent), **request.sources.env(os.environ), **step.env}
         return run_step(step, logs, console, next(count))
 
     env.mkdir(parents=True)

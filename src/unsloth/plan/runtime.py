@@ -86,6 +86,14 @@ def user_env_advice(inputs: Inputs, vendor: str | None, env: dict[str, str], eff
             )
         return NO_NOTES
     spoofs = platform.hsa_override_spoofs
+    per_node = sorted(k for k in env if k.startswith("HSA_OVERRIDE_GFX_VERSION_"))
+    if per_node:
+        return NO_NOTES.warn(
+            f"HSA_OVERRIDE_GFX_VERSION={value} changes every AMD GPU, but these GPUs are of different targets: "
+            f"the plan sets {per_node[0]}={env[per_node[0]]} for the training GPU alone.",
+            "unset HSA_OVERRIDE_GFX_VERSION, and remove it from ~/.bashrc or ~/.profile",
+            check="hsa-override",
+        )
     if value == env.get("HSA_OVERRIDE_GFX_VERSION"):
         return NO_NOTES  # exactly the override the plan sets
     if spoofs is False or (spoofs is None and gfx_of(value) == effective_arch):

@@ -26,7 +26,9 @@ from unsloth.platform.probes import (  # detection's orders, derived from the on
 # More GPUs than any one host holds is not a machine but text misread as one: such a probe's GPUs
 # are dropped (and merging stays cheap: it compares every GPU with every other).
 MAX_GPUS_PER_PROBE = 64
-_GPU_FIELDS = ("name", "pci_id", "bus_id", "uuid", "vram_bytes", "compute_capability", "integrated", "chip", "family")
+_GPU_FIELDS = (
+    "name", "pci_id", "bus_id", "uuid", "vram_bytes", "compute_capability", "integrated", "chip", "family", "kfd_node"
+)
 
 
 def detect(results: dict[str, ProbeResult]) -> Platform:
@@ -216,7 +218,7 @@ def _identify(gpu: Gpu, platform: Platform) -> None:
         row = ident.amd_by_pci(gpu.pci_id) or {}
         gpu.chip = gpu.chip or row.get("chip")
         gpu.name = gpu.name or row.get("name")
-        gpu.family = ident.amd_family(gpu.arch) or gpu.family
+        gpu.family = ident.amd_family(gpu.arch) or gpu.family or ident.amd_legacy_family(gpu.name, gpu.chip)
         if gpu.integrated is None:
             gpu.integrated = row.get("integrated", ident.integrated_by_name("amd", gpu.name))
     elif gpu.vendor == "nvidia":

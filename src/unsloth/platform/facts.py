@@ -25,6 +25,7 @@ class Gpu:
     index: int | None = None  # the tool's own ordinal (nvidia-smi index, rocminfo GPU order)
     reported_arch: str | None = None  # what the runtime reported when an override changed it
     chip: str | None = None  # codename a tool printed: "Navi 31", "AD102"
+    kfd_node: int | None = None  # AMD: KFD topology node id (rocminfo "Node:"), what HSA_OVERRIDE_GFX_VERSION_<n> names
     sources: list[str] = field(default_factory=list)  # probes that contributed to this GPU
 
     def to_json(self) -> dict[str, Any]:
