@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from unsloth.doctor.env_checks import EnvTarget, check_env
-from unsloth.envs.receipt import hardware_fingerprint
+from unsloth.envs.receipt import Receipt, hardware_fingerprint
 from unsloth.plan import BitsAndBytes
 from unsloth.platform.facts import Platform
 from unsloth.selftest.judge import probe_findings
@@ -128,14 +128,13 @@ def test_environment_presence_and_health(tmp_path):
     assert check_env(None, None).status == "warning" and check_env(None, None).fix == "unsloth install"
     env = tmp_path / "envs" / "e1"
     python = env / "bin" / "python"
-    broken = check_env(EnvTarget(python, "managed", env, {"name": "e1"}), None)
+    broken = check_env(EnvTarget(python, "managed", env, Receipt("e1")), None)
     assert broken.fails and "its Python" in broken.message
     python.parent.mkdir(parents=True)
     python.write_text("")
     assert check_env(EnvTarget(python, "managed", env, None), None).fails  # unreadable receipt
     platform = Platform(os="linux")
-    built_here = {"name": "e1", "finished": "2026-11-29T10:00:00+00:00",
-                  "fingerprint": hardware_fingerprint(platform.to_json())}
+    built_here = Receipt("e1", finished="2026-11-29T10:00:00+00:00", fingerprint=hardware_fingerprint(platform.to_json()))
     assert check_env(EnvTarget(python, "managed", env, built_here), platform).status == "ok"
     moved = check_env(EnvTarget(python, "managed", env, built_here), Platform(os="linux", nvidia_driver="580.1"))
     assert moved.status == "warning" and "other hardware" in moved.message

@@ -24,7 +24,7 @@ from rich.markup import escape
 from unsloth import __version__
 from unsloth.envs import steps as plan_steps
 from unsloth.envs.paths import build_caches, env_python, env_scripts, envs_dir, home
-from unsloth.envs.receipt import digest, hardware_fingerprint, utc_now, write_receipt
+from unsloth.envs.receipt import Receipt, digest, hardware_fingerprint, utc_now, write_receipt
 from unsloth.envs.runner import Step, StepFailed, run_step
 from unsloth.envs.sources import TORCH_FAMILY, local_listings, torch_source
 from unsloth.envs.steps import Request, Tool
@@ -226,26 +226,26 @@ def _build(
     probe = _verify(run, python, plan, request, optional_failed, logs)
     if doctor_checks:
         _doctor_checks(python, plan, platform, request, logs, console)
-    receipt = {
-        "name": env.name,
-        "created": started,
-        "finished": utc_now(),
-        "unsloth": {"version": probe["packages"].get(plan_steps.DIST_NAME), "source": request.source},
-        "request": request.to_json(),
-        "request_hash": request_hash(
+    receipt = Receipt(
+        name=env.name,
+        created=started,
+        finished=utc_now(),
+        unsloth={"version": probe["packages"].get(plan_steps.DIST_NAME), "source": request.source},
+        request=request.to_json(),
+        request_hash=request_hash(
             request, plan.to_json(), source_identity(request.source), hardware_fingerprint(platform_json)
         ),
-        "fingerprint": hardware_fingerprint(platform_json),
-        "platform": platform_json,
-        "plan": plan.to_json(),
-        "python": {"version": py_version, "executable": str(python)},
-        "installer": {"tool": tool.name, "version": _tool_version(tool)},
-        "indexes": {"torch": torch.to_json(), **request.sources.to_json()},
-        "without": sorted(request.without),
-        "optional_failed": optional_failed,
-        "packages": probe["packages"],
-        "verified": {**probe["torch"], "imports": probe["imports"]},
-    }
+        fingerprint=hardware_fingerprint(platform_json),
+        platform=platform_json,
+        plan=plan.to_json(),
+        python={"version": py_version, "executable": str(python)},
+        installer={"tool": tool.name, "version": _tool_version(tool)},
+        indexes={"torch": torch.to_json(), **request.sources.to_json()},
+        without=sorted(request.without),
+        optional_failed=optional_failed,
+        packages=probe["packages"],
+        verified={**probe["torch"], "imports": probe["imports"]},
+    )
     write_receipt(env, receipt)
     return env
 
