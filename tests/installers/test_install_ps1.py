@@ -16,6 +16,7 @@ import tree_sitter_powershell
 from unsloth.envs import launcher, paths
 from unsloth.envs.sources import Sources, TorchSource
 from unsloth.envs.steps import Request, Tool, llama_cpp_step, torch_step
+from unsloth.plan import LlamaCpp
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "install.ps1"
@@ -108,7 +109,8 @@ def test_the_windows_plan_from_a_dump():
     assert step.argv.count("--index-url") == 1 and "--extra-index-url" not in step.argv
     assert step.argv[step.argv.index("--index-url") + 1] == plan["torch"]["index_url"]
     # ... and llama-cpp-python from its wheel index alone, with no source build.
-    llama = llama_cpp_step(tool, Request(source="C:/src"), Path("pins.txt"), ["llama-cpp-python>=0.3"], plan["llama_cpp"])
+    llama = llama_cpp_step(tool, Request(source="C:/src"), Path("pins.txt"), ["llama-cpp-python>=0.3"],
+                           LlamaCpp.from_json(plan["llama_cpp"]))
     if plan["llama_cpp"]["how"] == "wheel":
         assert llama.argv[llama.argv.index("--index-url") + 1] == plan["llama_cpp"]["index_url"]
         assert "--only-binary" in llama.argv and "--extra-index-url" not in llama.argv

@@ -252,7 +252,7 @@ def _build(
 
 def _verify(run, python: Path, plan, request: Request, optional_failed: dict[str, str], logs: Path) -> dict[str, Any]:
     required = ["unsloth"] + ([] if "train" in request.without else TRAIN_IMPORTS)
-    if plan.bitsandbytes.get("source") not in (None, "none") and "bitsandbytes" not in request.without:
+    if plan.bitsandbytes.available and "bitsandbytes" not in request.without:
         required.append("bitsandbytes")
     if not {"export", "llama-cpp"} & (set(request.without) | set(optional_failed)):
         required.append("llama_cpp")
