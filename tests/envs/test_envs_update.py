@@ -65,6 +65,8 @@ def test_nothing_newer_is_decided_before_anything_is_built(active, monkeypatch):
     asked = (active[3] / "uv.log").read_text().splitlines()
     assert len(asked) >= 2 and all(line.endswith("--dry-run --upgrade") for line in asked)
     assert all("--reinstall-package" not in line for line in asked)
+    packages = next(line for line in asked if "transformers" in line)  # what our package requires, not itself
+    assert "unsloth-installer" not in packages and "platformdirs" in packages
 
 
 def test_something_newer_builds(active, monkeypatch):

@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from packaging.requirements import Requirement
 from rich.console import Console
 from rich.markup import escape
 
@@ -285,13 +286,29 @@ def _doctor_checks(python: Path, plan, platform, request: Request, logs: Path, c
     console.print(f"[green]✓[/] Doctor's environment checks [dim]({run.seconds:.1f}s)[/]")
 
 
+def _requires(python: Path) -> list[str]:
+    """This package's requirements (all extras, with their markers), as installed in ``python``'s environment."""
+    return _json_from(
+        python, f"import importlib.metadata as m, json; print(json.dumps(m.requires({plan_steps.DIST_NAME!r}) or []))")
+
+
 def _export_requires(python: Path) -> list[str]:
     """The ``export`` extra's requirements, read from the package installed in ``python``'s environment."""
-    return _json_from(
-        python,
-        "import importlib.metadata as m, json; "
-        f"print(json.dumps([r for r in (m.requires({plan_steps.DIST_NAME!r}) or []) if 'extra == \"export\"' in r]))",
-    )
+    return [r for r in _requires(python) if 'extra == "export"' in r]
+
+
+def _own_requirements(requires: list[str], request: Request) -> list[str]:
+    """What installing this package (with ``train`` unless left out) asks for, without the package itself."""
+    extras = set() if "train" in request.without else {"train"}
+    wanted = []
+    for text in requires:
+        req = Requirement(text)
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            wanted.append(text)
+        elif any(req.marker.evaluate({"extra": extra}) for extra in extras):
+            req.marker = None
+            wanted.append(str(req))
+    return wanted
 
 
 NEWER_CHECK_TIMEOUT_S = 600
@@ -307,9 +324,10 @@ def has_newer(env: Path, request: Request, plan) -> bool | None:
         return None
     tool = Tool.uv(uv, python)
     try:
-        export_requires = _export_requires(python)
+        requires = _requires(python)
     except BuildFailed:
         return None
+    export_requires = [r for r in requires if 'extra == "export"' in r]
     torch = torch_source(plan.torch, request.sources, f"cp{version[0]}{version[1]}",
                          local_listings(request.sources.find_links), request.torch_index_url)
     steps = [plan_steps.torch_step(tool, torch, request.sources, plan.torch.backend),
@@ -318,9 +336,14 @@ def has_newer(env: Path, request: Request, plan) -> bool | None:
              plan_steps.llama_cpp_step(tool, request, pins, export_requires, plan.llama_cpp)]
     for step in filter(None, steps):
         argv = [arg for arg in step.argv if arg != "--verbose"]
-        if "--reinstall-package" in argv:  # a refresh of our own package: its content is in the request hash
-            at = argv.index("--reinstall-package")
-            del argv[at:at + 2]
+        if step.name == "packages":
+            # Our own package is in the request hash (its source's content); uv would always reinstall a
+            # local one under --upgrade, so ask about what it requires instead.
+            if "--reinstall-package" in argv:
+                at = argv.index("--reinstall-package")
+                del argv[at:at + 2]
+            argv = [arg for arg in argv if not arg.startswith(plan_steps.DIST_NAME)]
+            argv += _own_requirements(requires, request)
         environ = {**os.environ, **build_caches(env.parent.parent), **request.sources.env(os.environ), **step.env}
         try:
             done = subprocess.run([*argv, "--dry-run", "--upgrade"], capture_output=True, text=True,
