@@ -9,7 +9,8 @@ from unsloth.plan.model import NO_NOTES, Inputs, Notes, TorchChoice
 from unsloth.plan.versions import compute_capability
 from unsloth.platform.facts import Gpu
 
-LLAMA_BACKEND = {"cuda": "cuda", "rocm": "hip", "mps": "metal", "cpu": "cpu"}
+# llama-cpp-python has no XPU (SYCL) wheel: Intel Arc runs GGUF through Vulkan.
+LLAMA_BACKEND = {"cuda": "cuda", "rocm": "hip", "mps": "metal", "cpu": "cpu", "xpu": "vulkan"}
 
 
 def bitsandbytes_choice(inputs: Inputs, torch: TorchChoice, device: Gpu | None,
