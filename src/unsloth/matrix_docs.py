@@ -66,7 +66,7 @@ def channel(matrix: Matrix, family: Family, os_name: str) -> str:
 def _header() -> str:
     return (
         "# Hardware support\n\n"
-        "<!-- Generated from hardware_matrix.toml by `python -m unsloth.matrix_docs`; do not edit by hand. -->\n\n"
+        "<!-- Generated from src/unsloth/hardware_matrix.toml by `python -m unsloth.matrix_docs`; do not edit by hand. -->\n\n"
         "What `unsloth install` sets up for each GPU family on each OS, and how well it is supported.\n"
         "**full**: the tested path (QLoRA and our Triton kernels). **limited**: works, with the caveat given below.\n"
         "**unsupported**: the installer sets up CPU PyTorch and says why. `unsloth install --dry-run` shows the plan\n"

@@ -65,6 +65,13 @@ def test_rocm_missing_on_linux_still_plans_rocm_and_says_how_to_install(matrix):
     assert advice.fix == "Install ROCm 7.2: https://rocm.docs.amd.com/projects/install-on-linux/en/latest/"
 
 
+def test_a_rocm_tool_that_answered_is_rocm_installed_without_a_version(matrix):
+    """The planner reads detection's rocm_installed fact, not which probe files a dump holds."""
+    plan = plan_for(matrix, rocm=None, rocm_installed=True)
+    assert not any("ROCm was not found" in advice.message for advice in plan.warnings)
+    assert any("ROCm was not found" in advice.message for advice in plan_for(matrix, rocm=None, rocm_installed=False).warnings)
+
+
 def test_missing_dev_kfd_is_reported(matrix):
     plan = plan_for(matrix, dev_kfd=False)
     assert any("/dev/kfd" in advice.message and "render,video" in advice.fix for advice in plan.warnings)
@@ -91,7 +98,7 @@ def test_arch_no_index_ships_gets_the_override_on_linux_only(matrix, arch, overr
     linux = plan_for(matrix, arch=arch)
     assert linux.env == {"HSA_OVERRIDE_GFX_VERSION": override}
     assert linux.torch.variant == "rocm7.2"
-    assert linux.llama_cpp["cmake_args"] == f"-DGGML_HIP=on -DAMDGPU_TARGETS={effective}"
+    assert linux.llama_cpp.cmake_args == f"-DGGML_HIP=on -DAMDGPU_TARGETS={effective}"
     assert linux.device.arch == arch  # the plan never rewrites the real silicon
 
     windows = plan_for(matrix, arch=arch, os_name="windows", rocm=None)
@@ -102,9 +109,9 @@ def test_gfx1103_on_windows_uses_amds_rdna3_wheels(matrix):
     plan = plan_for(matrix, arch="gfx1103", os_name="windows", rocm=None)
     assert plan.torch.index_url == "https://repo.amd.com/rocm/whl/gfx110X-all/"
     assert plan.env == {}
-    assert plan.bitsandbytes["source"] == "none"  # bitsandbytes' Windows build lacks gfx1103
-    assert (plan.llama_cpp["backend"], plan.llama_cpp["how"]) == ("hip", "source")  # hip-radeon lacks it too
-    assert plan.llama_cpp["cmake_args"] == "-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1103"
+    assert plan.bitsandbytes.source == "none"  # bitsandbytes' Windows build lacks gfx1103
+    assert (plan.llama_cpp.backend, plan.llama_cpp.how) == ("hip", "source")  # hip-radeon lacks it too
+    assert plan.llama_cpp.cmake_args == "-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1103"
 
 
 def test_arch_without_pytorch_index_or_override_uses_amds_index_on_linux(matrix):
@@ -112,8 +119,8 @@ def test_arch_without_pytorch_index_or_override_uses_amds_index_on_linux(matrix)
     assert (plan.torch.backend, plan.torch.variant) == ("rocm", "gfx1152")
     assert plan.torch.index_url == "https://repo.amd.com/rocm/whl/gfx1152/"
     assert plan.env == {}
-    assert plan.bitsandbytes["source"] == "pypi"
-    assert plan.llama_cpp["how"] == "source"  # the rocm72 wheel has no gfx1152
+    assert plan.bitsandbytes.source == "pypi"
+    assert plan.llama_cpp.how == "source"  # the rocm72 wheel has no gfx1152
 
 
 def test_amd_gpu_without_gfx_target_gets_cpu_and_a_fix(matrix):
@@ -121,7 +128,7 @@ def test_amd_gpu_without_gfx_target_gets_cpu_and_a_fix(matrix):
     assert plan.torch.backend == "cpu" and plan.device is None
     advice = next(a for a in plan.warnings if "gfx target could not be read" in a.message)
     assert "rocminfo" in advice.fix and "unsloth install" in advice.fix
-    assert plan.llama_cpp["backend"] == "vulkan"
+    assert plan.llama_cpp.backend == "vulkan"
 
 
 def test_user_override_that_spoofs_is_flagged_and_ignored(matrix):
@@ -156,11 +163,11 @@ def test_user_override_on_windows_is_pointless(matrix):
 def test_rocm_on_arm_has_no_bitsandbytes(matrix):
     plan = plan_for(matrix, arch="gfx942", machine="aarch64")
     assert plan.torch.backend == "rocm"
-    assert plan.bitsandbytes["source"] == "none"
+    assert plan.bitsandbytes.source == "none"
 
 
 def test_llama_cpp_wheels_follow_the_gfx_target(matrix):
-    assert plan_for(matrix, arch="gfx1201").llama_cpp == {
+    assert plan_for(matrix, arch="gfx1201").llama_cpp.to_json() == {
         "backend": "hip",
         "how": "wheel",
         "package": "llama-cpp-python",
@@ -168,7 +175,7 @@ def test_llama_cpp_wheels_follow_the_gfx_target(matrix):
         "cmake_args": "-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1201",
     }
     windows = plan_for(matrix, arch="gfx1201", os_name="windows", rocm=None)
-    assert windows.llama_cpp["index_url"].endswith("/whl/hip-radeon")
+    assert windows.llama_cpp.index_url.endswith("/whl/hip-radeon")
 
 
 def _apu_with_dgpu(igpu_arch: str, dgpu_arch: str, **facts):

@@ -103,8 +103,8 @@ def test_cell(matrix, family, os_name):
 
     assert (plan.support, plan.torch.backend, plan.torch.variant) == (support, backend, variant)
     assert plan.env == env
-    assert plan.bitsandbytes["source"] == bnb
-    assert plan.llama_cpp["backend"] == llama
+    assert plan.bitsandbytes.source == bnb
+    assert plan.llama_cpp.backend == llama
     assert plan.os == os_name
     assert plan.reason and plan.sources
     if os_name == "windows" or family not in ("RDNA2",):

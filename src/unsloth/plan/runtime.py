@@ -6,20 +6,6 @@ from __future__ import annotations
 from unsloth.plan.model import NO_NOTES, Inputs, Notes
 from unsloth.plan.versions import gfx_of
 
-# Probes (detection's dump names) that only answer when ROCm is installed.
-ROCM_TOOLS = (
-    "rocminfo",
-    "rocminfo-no-override",
-    "amd-smi",
-    "amd-smi-list",
-    "amd-smi-version",
-    "rocm-smi",
-    "rocm-smi-json",
-    "hipconfig",
-    "rocm-version",
-)
-
-
 def env_rows(inputs: Inputs, backend: str) -> tuple[dict[str, str], Notes]:
     """The matrix's environment rows for this backend on this OS."""
     env: dict[str, str] = {}
@@ -32,9 +18,8 @@ def env_rows(inputs: Inputs, backend: str) -> tuple[dict[str, str], Notes]:
 
 
 def rocm_present(inputs: Inputs) -> bool:
-    """A ROCm version, or a ROCm tool that ran, shows ROCm is installed (even if its version is unknown)."""
-    platform = inputs.platform
-    return platform.rocm_version is not None or any(platform.probes.get(name) == "ok" for name in ROCM_TOOLS)
+    """A ROCm version, or a ROCm tool that answered, shows ROCm is installed (even if its version is unknown)."""
+    return inputs.platform.rocm_version is not None or bool(inputs.platform.rocm_installed)
 
 
 def rocm_runtime(inputs: Inputs) -> tuple[dict[str, str], Notes]:
