@@ -121,7 +121,7 @@ def install(options: Options, plan, platform, console: Console, confirm: Callabl
             _expose(options, console)
             console.print(f"[green]Up to date[/]: {current.name} already matches this plan ({plan.torch.backend}). Nothing to do.")
             return 0
-        if options.upgrade and receipt and receipt.get("request_hash") == wanted and not options.force:
+        if options.upgrade and receipt and receipt.request_hash == wanted and not options.force:
             with console.status("Checking the package indexes for newer versions"):
                 newer = has_newer(current, request, plan)
             if newer is False:  # decided before anything is built
