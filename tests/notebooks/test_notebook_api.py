@@ -177,3 +177,11 @@ def test_prequantized_names_resolve(tmp_path):
     local = tmp_path / "my-bnb-4bit"
     local.mkdir()
     assert resolve_model_name(str(local), load_in_4bit=False) == str(local)  # a folder is what it is
+
+
+def test_unsloth_training_arguments(trl):
+    from unsloth import UnslothTrainer, UnslothTrainingArguments, unsloth_train
+
+    args = UnslothTrainingArguments(output_dir="o", embedding_learning_rate=5e-5, max_seq_length=32)
+    assert isinstance(args, trl.SFTConfig) and args.embedding_learning_rate == 5e-5 and args.max_length == 32
+    assert issubclass(UnslothTrainer, trl.SFTTrainer) and callable(unsloth_train)

@@ -202,9 +202,8 @@ def promote(args, config_cls, extra: dict):
             setattr(args, key, value)
         return args
     values = {k: getattr(args, k) for k in _fields(type(args)) if k in _fields(config_cls)}
-    values["hub_token"] = getattr(args, "hub_token", None)
-    # A plain TrainingArguments said nothing about the TRL-only fields: their defaults apply, except
-    # gradient checkpointing (TrainingArguments' default off is what the notebook ran with).
+    values["hub_token"] = getattr(args, "hub_token", None)  # TrainingArguments hides it from to_dict
+    # A plain TrainingArguments said nothing about the TRL-only fields: their defaults apply.
     values.update(extra)
     return config_cls(**values)
 
