@@ -42,10 +42,19 @@ def moe_config(family: str):
         return t.Glm4MoeConfig(**TINY, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
                                num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
                                first_k_dense_replace=1)  # fmt: skip
+    if family == "qwen3_5_moe_text":  # Gated DeltaNet layers and full attention, a shared expert
+        return t.Qwen3_5MoeTextConfig(**TINY, intermediate_size=48, moe_intermediate_size=16, num_experts=6,
+                                      num_experts_per_tok=2, shared_expert_intermediate_size=16,
+                                      layer_types=["linear_attention", "full_attention"])  # fmt: skip
+    if family == "gemma4_text":
+        return t.Gemma4TextConfig(**TINY, intermediate_size=48, enable_moe_block=True, num_experts=6, top_k_experts=2,
+                                  moe_intermediate_size=16, layer_types=["sliding_attention", "full_attention"],
+                                  sliding_window=8)  # fmt: skip
     raise KeyError(family)
 
 
-TESTED = ["qwen3_moe", "gpt_oss", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe"]
+TESTED = ["qwen3_moe", "gpt_oss", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe", "qwen3_5_moe_text",
+          "gemma4_text"]
 MOE_LAYERS = {"deepseek_v3": 1, "glm4_moe": 1}  # first_k_dense_replace=1: the first layer is dense
 
 
