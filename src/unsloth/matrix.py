@@ -151,7 +151,8 @@ class Matrix:
 
 
 def default_path() -> Path:
-    """The packaged matrix (src/unsloth/hardware_matrix.toml links to the repository's copy)."""
+    """The packaged matrix, src/unsloth/hardware_matrix.toml: the one copy (a real file, not a link, so a
+    checkout without symlinks, as on Windows, has it too)."""
     return Path(__file__).with_name("hardware_matrix.toml")
 
 

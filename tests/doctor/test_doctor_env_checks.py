@@ -16,6 +16,7 @@ import pytest
 
 from unsloth.doctor.env_checks import EnvTarget, check_env
 from unsloth.envs.receipt import hardware_fingerprint
+from unsloth.plan import BitsAndBytes
 from unsloth.platform.facts import Platform
 from unsloth.selftest.judge import probe_findings
 from unsloth.selftest.parse import parse_probe_output
@@ -102,7 +103,7 @@ def test_optional_parts(make_plan, rtx4090):
     run = healthy_gpu_run()
     run.results["bitsandbytes"] = line("bitsandbytes", False, "ModuleNotFoundError: No module named 'bitsandbytes'")
     run.results["llama_cpp"] = line("llama_cpp", False, "ModuleNotFoundError: No module named 'llama_cpp'")
-    no_bnb = make_plan("cuda", "cu130", rtx4090, bitsandbytes={"source": "none"})
+    no_bnb = make_plan("cuda", "cu130", rtx4090, bitsandbytes=BitsAndBytes("none"))
     found = by_id(probe_findings(run, Platform(gpus=[rtx4090]), no_bnb, without=("llama-cpp",)))
     assert found["env-bitsandbytes"].status == "skipped"
     assert found["env-llama-cpp"].message == "Left out at install (--without llama-cpp)"

@@ -140,3 +140,38 @@ def test_update_reads_what_the_active_environment_was_asked_for(tmp_path):
     write_receipt(env, {"name": "a", "request": {"without": ["llama-cpp"], "source": "/src"}})
     state.switch(tmp_path, "a")
     assert active_request(tmp_path) == {"without": ["llama-cpp"], "source": "/src"}
+
+
+def test_uninstall_says_which_caches_it_leaves_and_purge_removes_ours(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    from unsloth.envs import manager
+    from unsloth.envs.paths import build_caches
+
+    root, user = tmp_path / "home", tmp_path / "user"
+    for name in ("UV_CACHE_DIR", "PIP_CACHE_DIR", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(user))
+    monkeypatch.setenv("UNSLOTH_BIN_DIR", str(tmp_path / "bin"))
+    caches = build_caches(root, {})
+    assert caches == {"UV_CACHE_DIR": str(root / "cache" / "uv"), "PIP_CACHE_DIR": str(root / "cache" / "pip")}
+    assert build_caches(root, {"UV_CACHE_DIR": "/mine"})["UV_CACHE_DIR"] == "/mine"  # the user's choice stands
+    (root / "cache" / "uv").mkdir(parents=True)
+    (root / "cache" / "uv" / "wheel.whl").write_bytes(b"x" * 3 * 1024**2)
+    (user / ".cache" / "huggingface").mkdir(parents=True)
+    (user / ".cache" / "huggingface" / "model.bin").write_bytes(b"w" * 1024**2)
+    (root / "envs" / "a").mkdir(parents=True)
+
+    def uninstall(purge):
+        screen = tmp_path / "screen"
+        with open(screen, "w") as handle:
+            assert manager.uninstall(root, Console(file=handle, width=300), purge=purge) == 0
+        return screen.read_text()
+
+    said = uninstall(purge=False)
+    assert f"kept {root / 'cache'} (3 MB): our build caches" in said and "`unsloth uninstall --purge` removes them" in said
+    assert f"kept {user / '.cache' / 'huggingface'} (1 MB): Hugging Face" in said
+    assert (root / "cache" / "uv" / "wheel.whl").is_file() and not (root / "envs").exists()
+    said = uninstall(purge=True)
+    assert "our build caches" not in said and "Hugging Face" in said
+    assert not root.exists() and (user / ".cache" / "huggingface" / "model.bin").is_file()

@@ -23,7 +23,7 @@ from rich.markup import escape
 
 from unsloth import __version__
 from unsloth.envs import steps as plan_steps
-from unsloth.envs.paths import env_python, env_scripts, envs_dir, home
+from unsloth.envs.paths import build_caches, env_python, env_scripts, envs_dir, home
 from unsloth.envs.receipt import digest, hardware_fingerprint, utc_now, write_receipt
 from unsloth.envs.runner import Step, StepFailed, run_step
 from unsloth.envs.sources import TORCH_FAMILY, local_listings, torch_source
@@ -172,7 +172,8 @@ def _build(
     count = iter(range(1, 100))
 
     def run(step: Step) -> str:
-        step.env = {**request.sources.env(os.environ), **step.env}  # our sources only, nothing pip or uv adds
+        # Our sources only, nothing pip or uv adds; downloads and built wheels in our caches.
+        step.env = {**build_caches(env.parent.parent), **request.sources.env(os.environ), **step.env}
         return run_step(step, logs, console, next(count))
 
     env.mkdir(parents=True)
@@ -251,7 +252,7 @@ def _build(
 
 def _verify(run, python: Path, plan, request: Request, optional_failed: dict[str, str], logs: Path) -> dict[str, Any]:
     required = ["unsloth"] + ([] if "train" in request.without else TRAIN_IMPORTS)
-    if plan.bitsandbytes.get("source") not in (None, "none") and "bitsandbytes" not in request.without:
+    if plan.bitsandbytes.available and "bitsandbytes" not in request.without:
         required.append("bitsandbytes")
     if not {"export", "llama-cpp"} & (set(request.without) | set(optional_failed)):
         required.append("llama_cpp")

@@ -21,7 +21,8 @@ from unsloth.export.converter import write_gguf
 from unsloth.export.errors import ExportError
 from unsloth.export.files import atomic_output, ensure_free_space, scratch_file
 from unsloth.models.merge import base_model, merged_tensors
-from unsloth.export.methods import METHODS, Method, estimated_bytes, resolve_all
+from unsloth.export.methods import Method, export_bytes, resolve_all
+from unsloth.export.methods import reference_method as reference_method_for
 from unsloth.export.modelfile import write_modelfile
 from unsloth.export.quantize import quantize
 from unsloth.export.runtime import require_llama_cpp
@@ -74,11 +75,11 @@ def save_pretrained_gguf(
     if quantized or validate_export:
         require_llama_cpp()
 
-    reference_method = next((m for m in methods if m.converted), METHODS["f16"])
+    reference_method = reference_method_for(methods)
     sources = merged_tensors(model)
     n_params = sum(math.prod(s.shape) for s in sources.values())
     keep_reference = reference_method in methods
-    ensure_free_space(out_dir, sum(estimated_bytes(n_params, m) for m in {reference_method, *methods}))
+    ensure_free_space(out_dir, export_bytes(n_params, methods))
 
     result = ExportResult()
     expected = reference_run(model, tokenizer) if validate_export else None  # transformers, once

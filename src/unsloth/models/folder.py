@@ -7,6 +7,7 @@ Pure reads of small files (config.json, index files, safetensors headers); no we
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -78,6 +79,22 @@ def safetensors_problem(path: Path) -> str | None:
     if needed > size:
         return f"{path} is truncated: its tensors need {needed} bytes, the file has {size}"
     return None
+
+
+def parameter_count(folder: Path) -> int:
+    """The number of weights in a folder's .safetensors files, from their headers (nothing loaded);
+    .bin files count as 16-bit."""
+    total = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        if safetensors_problem(path):
+            continue
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        total += sum(math.prod(entry["shape"]) for key, entry in header.items()
+                     if key != "__metadata__" and isinstance(entry, dict) and "shape" in entry)
+    total += sum(p.stat().st_size // 2 for p in folder.glob("*.bin"))
+    return total
 
 
 def _known_model_type(model_type: str) -> bool:

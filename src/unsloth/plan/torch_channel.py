@@ -123,10 +123,20 @@ def amd_choice(inputs: Inputs, gpu: Gpu, family: Family) -> tuple[TorchStep | No
         step, more = amd_wheels(inputs, family, arch, env)
         return step, notes + more
     if override:
-        env = {**env, "HSA_OVERRIDE_GFX_VERSION": override}
+        env = {**env, **override_env(inputs.platform.gpus, gpu, override)}
         notes = notes.cite(family.source)
     torch = TorchChoice("rocm", index.variant, f"{inputs.pytorch}/{index.variant}", torch_spec(index.torch))
     return TorchStep(torch, env, target), notes.cite(index.source)
+
+
+def override_env(gpus: list[Gpu], gpu: Gpu, override: str) -> dict[str, str]:
+    """HSA_OVERRIDE_GFX_VERSION changes every GPU the runtime opens: beside an AMD GPU of another
+    target (an iGPU next to a dGPU) it would make that one load this one's kernels too. Then the
+    per-node form, HSA_OVERRIDE_GFX_VERSION_<KFD node>, changes this GPU alone."""
+    others = [g for g in gpus if g is not gpu and g.vendor == "amd" and g.arch != gpu.arch]
+    if others and gpu.kfd_node is not None:
+        return {f"HSA_OVERRIDE_GFX_VERSION_{gpu.kfd_node}": override}
+    return {"HSA_OVERRIDE_GFX_VERSION": override}
 
 
 def rocm_index(inputs: Inputs, arch: str) -> tuple[RocmIndex | None, Notes]:

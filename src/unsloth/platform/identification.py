@@ -37,6 +37,19 @@ def amd_family(gfx: str | None) -> str | None:
     return tables()["amd"]["family"].get(gfx or "")
 
 
+def amd_legacy_family(name: str | None, chip: str | None) -> str | None:
+    """The family of a pre-ROCm Radeon (GCN 1-4) named by its codename or marketing name, else None."""
+    amd = tables()["amd"]
+    if chip:
+        for codename, family in amd["legacy_codename"].items():
+            if re.fullmatch(rf"{re.escape(codename)}( (PRO|XT|XL|LE|GL|\w+))*", chip, re.I):
+                return family
+    for family, patterns in amd["legacy_names"].items():
+        if name and any(re.search(p, name, re.I) for p in patterns):
+            return family
+    return None
+
+
 def nvidia_family(cc: str | None) -> str | None:
     return tables()["nvidia"]["family"].get(cc or "")
 

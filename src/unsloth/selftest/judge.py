@@ -138,7 +138,7 @@ def _judge_matmul(result: dict[str, Any], context: _Context) -> Verdict:
 
 
 def _judge_bitsandbytes(result: dict[str, Any], context: _Context) -> Verdict:
-    required = context.plan is not None and context.plan.bitsandbytes.get("source", "none") != "none"
+    required = context.plan is not None and context.plan.bitsandbytes.available
     if (skipped := _could_not_run(result)) is not None:
         return skipped
     if not result["ok"]:
@@ -166,7 +166,7 @@ def _judge_llama_cpp(result: dict[str, Any], context: _Context) -> Verdict:
         if left_out:
             return "skipped", f"Left out at install (--without {left_out[0]})", None, False
         return "warning", f"Does not load: {result['message']}; export and chat need it", REINSTALL, False
-    wants_gpu = context.plan is not None and context.plan.llama_cpp.get("backend", "cpu") != "cpu"
+    wants_gpu = context.plan is not None and context.plan.llama_cpp.backend != "cpu"
     if wants_gpu and not result.get("gpu_offload"):
         return "warning", f"{result['message']}: built without GPU offload, chat will be slow", REINSTALL, False
     return "ok", result["message"], None, False
