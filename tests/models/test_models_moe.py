@@ -141,7 +141,9 @@ def test_moe_patched_matches_unpatched(family):
             assert fast_grads[name] is None, name
             continue
         assert fast_grads[name] is not None, name
-        torch.testing.assert_close(fast_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        # fp32; sums in another order: 1e-4 relative, with a floor at the tensor's own scale for the
+        # elements that cancel to near zero (Gemma 4's v_proj gradients are large)
+        torch.testing.assert_close(fast_grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(), msg=name)
 
 
 def test_moe_lora_falls_back_to_peft_when_adapters_are_disabled():
