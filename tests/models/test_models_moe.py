@@ -141,9 +141,12 @@ def test_moe_patched_matches_unpatched(family):
             assert fast_grads[name] is None, name
             continue
         assert fast_grads[name] is not None, name
-        # fp32; sums in another order: 1e-4 relative, with a floor at the tensor's own scale for the
-        # elements that cancel to near zero (Gemma 4's v_proj gradients are large)
-        torch.testing.assert_close(fast_grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(), msg=name)
+        # fp32, sums in another order, through every layer's backward: within 1e-4 norm-wise, and element-wise
+        # with a floor at 1e-4 of the tensor's largest entry for the elements that cancel to near zero
+        # (Gemma 4's gradients, scaled up by its norms, need that floor)
+        error = ((fast_grads[name] - grad).norm() / grad.norm()).item()
+        assert error <= 1e-4, f"{name}: relative error {error:.2e}"
+        torch.testing.assert_close(fast_grads[name], grad, rtol=1e-4, atol=1e-4 * grad.abs().max().item(), msg=name)
 
 
 def test_moe_lora_falls_back_to_peft_when_adapters_are_disabled():
