@@ -30,13 +30,13 @@ def _active_or_explain():
 
     root = home()
     problem = pointer_problem(root)
-    if problem:  # repaired under the install lock, so no install is switching at the same moment
+    if problem and any(receipt for _, receipt in state.list_envs(root)):  # under the lock: no install is switching now
         with InstallLock(root / LOCK_NAME):
             repaired = state.repair_current(root)
-        if repaired is None:
-            raise UnslothError(problem, "run `unsloth install` (or install.sh): it builds an environment and "
-                               "writes the pointer again", kept="no environment was touched")
         print(f"unsloth env: {problem}; repaired: it names {repaired} again", file=sys.stderr)
+    elif problem:
+        raise UnslothError(problem, "run `unsloth install` (or install.sh): it builds an environment and "
+                           "writes the pointer again", kept="no environment was touched")
     env = active_env(root)
     if env is None:
         print(f"unsloth env: no environment is installed under {home()}; run `unsloth install` "
