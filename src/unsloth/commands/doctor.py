@@ -43,7 +43,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from unsloth.doctor import render
     from unsloth.doctor.run import diagnose
-    from unsloth.platform.dump import write_dump
+    from unsloth.platform.dump import write_dump, write_reports
 
     if args.from_dir is not None and (args.dump is not None or args.python is not None):
         raise UsageError("--from reads another machine's dump; --dump and --python need this machine",
@@ -61,6 +61,12 @@ def run(args: argparse.Namespace) -> int:
               f"(read it back with `unsloth doctor --from {args.dump}`).", file=sys.stderr)
     report = diagnose(platform, source=str(args.from_dir) if args.from_dir else "live", python=args.python,
                       env_checks=not args.quick, timeout_s=args.timeout, timings=timings)
+    if args.dump is not None:
+        try:
+            write_reports(args.dump, {"detect": platform.to_json(),
+                                      "plan": report.plan.to_json() if report.plan is not None else None})
+        except OSError as exc:
+            return _usage(f"--dump {args.dump}: cannot write the dump there ({exc.strerror or exc}); pick another folder")
     if args.json:
         render.print_json(report.to_json())
     else:

@@ -173,15 +173,14 @@ def _print_plan(plan, as_json: bool) -> int:
     from rich.text import Text
 
     bnb, llama = plan.bitsandbytes, plan.llama_cpp
-    how = (f"prebuilt from {llama.get('index_url')}" if llama.get("how") == "wheel"
-           else f"source build, CMAKE_ARGS={llama.get('cmake_args')!r}")
+    how = f"prebuilt from {llama.index_url}" if llama.how == "wheel" else f"source build, CMAKE_ARGS={llama.cmake_args!r}"
     rows = {
         "support": f"{plan.support}: {plan.reason}",
         # device_reason already opens with the chosen GPU's label (name, arch, family).
         "device": plan.device_reason if plan.device else f"CPU — {plan.device_reason}",
         "torch": f"{plan.torch.backend} ({plan.torch.variant}) {plan.torch.version_spec or 'torch'} from {plan.torch.index_url}",
-        "bitsandbytes": (bnb.get("spec") or "none") + (f" — {bnb['note']}" if bnb.get("note") else ""),
-        "llama.cpp": f"{llama.get('backend')} — {how}",
+        "bitsandbytes": (bnb.spec or "none") + (f" — {bnb.note}" if bnb.note else ""),
+        "llama.cpp": f"{llama.backend} — {how}",
         "attention": plan.attention,
         "env": " ".join(f"{k}={v}" for k, v in plan.env.items()) or "-",
     }

@@ -276,6 +276,12 @@ def check_hsa_override(platform: Platform, plan: Plan | None, host: HostFacts | 
     if have is None:
         return None  # the managed environment sets the plan's value itself
     title = "HSA_OVERRIDE_GFX_VERSION"
+    per_node = sorted(k for k in (plan.env if plan is not None else {}) if k.startswith("HSA_OVERRIDE_GFX_VERSION_"))
+    if per_node:
+        return Finding("hsa-override", title, "error",
+                       f"Set to {have} for every AMD GPU, but they are of different targets: only the training GPU "
+                       f"needs it ({per_node[0]}={plan.env[per_node[0]]}, which the managed environment sets)",
+                       fix=_unset_fix(host), required=True)
     if wanted is not None:
         if have == wanted:
             return Finding("hsa-override", title, "ok", f"Set to {have}, as this GPU needs")

@@ -94,9 +94,11 @@ class _Offloader:
         self.keep_budget = _host_budget() if _replay_enabled() else 0
 
     def save(self, hidden: torch.Tensor, layer_index: int) -> "_Saved":
-        if layer_index == 0:  # a new forward pass (whatever happened to the last one)
+        # A new forward pass (whatever happened to the last one) starts at a layer not above the last
+        # one saved: not always layer 0, since a multimodal model's text-only batch skips its vision tower.
+        if not self.saved or layer_index <= self.saved[-1].layer_index:
             self._recycle()
-        entry = _Saved(self, len(self.saved))
+        entry = _Saved(self, len(self.saved), layer_index)
         entry.add(hidden)
         self.saved.append(entry)
         return entry
@@ -124,8 +126,8 @@ class _Saved:
     """One layer's input, then the outputs its modules keep: copied to pinned host memory on the side
     stream as they come, brought back together on demand."""
 
-    def __init__(self, offloader: _Offloader, index: int):
-        self.offloader, self.index = offloader, index
+    def __init__(self, offloader: _Offloader, index: int, layer_index: int):
+        self.offloader, self.index, self.layer_index = offloader, index, layer_index
         self.host: list[torch.Tensor] = []
         self.device: torch.device | None = None  # the GPU they came from; None: nothing was copied
         self.gpu: list[torch.Tensor] | None = None
@@ -195,10 +197,20 @@ class _Saved:
 
 
 class _CheckpointedLayer(torch.autograd.Function):
-    """Run a layer without keeping its activations; recompute them from its input in backward."""
+    """Run a layer without keeping its activations; recompute them from its input in backward.
+
+    The layer's trainable parameters (and any outside tensor it reads that needs a gradient) are
+    inputs of this Function, and its backward returns their gradients instead of accumulating them
+    itself: the autograd engine then accumulates each parameter once, through the outer graph.
+    That is what data-parallel training needs: DDP's per-parameter hooks fire once per step, and
+    its search for unused parameters (`find_unused_parameters`, what the Trainer asks for with a
+    PeftModel) finds these parameters in the graph instead of marking them unused in the forward
+    and then seeing them again in the recompute (DDP's "marked a variable ready only once" error).
+    FSDP2 gets the gradients on its unsharded parameters, as from an uncheckpointed layer.
+    """
 
     @staticmethod
-    def forward(ctx, run, offloader, layer_index, hidden):
+    def forward(ctx, run, offloader, layer_index, hidden, *extras):
         ctx.run = run
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
@@ -232,12 +244,15 @@ class _CheckpointedLayer(torch.autograd.Function):
             _recompute.active, _recompute.kept = True, kept
             try:
                 with torch.enable_grad():
-                    output = ctx.run(hidden)
+                    output, inputs = ctx.run(hidden, recompute=True)
             finally:
                 _recompute.active, _recompute.kept = state
         del kept
-        torch.autograd.backward(output, grad_output)
-        return (None, None, None, hidden.grad)
+        wanted = [hidden, *inputs]
+        grads = torch.autograd.grad(output, wanted, grad_output, allow_unused=True)
+        # A parameter the layer did not use still gets a (zero) gradient: DDP waits for every one.
+        grads = [torch.zeros_like(x) if g is None and x.requires_grad else g for g, x in zip(grads, wanted)]
+        return (None, None, None, *grads)
 
 
 def _checkpointed_forward(self, hidden_states, *args, **kwargs):
@@ -252,16 +267,34 @@ def _checkpointed_forward(self, hidden_states, *args, **kwargs):
         if kwargs.get(name) is not None:
             kwargs[name] = None
     returns_tuple = []
+    # Arguments that need a gradient (rare: the hidden state and masks do not) are inputs of the
+    # Function beside the parameters; the recompute reads them as fresh leaves to get theirs.
+    outside = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    outside += [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+    # Read per call: FSDP2 swaps its unsharded parameters in for the forward.
+    params = [p for p in self.parameters() if p.requires_grad]
 
-    def run(hidden):
-        out = original(hidden, *args, **kwargs)
+    def run(hidden, recompute=False):
+        call_args, call_kwargs = args, kwargs
+        leaves = []
+        if recompute and outside:
+            call_args, call_kwargs = list(args), dict(kwargs)
+            for key, tensor in outside:
+                leaves.append(tensor.detach().requires_grad_(True))
+                if isinstance(key, int):
+                    call_args[key] = leaves[-1]
+                else:
+                    call_kwargs[key] = leaves[-1]
+        out = original(hidden, *call_args, **call_kwargs)
         if isinstance(out, tuple):  # older transformers return (hidden_states, ...)
-            returns_tuple.append(out[1:])
-            return out[0]
-        return out
+            if not recompute:
+                returns_tuple.append(out[1:])
+            out = out[0]
+        return (out, leaves + params) if recompute else out
 
     offloader = self._unsloth_offloader
-    output = _CheckpointedLayer.apply(run, offloader, self._unsloth_layer_index, hidden_states)
+    output = _CheckpointedLayer.apply(run, offloader, self._unsloth_layer_index, hidden_states,
+                                      *(t for _, t in outside), *params)
     return (output, *returns_tuple[0]) if returns_tuple else output
 
 

@@ -21,14 +21,14 @@ from unsloth.matrix import Matrix
 from unsloth.plan.device import choose_device, host_fallback
 from unsloth.plan.extras import bitsandbytes_choice, llama_cpp_choice
 from unsloth.plan.fits import fits
-from unsloth.plan.model import NO_NOTES, Advice, Inputs, Overrides, Plan, TorchChoice
+from unsloth.plan.model import NO_NOTES, Advice, BitsAndBytes, FitRow, Fits, Inputs, LlamaCpp, Overrides, Plan, TorchChoice
 from unsloth.plan.runtime import user_env_advice
 from unsloth.plan.torch_channel import apply_pins, host_torch, torch_for_device
 from unsloth.plan.versions import gfx_of, os_cell, support_phrase, version_or_none
 from unsloth.platform.facts import Platform
 
-__all__ = ["Advice", "Overrides", "Plan", "TorchChoice", "gfx_of", "os_cell", "resolve", "support_phrase",
-           "version_or_none"]
+__all__ = ["Advice", "BitsAndBytes", "FitRow", "Fits", "LlamaCpp", "Overrides", "Plan", "TorchChoice", "gfx_of", "os_cell",
+           "resolve", "support_phrase", "version_or_none"]
 
 
 def resolve(platform: Platform, matrix: Matrix, *, overrides: Overrides | Mapping[str, str] | None = None) -> Plan:
@@ -82,7 +82,7 @@ def resolve(platform: Platform, matrix: Matrix, *, overrides: Overrides | Mappin
         attention=matrix.attention.get(torch.backend, "sdpa"),
         env=dict(sorted(env.items())),
         warnings=list(notes.warnings),
-        fits=fits(matrix, device, platform.ram_bytes, bitsandbytes["source"] != "none"),
+        fits=fits(matrix, device, platform.ram_bytes, bitsandbytes.available),
         sources=list(notes.sources),
         os=inputs.os,
         family=family.name if family else None,

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import re
-from typing import Any
-
-from unsloth.plan.model import NO_NOTES, Inputs, Notes, TorchChoice
+from unsloth.plan.model import NO_NOTES, BitsAndBytes, Inputs, LlamaCpp, Notes, TorchChoice
 from unsloth.plan.versions import compute_capability
 from unsloth.platform.facts import Gpu
 
-LLAMA_BACKEND = {"cuda": "cuda", "rocm": "hip", "mps": "metal", "cpu": "cpu"}
+# llama-cpp-python has no XPU (SYCL) wheel: Intel Arc runs GGUF through Vulkan.
+LLAMA_BACKEND = {"cuda": "cuda", "rocm": "hip", "mps": "metal", "cpu": "cpu", "xpu": "vulkan"}
 
 
 def bitsandbytes_choice(inputs: Inputs, torch: TorchChoice, device: Gpu | None,
-                        effective_arch: str | None) -> tuple[dict[str, Any], Notes]:
+                        effective_arch: str | None) -> tuple[BitsAndBytes, Notes]:
     if device is not None:
         cc = compute_capability(device) if torch.backend == "cuda" else None
         arch = effective_arch or device.arch
@@ -26,12 +25,12 @@ def bitsandbytes_choice(inputs: Inputs, torch: TorchChoice, device: Gpu | None,
                 continue
             if torch.backend == "rocm" and (inputs.platform.machine or "x86_64").lower() not in ("x86_64", "amd64"):
                 continue  # bitsandbytes ships ROCm kernels for x86-64 only
-            return {"source": "pypi", "spec": row.spec, "note": None}, NO_NOTES.cite(row.source)
+            return BitsAndBytes("pypi", row.spec), NO_NOTES.cite(row.source)
     note = "no bitsandbytes build for this device: QLoRA (4-bit) is unavailable, LoRA 16-bit works"
-    return {"source": "none", "spec": None, "note": note}, NO_NOTES
+    return BitsAndBytes("none", note=note), NO_NOTES
 
 
-def llama_cpp_choice(inputs: Inputs, torch: TorchChoice, effective_arch: str | None) -> tuple[dict[str, Any], Notes]:
+def llama_cpp_choice(inputs: Inputs, torch: TorchChoice, effective_arch: str | None) -> tuple[LlamaCpp, Notes]:
     matrix = inputs.matrix
     backend = LLAMA_BACKEND.get(torch.backend, "cpu")
     if backend == "cpu" and inputs.os != "macos" and any(g.vendor != "apple" for g in inputs.platform.gpus):
@@ -45,10 +44,9 @@ def llama_cpp_choice(inputs: Inputs, torch: TorchChoice, effective_arch: str | N
         tag = None  # the prebuilt wheel lacks this gfx target: build from source for it
     # "{arch}" names the gfx target; without one, drop that flag and let cmake build for the host's GPUs.
     cmake_args = row.cmake_args.replace("{arch}", arch) if arch else re.sub(r"\s*\S*\{arch\}\S*", "", row.cmake_args)
-    return {
-        "backend": row.backend,
-        "how": "wheel" if tag else "source",
-        "package": "llama-cpp-python",
-        "index_url": f"{matrix.urls['llama_cpp_wheels'].rstrip('/')}/{tag}" if tag else None,
-        "cmake_args": cmake_args,
-    }, NO_NOTES.cite(row.source)
+    return LlamaCpp(
+        backend=row.backend,
+        how="wheel" if tag else "source",
+        index_url=f"{matrix.urls['llama_cpp_wheels'].rstrip('/')}/{tag}" if tag else None,
+        cmake_args=cmake_args,
+    ), NO_NOTES.cite(row.source)

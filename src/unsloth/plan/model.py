@@ -29,24 +29,100 @@ class TorchChoice:
 
 
 @dataclass
+class BitsAndBytes:
+    """bitsandbytes (QLoRA's 4-bit kernels), where a build exists for the device."""
+
+    source: str  # "pypi" | "none"
+    spec: str | None = None  # "bitsandbytes>=0.46"
+    note: str | None = None  # why there is none
+
+    @property
+    def available(self) -> bool:
+        return self.source != "none"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> BitsAndBytes:
+        return cls(**data)
+
+
+@dataclass
+class LlamaCpp:
+    """llama-cpp-python (GGUF chat): a prebuilt wheel from `index_url`, or built with `cmake_args`."""
+
+    backend: str  # "cuda" | "hip" | "vulkan" | "metal" | "cpu"
+    how: str = "source"  # "wheel" | "source"
+    package: str = "llama-cpp-python"
+    index_url: str | None = None
+    cmake_args: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LlamaCpp:
+        return cls(**data)
+
+
+@dataclass
+class FitRow:
+    params_b: float  # model size, billions of parameters
+    qlora_gib: float  # memory QLoRA needs for it
+    lora16_gib: float  # memory 16-bit LoRA needs for it
+
+
+@dataclass
+class Fits:
+    """Which model sizes fit in the memory training runs in (hardware_matrix.toml [fits])."""
+
+    memory: str  # "vram" | "ram"
+    memory_gib: float | None = None  # None: the size is unknown
+    qlora_max_b: float | None = None  # None without bitsandbytes
+    lora16_max_b: float | None = None
+    table: list[FitRow] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Fits:
+        return cls(**{**data, "table": [FitRow(**row) for row in data.get("table", [])]})
+
+
+@dataclass
 class Plan:
     support: str  # "full" | "limited" | "unsupported"
     reason: str
     device: Gpu | None  # the compute device chosen, None for CPU
     device_reason: str
     torch: TorchChoice
-    bitsandbytes: dict[str, Any]  # {"source": "pypi"|"none", "spec": ..., "note": ...}
-    llama_cpp: dict[str, Any]  # {"backend": "cuda"|"hip"|"vulkan"|"metal"|"cpu", "cmake_args": ..., "how": ...}
+    bitsandbytes: BitsAndBytes
+    llama_cpp: LlamaCpp
     attention: str  # "sdpa" | "flash_attention_2" | "eager"
     env: dict[str, str]
     warnings: list[Advice] = field(default_factory=list)
-    fits: dict[str, Any] = field(default_factory=dict)  # model sizes the VRAM fits, per method
+    fits: Fits | None = None  # model sizes the memory fits, per method
     sources: list[str] = field(default_factory=list)  # the matrix rows' citations
     os: str | None = None  # the matrix OS cell: "linux" | "wsl" | "windows" | "macos"
     family: str | None = None  # the matrix family planned for ("RDNA3", "Ada", "CPU", ...)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Plan:
+        """A plan as `to_json` wrote it (a receipt's, or `unsloth install --dry-run --json`)."""
+        return cls(**{
+            **data,
+            "device": Gpu(**data["device"]) if data.get("device") else None,
+            "torch": TorchChoice(**data["torch"]),
+            "bitsandbytes": BitsAndBytes.from_json(data["bitsandbytes"]),
+            "llama_cpp": LlamaCpp.from_json(data["llama_cpp"]),
+            "warnings": [Advice(**advice) for advice in data.get("warnings", [])],
+            "fits": Fits.from_json(data["fits"]) if data.get("fits") else None,
+        })
 
 
 @dataclass(frozen=True)

@@ -6,20 +6,6 @@ from __future__ import annotations
 from unsloth.plan.model import NO_NOTES, Inputs, Notes
 from unsloth.plan.versions import gfx_of
 
-# Probes (detection's dump names) that only answer when ROCm is installed.
-ROCM_TOOLS = (
-    "rocminfo",
-    "rocminfo-no-override",
-    "amd-smi",
-    "amd-smi-list",
-    "amd-smi-version",
-    "rocm-smi",
-    "rocm-smi-json",
-    "hipconfig",
-    "rocm-version",
-)
-
-
 def env_rows(inputs: Inputs, backend: str) -> tuple[dict[str, str], Notes]:
     """The matrix's environment rows for this backend on this OS."""
     env: dict[str, str] = {}
@@ -32,9 +18,8 @@ def env_rows(inputs: Inputs, backend: str) -> tuple[dict[str, str], Notes]:
 
 
 def rocm_present(inputs: Inputs) -> bool:
-    """A ROCm version, or a ROCm tool that ran, shows ROCm is installed (even if its version is unknown)."""
-    platform = inputs.platform
-    return platform.rocm_version is not None or any(platform.probes.get(name) == "ok" for name in ROCM_TOOLS)
+    """A ROCm version, or a ROCm tool that answered, shows ROCm is installed (even if its version is unknown)."""
+    return inputs.platform.rocm_version is not None or bool(inputs.platform.rocm_installed)
 
 
 def rocm_runtime(inputs: Inputs) -> tuple[dict[str, str], Notes]:
@@ -101,6 +86,14 @@ def user_env_advice(inputs: Inputs, vendor: str | None, env: dict[str, str], eff
             )
         return NO_NOTES
     spoofs = platform.hsa_override_spoofs
+    per_node = sorted(k for k in env if k.startswith("HSA_OVERRIDE_GFX_VERSION_"))
+    if per_node:
+        return NO_NOTES.warn(
+            f"HSA_OVERRIDE_GFX_VERSION={value} changes every AMD GPU, but these GPUs are of different targets: "
+            f"the plan sets {per_node[0]}={env[per_node[0]]} for the training GPU alone.",
+            "unset HSA_OVERRIDE_GFX_VERSION, and remove it from ~/.bashrc or ~/.profile",
+            check="hsa-override",
+        )
     if value == env.get("HSA_OVERRIDE_GFX_VERSION"):
         return NO_NOTES  # exactly the override the plan sets
     if spoofs is False or (spoofs is None and gfx_of(value) == effective_arch):

@@ -1,5 +1,6 @@
 """Step 2: where PyTorch comes from for the chosen device: a CUDA build, a ROCm build, AMD's own
-wheels (Windows, and gfx targets PyTorch's ROCm builds do not ship), or CPU / MPS; then the user's pin."""
+wheels (Windows, and gfx targets PyTorch's ROCm builds do not ship), PyTorch's XPU build (Intel
+Arc), or CPU / MPS; then the user's pin."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def torch_for_device(inputs: Inputs, chosen: Candidate) -> tuple[TorchStep | Non
         return (TorchStep(torch) if torch else None), notes
     if chosen.family and chosen.family.vendor == "amd":
         return amd_choice(inputs, chosen.gpu, chosen.family)
+    if chosen.family and chosen.family.vendor == "intel" and inputs.matrix.xpu_torch:
+        torch = TorchChoice("xpu", "xpu", f"{inputs.pytorch}/xpu", torch_spec(inputs.matrix.xpu_torch))
+        return TorchStep(torch), NO_NOTES.cite(inputs.matrix.sources["xpu_wheels"])
     if chosen.family and chosen.family.vendor == "apple":
         torch, notes = host_torch(inputs, chosen.family)
         return TorchStep(torch), notes
@@ -123,10 +127,20 @@ def amd_choice(inputs: Inputs, gpu: Gpu, family: Family) -> tuple[TorchStep | No
         step, more = amd_wheels(inputs, family, arch, env)
         return step, notes + more
     if override:
-        env = {**env, "HSA_OVERRIDE_GFX_VERSION": override}
+        env = {**env, **override_env(inputs.platform.gpus, gpu, override)}
         notes = notes.cite(family.source)
     torch = TorchChoice("rocm", index.variant, f"{inputs.pytorch}/{index.variant}", torch_spec(index.torch))
     return TorchStep(torch, env, target), notes.cite(index.source)
+
+
+def override_env(gpus: list[Gpu], gpu: Gpu, override: str) -> dict[str, str]:
+    """HSA_OVERRIDE_GFX_VERSION changes every GPU the runtime opens: beside an AMD GPU of another
+    target (an iGPU next to a dGPU) it would make that one load this one's kernels too. Then the
+    per-node form, HSA_OVERRIDE_GFX_VERSION_<KFD node>, changes this GPU alone."""
+    others = [g for g in gpus if g is not gpu and g.vendor == "amd" and g.arch != gpu.arch]
+    if others and gpu.kfd_node is not None:
+        return {f"HSA_OVERRIDE_GFX_VERSION_{gpu.kfd_node}": override}
+    return {"HSA_OVERRIDE_GFX_VERSION": override}
 
 
 def rocm_index(inputs: Inputs, arch: str) -> tuple[RocmIndex | None, Notes]:

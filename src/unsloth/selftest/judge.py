@@ -106,7 +106,8 @@ def _could_not_run(result: dict[str, Any]) -> Verdict | None:
 def _judge_torch(result: dict[str, Any], context: _Context) -> Verdict:
     if not result["ok"]:
         return "error", f"torch does not import: {result['message']}", REINSTALL, True
-    if context.gpu_plan and result.get("backend") != context.backend:
+    # An Intel Arc (xpu) plan needs the XPU build too, though the GPU checks below only know CUDA/ROCm.
+    if (context.gpu_plan or context.backend == "xpu") and result.get("backend") != context.backend:
         return ("error", f"{result['message']}, but the plan needs a {context.backend} build "
                 f"({context.plan.torch.variant})", REINSTALL, True)
     return "ok", result["message"], None, True
@@ -138,7 +139,7 @@ def _judge_matmul(result: dict[str, Any], context: _Context) -> Verdict:
 
 
 def _judge_bitsandbytes(result: dict[str, Any], context: _Context) -> Verdict:
-    required = context.plan is not None and context.plan.bitsandbytes.get("source", "none") != "none"
+    required = context.plan is not None and context.plan.bitsandbytes.available
     if (skipped := _could_not_run(result)) is not None:
         return skipped
     if not result["ok"]:
@@ -166,7 +167,7 @@ def _judge_llama_cpp(result: dict[str, Any], context: _Context) -> Verdict:
         if left_out:
             return "skipped", f"Left out at install (--without {left_out[0]})", None, False
         return "warning", f"Does not load: {result['message']}; export and chat need it", REINSTALL, False
-    wants_gpu = context.plan is not None and context.plan.llama_cpp.get("backend", "cpu") != "cpu"
+    wants_gpu = context.plan is not None and context.plan.llama_cpp.backend != "cpu"
     if wants_gpu and not result.get("gpu_offload"):
         return "warning", f"{result['message']}: built without GPU offload, chat will be slow", REINSTALL, False
     return "ok", result["message"], None, False

@@ -131,6 +131,9 @@ def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool):
         "fp16": fp16,
         # Checkpointing is ours (per layer, offloaded); the Trainer's would recompute twice.
         "gradient_checkpointing": False,
+        # Under DDP: every trainable weight gets a gradient each step, so the per-step search of the
+        # graph for unused ones (the Trainer's default for a PeftModel) is skipped.
+        "ddp_find_unused_parameters": False,
         "dataloader_pin_memory": _on_gpu(),
         # Packing (best-fit decreasing) is padding-free: sequences share a row, positions restart per sequence.
         "packing": config.packing,
@@ -277,7 +280,11 @@ def resume_point(config: TrainConfig, echo: Callable[[str], None]) -> str | None
 
 
 def _save(model, tokenizer, trainer, config: TrainConfig) -> str | None:
+    from unsloth.models.distributed import is_main_process
+
     output = Path(config.output_dir)
+    if not is_main_process():  # data parallel: every rank holds the same weights; rank 0 writes them
+        return None
     if config.model.full_finetuning:
         trainer.save_model(str(output))
         tokenizer.save_pretrained(str(output))

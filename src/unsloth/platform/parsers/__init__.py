@@ -1,7 +1,7 @@
 """One parser per tool: raw text -> Findings. Pure; garbage yields unknown, never raises.
 
-Each module exposes ``parse(text) -> Findings``. ``PARSERS`` maps a dump file stem (probe name)
-to the parser that reads it; several probes may share one parser (amd-smi static/list/version).
+Each module exposes ``parse(text) -> Findings``. Each probe's row (``unsloth.platform.probes.PROBES``)
+names the parser that reads its dump file; several probes may share one parser (amd-smi static/list/version).
 """
 
 from __future__ import annotations
@@ -127,50 +127,9 @@ def key_values(text: str, sep: str = ":") -> dict[str, str]:
 
 @cache
 def _registry() -> dict[str, Callable[[str], Findings]]:
-    from unsloth.platform.parsers import (
-        amd_smi,
-        drm,
-        hipconfig,
-        host,
-        kfd,
-        lspci,
-        nvidia_driver_files,
-        nvidia_smi,
-        os_files,
-        rocm_smi,
-        rocm_version,
-        rocminfo,
-        system_profiler,
-        win32,
-    )
+    from unsloth.platform.probes import PARSERS  # each probe's row names its parser
 
-    return {
-        "nvidia-smi": nvidia_smi.parse,
-        "nvidia-smi-query": nvidia_smi.parse,
-        "proc-driver-nvidia-version": nvidia_driver_files.parse,
-        "sys-module-nvidia-version": nvidia_driver_files.parse,
-        "rocminfo": rocminfo.parse,
-        "rocminfo-no-override": rocminfo.parse,
-        "rocm-smi": rocm_smi.parse,
-        "rocm-smi-json": rocm_smi.parse,
-        "amd-smi": amd_smi.parse,
-        "amd-smi-list": amd_smi.parse,
-        "amd-smi-version": amd_smi.parse,
-        "hipconfig": hipconfig.parse,
-        "rocm-version": rocm_version.parse,
-        "kfd-topology": kfd.parse,
-        "drm": drm.parse,
-        "lspci": lspci.parse,
-        "proc-version": os_files.parse_kernel,
-        "uname": os_files.parse_kernel,
-        "os-release": os_files.parse_os_release,
-        "device-nodes": os_files.parse_device_nodes,
-        "win32-videocontroller": win32.parse,
-        "win-registry-video": win32.parse_registry,
-        "system-profiler": system_profiler.parse,
-        "host": host.parse_host,
-        "env": host.parse_env,
-    }
+    return PARSERS
 
 
 def parser_for(name: str) -> Callable[[str], Findings] | None:
