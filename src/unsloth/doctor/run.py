@@ -68,6 +68,7 @@ def machine_findings(platform: Platform, plan: Plan | None, plan_error: str | No
         checks.check_kfd_access(platform, plan, host),
         checks.check_dri_access(platform, plan, host),
         checks.check_hsa_override(platform, plan, host),
+        checks.check_multi_gpu(platform, host),
         checks.check_ram(platform),
         checks.check_disk(plan, host, env_installed),
     ]
