@@ -19,6 +19,8 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from unsloth.errors import ExitCode, UnslothError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
@@ -35,8 +37,10 @@ REQUIRED_URLS = ("pytorch", "pypi", "amd", "llama_cpp_wheels", "rocm_install", "
 ENV_VAR = "UNSLOTH_MATRIX"
 
 
-class MatrixError(ValueError):
+class MatrixError(UnslothError, ValueError):
     """The matrix file is missing, unparsable, or an entry in it is wrong."""
+
+    exit_code = ExitCode.USAGE
 
 
 @dataclass(frozen=True)
@@ -147,23 +151,34 @@ class Matrix:
 
 
 def default_path() -> Path:
-    """The packaged matrix (src/unsloth/hardware_matrix.toml links to the repository's copy)."""
+    """The packaged matrix, src/unsloth/hardware_matrix.toml: the one copy (a real file, not a link, so a
+    checkout without symlinks, as on Windows, has it too)."""
     return Path(__file__).with_name("hardware_matrix.toml")
 
 
 def load_matrix(path: str | os.PathLike[str] | None = None) -> Matrix:
     """Read and validate the matrix: `path`, else $UNSLOTH_MATRIX, else the packaged file."""
+    from_env = not path and bool(os.environ.get(ENV_VAR))
     chosen = Path(path or os.environ.get(ENV_VAR) or default_path())
+    hint = f" (set by {ENV_VAR})" if from_env else ""
+    fix = (f"point {ENV_VAR} at a valid hardware_matrix.toml, or unset it to use the packaged one" if from_env
+           else "reinstall unsloth: its packaged hardware_matrix.toml is damaged")
     try:
         text = chosen.read_text(encoding="utf-8")
     except OSError as exc:
-        hint = f" (set by {ENV_VAR})" if not path and os.environ.get(ENV_VAR) else ""
-        raise MatrixError(f"{chosen}{hint}: cannot read the hardware matrix: {exc.strerror or exc}") from exc
+        raise MatrixError(f"{chosen}{hint}: cannot read the hardware matrix: {exc.strerror or exc}", fix) from exc
+    except UnicodeDecodeError as exc:  # random bytes, a binary file
+        raise MatrixError(f"{chosen}{hint}: the hardware matrix is not text (byte {exc.start} is not UTF-8)",
+                          fix) from exc
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise MatrixError(f"{chosen}: not valid TOML: {exc}") from exc
-    return parse_matrix(data, str(chosen))
+        raise MatrixError(f"{chosen}{hint}: not valid TOML: {exc}", fix) from exc
+    try:
+        return parse_matrix(data, str(chosen))
+    except MatrixError as exc:
+        exc.fix = exc.fix or fix
+        raise
 
 
 def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:

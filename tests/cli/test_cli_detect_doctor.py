@@ -164,6 +164,11 @@ def test_dump_then_from_round_trip(capsys, tmp_path):
     assert code == 0
     assert again["platform"] == live["platform"] and again["plan"] == live["plan"]
     assert again["source"] == str(dump) and live["source"] == "live"
+    # The dump carries the live answers, and `detect --from` the dump reproduces them exactly.
+    assert json.loads((dump / "detect.json").read_text()) == live["platform"]
+    assert json.loads((dump / "plan.json").read_text()) == live["plan"]
+    code, detected, _ = run_json(capsys, "detect", "--json", "--from", str(dump))
+    assert code == 0 and detected == live["platform"]
 
 
 def test_doctor_quick_through_the_console_script_answers_fast(tmp_path):

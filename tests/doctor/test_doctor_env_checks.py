@@ -14,19 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from unsloth.doctor import env_probe
-from unsloth.doctor.env_checks import (
-    EnvTarget,
-    ProbeRun,
-    check_env,
-    parse_probe_output,
-    probe_findings,
-    run_env_probe,
-)
+from unsloth.doctor.env_checks import EnvTarget, check_env
 from unsloth.envs.receipt import hardware_fingerprint
+from unsloth.plan import BitsAndBytes
 from unsloth.platform.facts import Platform
+from unsloth.selftest.judge import probe_findings
+from unsloth.selftest.parse import parse_probe_output
+from unsloth.selftest.run import ProbeRun, run_env_probe
+from unsloth.selftest.script import CHECKS
 
-IDS = [f"env-{name.replace('_', '-')}" for name in env_probe.CHECKS]
+IDS = [f"env-{name.replace('_', '-')}" for name in CHECKS]
 
 
 def line(check: str, ok, message: str = "", **facts) -> dict:
@@ -106,7 +103,7 @@ def test_optional_parts(make_plan, rtx4090):
     run = healthy_gpu_run()
     run.results["bitsandbytes"] = line("bitsandbytes", False, "ModuleNotFoundError: No module named 'bitsandbytes'")
     run.results["llama_cpp"] = line("llama_cpp", False, "ModuleNotFoundError: No module named 'llama_cpp'")
-    no_bnb = make_plan("cuda", "cu130", rtx4090, bitsandbytes={"source": "none"})
+    no_bnb = make_plan("cuda", "cu130", rtx4090, bitsandbytes=BitsAndBytes("none"))
     found = by_id(probe_findings(run, Platform(gpus=[rtx4090]), no_bnb, without=("llama-cpp",)))
     assert found["env-bitsandbytes"].status == "skipped"
     assert found["env-llama-cpp"].message == "Left out at install (--without llama-cpp)"
@@ -201,7 +198,7 @@ def test_the_probe_runs_under_the_plans_env_vars_from_a_clean_folder(tmp_path, m
     python = _fake_python(tmp_path, 'printf \'{"check": "torch", "ok": true, "message": "%s|%s|%s"}\\n\' '
                                     '"$HSA_OVERRIDE_GFX_VERSION" "${PYTHONPATH:-unset}" "$(ls)"')
     run = run_env_probe(python, "rocm", timeout_s=10, plan_env={"HSA_OVERRIDE_GFX_VERSION": "11.0.0"})
-    assert run.results["torch"]["message"] == "11.0.0|unset|env_probe.py"
+    assert run.results["torch"]["message"] == "11.0.0|unset|selftest.py"
 
 
 GPU_BACKEND = "rocm" if os.path.exists("/dev/kfd") else "cuda" if shutil.which("nvidia-smi") else None

@@ -139,6 +139,50 @@ def test_kept_outputs_changed_in_place_are_not_replayed():
     assert set(kept) == {"untouched"} and torch.equal(kept["untouched"][0][0], torch.ones(2))
 
 
+def test_a_pass_that_starts_above_layer_zero_still_recycles_the_last_one():
+    """A multimodal model's text-only batches never run its vision tower's layers (numbered first)."""
+    from unsloth.models.checkpointing import _Offloader
+
+    offloader = _Offloader()
+    for _ in range(3):
+        for layer in (5, 6, 7):
+            offloader.save(torch.zeros(3), layer)
+        assert [entry.layer_index for entry in offloader.saved] == [5, 6, 7]
+
+
+class _SideInputLayer(torch.nn.Linear):
+    def forward(self, x, side, **kwargs):  # as transformers' layers take use_cache and others
+        return torch.tanh(super().forward(x) * side)
+
+
+class _LayersWithASharedInput(torch.nn.Module):
+    """Each layer takes the hidden state and a tensor computed once for all of them (as Gemma 4's
+    per-layer inputs are), which needs a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = torch.nn.Linear(8, 8)
+        self.layers = torch.nn.ModuleList(_SideInputLayer(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        side = self.shared(x)
+        for layer in self.layers:
+            x = layer(x, side)
+        return x.square().sum()
+
+
+@pytest.mark.parametrize("mode", [True, "unsloth"])
+def test_a_layer_argument_that_needs_a_gradient_gets_it_through_the_checkpoint(mode):
+    reference, checkpointed = _LayersWithASharedInput(), _LayersWithASharedInput()
+    assert apply_gradient_checkpointing(checkpointed, mode) == 3
+    x = torch.randn(2, 8)
+    reference(x).backward()
+    checkpointed(x).backward()
+    for (name, p), q in zip(reference.named_parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
 def test_replay_can_be_switched_off(monkeypatch):
     from unsloth.models.checkpointing import _Offloader
 

@@ -94,14 +94,16 @@ def test_patched_matches_unpatched(family, checkpointing, monkeypatch):
     assert sum(replayed) == (4 * layers if checkpointing else 0)
 
 
-def test_unknown_family_trains_unpatched_and_says_so(caplog):
+def test_without_kernels_a_model_trains_unpatched_and_says_so(caplog, monkeypatch):
+    monkeypatch.setenv("UNSLOTH_KERNELS", "0")
     model = tiny_model("phi")
     with caplog.at_level("INFO", logger="unsloth"):
         report = patch_model(model)
-    assert report.skipped and "transformers + peft" in report.skipped
-    assert "phi: unpatched" in caplog.text
+    assert report.skipped and "UNSLOTH_KERNELS=0" in report.skipped
+    assert "phi: unpatched" in caplog.text and "transformers + peft" in caplog.text
     ids, labels = _batch()
     model = _with_lora(model)
+    assert patch_peft_model(model).lora == {}
     model.train()
     loss = model(input_ids=ids, labels=labels).loss
     loss.backward()

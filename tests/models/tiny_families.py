@@ -1,4 +1,4 @@
-"""Tiny random-weight models of each patched family (hidden 64, 2 layers, vocab 300)."""
+"""Tiny random-weight models of each family we test (hidden 64, 2 layers, vocab 300)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,29 @@ def family_config(family: str):
     if family == "phi":
         return t.PhiConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4)
+    if family == "qwen3_5_text":  # Gated DeltaNet layers with one full-attention layer every 2
+        return t.Qwen3_5TextConfig(**COMMON, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                                   linear_num_key_heads=2, linear_num_value_heads=4,
+                                   layer_types=["linear_attention", "full_attention"])
+    if family == "gemma4_text":  # per-layer input embeddings, a sliding and a full layer
+        return t.Gemma4TextConfig(**COMMON, head_dim=16, sliding_window=64, vocab_size_per_layer_input=VOCAB,
+                                  hidden_size_per_layer_input=8, final_logit_softcapping=30.0,
+                                  layer_types=["sliding_attention", "full_attention"])
+    if family == "smollm3":
+        return t.SmolLM3Config(**COMMON, pad_token_id=None)
+    if family == "olmo2":
+        return t.Olmo2Config(**COMMON)
+    if family == "phi3":
+        return t.Phi3Config(**COMMON, pad_token_id=None)
+    if family == "granite":
+        return t.GraniteConfig(**COMMON, logits_scaling=4.0, residual_multiplier=0.5, embedding_multiplier=2.0)
+    if family == "glm4":
+        return t.Glm4Config(**COMMON, head_dim=16, pad_token_id=None)
+    if family == "ministral3":
+        return t.Ministral3Config(**COMMON, head_dim=16)
+    if family == "gpt_oss":
+        return t.GptOssConfig(**{**COMMON, "intermediate_size": 64}, head_dim=16, num_local_experts=4,
+                              num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])
     raise KeyError(family)
 
 
@@ -38,7 +61,7 @@ def tiny_model(family: str, seed: int = 0, dtype=torch.float32):
 
     torch.manual_seed(seed)
     config = family_config(family)
-    config._attn_implementation = "eager" if family == "gemma2" else "sdpa"
+    config._attn_implementation = "eager" if family in ("gemma2", "gpt_oss") else "sdpa"
     model = AutoModelForCausalLM.from_config(config).to(dtype)
     with torch.no_grad():  # random norm weights, so a wrong (1 + w) convention cannot hide
         for name, p in model.named_parameters():
@@ -56,3 +79,15 @@ def tiny_llama():
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     return LlamaForCausalLM(config).eval()
+
+
+def save_tiny(family: str, directory):
+    """A loadable folder: the tiny random model of `family` and a word-level tokenizer of its vocab."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tiny_model(family).save_pretrained(directory)
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t1", unk_token="t0").save_pretrained(directory)
+    return directory

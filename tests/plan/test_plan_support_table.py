@@ -26,6 +26,7 @@ REPRESENTATIVE = {
     "Ada": nvidia("sm_89", name="GeForce RTX 4090"),
     "Hopper": nvidia("sm_90", name="H100"),
     "Blackwell": nvidia("sm_120", name="GeForce RTX 5090"),
+    "GCN": amd("gfx702", name="Radeon R9 390"),
     "GCN5": amd("gfx906", name="Radeon VII"),
     "CDNA1": amd("gfx908", name="Instinct MI100"),
     "CDNA2": amd("gfx90a", name="Instinct MI250X"),
@@ -50,7 +51,7 @@ for os_name in GPU_OSES:
     EXPECTED[("Pascal", os_name)] = ("limited", "cuda", "cu126", NO_ENV, "pypi", "cuda")
     EXPECTED[("Volta", os_name)] = ("limited", "cuda", "cu126", NO_ENV, "pypi", "cuda")
     EXPECTED[("Kepler", os_name)] = ("unsupported", "cpu", "cpu", NO_ENV, "none", "vulkan")
-    for family in ("GCN5", "RDNA1", "Intel"):
+    for family in ("GCN", "GCN5", "RDNA1", "Intel"):
         EXPECTED[(family, os_name)] = ("unsupported", "cpu", "cpu", NO_ENV, "none", "vulkan")
     EXPECTED[("Apple", os_name)] = ("unsupported", "cpu", "cpu", NO_ENV, "none", "cpu")
     EXPECTED[("CPU", os_name)] = ("limited", "cpu", "cpu", NO_ENV, "none", "cpu")
@@ -98,8 +99,8 @@ def test_cell(matrix, family, os_name):
 
     assert (plan.support, plan.torch.backend, plan.torch.variant) == (support, backend, variant)
     assert plan.env == env
-    assert plan.bitsandbytes["source"] == bnb
-    assert plan.llama_cpp["backend"] == llama
+    assert plan.bitsandbytes.source == bnb
+    assert plan.llama_cpp.backend == llama
     assert plan.os == os_name
     assert plan.reason and plan.sources
     if os_name == "windows" or family not in ("RDNA2",):

@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from unsloth.errors import ExitCode, UnslothError, UsageError
+
 # Common settings with their own flag; anything else goes through --set key.path=value.
 _FLAGS = {
     "model": "model.name",
@@ -84,10 +86,8 @@ def run(args: argparse.Namespace) -> int:
     if args.demo:
         return _demo(args)
     if not args.config:
-        print("unsloth train: give a config file (unsloth train my.toml), or try `unsloth train --demo`",
-              file=sys.stderr)
-        return 2
-    from unsloth.training.config import ConfigError, load_config
+        raise UsageError("no config file given", "unsloth train my.toml, or try `unsloth train --demo`")
+    from unsloth.training.config import load_config
 
     overrides = list(args.overrides)
     for flag, key in _FLAGS.items():
@@ -96,14 +96,10 @@ def run(args: argparse.Namespace) -> int:
             overrides.append(f"{key}={value}")
     if args.resume is not None:
         overrides.append(f"resume={args.resume if isinstance(args.resume, str) else 'true'}")
-    try:
-        config = load_config(args.config, overrides)
-        if args.gpus is not None and "LOCAL_RANK" not in os.environ:
-            return _launch(args.gpus, config, [args.config, *(f"--set={item}" for item in overrides)])
-        return _train(config)
-    except ConfigError as exc:
-        print(f"unsloth train: {exc}", file=sys.stderr)
-        return 2
+    config = load_config(args.config, overrides)  # a ConfigError says what and how, before any work
+    if args.gpus is not None and "LOCAL_RANK" not in os.environ:
+        return _launch(args.gpus, config, [args.config, *(f"--set={item}" for item in overrides)])
+    return _train(config)
 
 
 def _launch(gpus: str, config, train_args: list[str]) -> int:
@@ -126,16 +122,16 @@ def _train(config) -> int:
 
     try:
         result = train(config)
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as exc:
         batch = config.training.get("per_device_train_batch_size", 2)
-        print(out_of_memory_advice(batch, config.model.max_seq_length, config.model.load_in_4bit),
-              file=sys.stderr)
-        print(f"(checkpoints so far are kept in {config.output_dir}; add --resume to continue)", file=sys.stderr)
-        return 3
+        raise UnslothError("out of GPU memory",
+                           out_of_memory_advice(batch, config.model.max_seq_length, config.model.load_in_4bit),
+                           kept=f"checkpoints so far are kept in {config.output_dir} (add --resume to continue)",
+                           exit_code=ExitCode.OUT_OF_MEMORY) from exc
     except KeyboardInterrupt:
         print(f"\nunsloth train: interrupted; checkpoints so far are kept in {config.output_dir} "
               "(add --resume to continue)", file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     print(f"done: adapters in {result.output_dir}/lora" + (f", merged model in {result.merged_dir}"
@@ -149,8 +145,8 @@ def _demo(args: argparse.Namespace) -> int:
     kwargs = {"output_dir": args.output_dir or DEFAULT_OUTPUT}
     if args.max_steps is not None:
         if args.max_steps < 1:
-            print("unsloth train: --max-steps must be 1 or more", file=sys.stderr)
-            return 2
+            raise UsageError(f"--max-steps must be 1 or more (got {args.max_steps})", "--max-steps 150 (the default)",
+                             kept="nothing was trained")
         kwargs["max_steps"] = args.max_steps
     result = run_demo(**kwargs)
     return 0 if result.losses[-1] < result.losses[0] else 1

@@ -23,22 +23,27 @@ from rich.markup import escape
 
 from unsloth import __version__
 from unsloth.envs import steps as plan_steps
-from unsloth.envs.paths import env_python, env_scripts, envs_dir, home
+from unsloth.envs.paths import build_caches, env_python, env_scripts, envs_dir, home
 from unsloth.envs.receipt import digest, hardware_fingerprint, utc_now, write_receipt
 from unsloth.envs.runner import Step, StepFailed, run_step
 from unsloth.envs.sources import TORCH_FAMILY, local_listings, torch_source
 from unsloth.envs.steps import Request, Tool
 from unsloth.envs.verify import problems
+from unsloth.errors import UnslothError
+from unsloth.selftest.judge import probe_findings
+from unsloth.selftest.parse import parse_probe_output, verification
+from unsloth.selftest.run import copy_script, run_env_probe
+from unsloth.selftest.script import IMPORTS
 
 TRAIN_IMPORTS = ["transformers", "peft", "trl", "accelerate", "datasets"]
 
 
-class BuildFailed(Exception):
+class BuildFailed(UnslothError):
     """The new environment does not fit the plan; it has been removed, the active one is untouched."""
 
     def __init__(self, message: str, found: list[str], fix: str, log: Path | None = None):
-        super().__init__(message)
-        self.found, self.fix, self.log = found, fix, log
+        super().__init__(message, fix)
+        self.found, self.log = found, log
 
 
 def find_uv() -> str | None:
@@ -167,7 +172,8 @@ def _build(
     count = iter(range(1, 100))
 
     def run(step: Step) -> str:
-        step.env = {**request.sources.env(os.environ), **step.env}  # our sources only, nothing pip or uv adds
+        # Our sources only, nothing pip or uv adds; downloads and built wheels in our caches.
+        step.env = {**build_caches(env.parent.parent), **request.sources.env(os.environ), **step.env}
         return run_step(step, logs, console, next(count))
 
     env.mkdir(parents=True)
@@ -217,7 +223,7 @@ def _build(
                           f"Log: {escape(str(exc.log))}\n  {escape(exc.fix)}")
             optional_failed["llama-cpp"] = str(exc.log)
 
-    probe = _verify(run, python, plan, request, optional_failed)
+    probe = _verify(run, python, plan, request, optional_failed, logs)
     if doctor_checks:
         _doctor_checks(python, plan, platform, request, logs, console)
     receipt = {
@@ -244,19 +250,21 @@ def _build(
     return env
 
 
-def _verify(run, python: Path, plan, request: Request, optional_failed: dict[str, str]) -> dict[str, Any]:
+def _verify(run, python: Path, plan, request: Request, optional_failed: dict[str, str], logs: Path) -> dict[str, Any]:
     required = ["unsloth"] + ([] if "train" in request.without else TRAIN_IMPORTS)
-    if plan.bitsandbytes.get("source") not in (None, "none") and "bitsandbytes" not in request.without:
+    if plan.bitsandbytes.available and "bitsandbytes" not in request.without:
         required.append("bitsandbytes")
     if not {"export", "llama-cpp"} & (set(request.without) | set(optional_failed)):
         required.append("llama_cpp")
-    probe_step = Step("verify", "Verify: imports, the torch build, the GPU", [str(python), "-m", "unsloth.envs.probe"])
-    output = run(probe_step).strip()
-    try:
-        probe = json.loads(output.splitlines()[-1])  # the probe prints its JSON last
-    except (IndexError, ValueError):
-        raise BuildFailed("the verify step printed no result", [output[-2000:] or "(no output)"],
-                          "See the verify log; `unsloth install --force` builds again from scratch.") from None
+    script = copy_script(logs)
+    probe_step = Step("verify", "Verify: imports, the torch build, the GPU",
+                      [str(python), str(script), "--backend", plan.torch.backend, "--only", "torch", "--imports", *IMPORTS])
+    output = run(probe_step)
+    results = parse_probe_output(output)
+    if "packages" not in results:  # it prints its packages last
+        raise BuildFailed("the verify step printed no result", [output.strip()[-2000:] or "(no output)"],
+                          "See the verify log; `unsloth install --force` builds again from scratch.")
+    probe = verification(results)
     found = problems(plan.torch.backend, probe, required)
     if found:
         wrong_torch = any(problem.startswith("torch ") for problem in found)
@@ -269,8 +277,6 @@ def _verify(run, python: Path, plan, request: Request, optional_failed: dict[str
 
 def _doctor_checks(python: Path, plan, platform, request: Request, logs: Path, console: Console) -> None:
     """doctor's environment checks (a real matmul, bitsandbytes, Triton, llama.cpp) must not fail."""
-    from unsloth.doctor.env_checks import probe_findings, run_env_probe
-
     with console.status("Doctor's environment checks"):
         run = run_env_probe(python, plan.torch.backend)
     findings = probe_findings(run, platform, plan, request.without)

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from rich.console import Console
 from rich.markup import escape
@@ -22,13 +20,37 @@ from rich.markup import escape
 from unsloth.envs import launcher, state
 from unsloth.envs.build import BuildFailed, build, default_python, request_hash, source_identity
 from unsloth.envs.lock import InstallLock
-from unsloth.envs.paths import CURRENT, LOCK_NAME, PREVIOUS, active_env, bin_dir, is_windows
+from unsloth.envs.paths import CACHE, CURRENT, LOCK_NAME, PREVIOUS, active_env, bin_dir, is_windows
 from unsloth.envs.receipt import hardware_fingerprint, read_receipt
 from unsloth.envs.runner import StepFailed
 from unsloth.envs.sources import Sources, parse_pip_config
 from unsloth.envs.steps import DIST_NAME, Request
+from unsloth.interrupts import signals_as_interrupt
 
-KEEP_ON_UNINSTALL_HINT = "model caches (~/.cache/huggingface) and your training outputs are kept"
+def folder_size(path: Path) -> int:
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _size(n: int) -> str:
+    return f"{n / 1024**3:.1f} GB" if n >= 1024**3 else f"{n / 1024**2:.0f} MB"
+
+
+def kept_caches(root: Path, environ=os.environ) -> list[tuple[str, Path, int]]:
+    """What `uninstall` leaves: (what it is and how to remove it, folder, bytes), for folders that exist."""
+    hf = Path(environ.get("HF_HOME") or Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface")
+    rows = [("our build caches (uv and pip downloads); `unsloth uninstall --purge` removes them", root / CACHE),
+            ("Hugging Face models and datasets: yours, kept", hf)]
+    for name, tool in (("UV_CACHE_DIR", "uv cache clean"), ("PIP_CACHE_DIR", "pip cache purge")):
+        if environ.get(name):
+            rows.append((f"the cache you chose with {name}: kept (`{tool}` empties it)", Path(environ[name])))
+    return [(what, path, folder_size(path)) for what, path in rows if path.is_dir()]
 
 
 @dataclass
@@ -73,22 +95,6 @@ def active_request(root: Path) -> dict:
     """What the active environment was built from (its receipt's request), or {}."""
     env = active_env(root)
     return ((read_receipt(env) or {}).get("request") or {}) if env else {}
-
-
-@contextmanager
-def signals_as_interrupt() -> Iterator[None]:
-    """SIGTERM / SIGHUP clean up like Ctrl-C: the half-built environment is removed."""
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    names = [name for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
-    old = {name: signal.signal(getattr(signal, name), interrupt) for name in names}
-    try:
-        yield
-    finally:
-        for name, handler in old.items():
-            signal.signal(getattr(signal, name), handler)
 
 
 def locked(root: Path, console: Console) -> InstallLock:
@@ -194,11 +200,13 @@ def uninstall(root: Path, console: Console, purge: bool = False) -> int:
     ours = launcher.is_ours(script)  # never delete an `unsloth` we did not write
     for path in ([script] if ours else []) + folders + ([root] if purge else []):
         console.print(f"removing {path}")
-    kept = "" if purge else f"; {KEEP_ON_UNINSTALL_HINT}"
+    caches = [row for row in kept_caches(root) if not (purge and row[1].is_relative_to(root))]
     with locked(root, console):
         for changed in launcher.remove_from_path(bin_dir()):
             console.print(f"removed the PATH line from {changed}")
-        console.print(f"[green]Uninstalled[/]{kept}.")
+        console.print("[green]Uninstalled[/]; your training outputs are kept.")
+        for what, path, size in caches:
+            console.print(f"  kept {escape(str(path))} ({_size(size)}): {escape(what)}")
         console.file.flush()
         if ours:
             script.unlink(missing_ok=True)

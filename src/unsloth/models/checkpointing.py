@@ -94,9 +94,11 @@ class _Offloader:
         self.keep_budget = _host_budget() if _replay_enabled() else 0
 
     def save(self, hidden: torch.Tensor, layer_index: int) -> "_Saved":
-        if layer_index == 0:  # a new forward pass (whatever happened to the last one)
+        # A new forward pass (whatever happened to the last one) starts at a layer not above the last
+        # one saved: not always layer 0, since a multimodal model's text-only batch skips its vision tower.
+        if not self.saved or layer_index <= self.saved[-1].layer_index:
             self._recycle()
-        entry = _Saved(self, len(self.saved))
+        entry = _Saved(self, len(self.saved), layer_index)
         entry.add(hidden)
         self.saved.append(entry)
         return entry
@@ -124,8 +126,8 @@ class _Saved:
     """One layer's input, then the outputs its modules keep: copied to pinned host memory on the side
     stream as they come, brought back together on demand."""
 
-    def __init__(self, offloader: _Offloader, index: int):
-        self.offloader, self.index = offloader, index
+    def __init__(self, offloader: _Offloader, index: int, layer_index: int):
+        self.offloader, self.index, self.layer_index = offloader, index, layer_index
         self.host: list[torch.Tensor] = []
         self.device: torch.device | None = None  # the GPU they came from; None: nothing was copied
         self.gpu: list[torch.Tensor] | None = None

@@ -150,7 +150,9 @@ def load_pretrained(
         for p in model.parameters():
             p.requires_grad_(p.is_floating_point())
         model._unsloth_checkpointing = use_gradient_checkpointing
-        apply_gradient_checkpointing(model, use_gradient_checkpointing)
+        _record_checkpointing(model, apply_gradient_checkpointing(model, use_gradient_checkpointing),
+                              use_gradient_checkpointing)
+        _say_what_is_fast(model)
     else:
         model.requires_grad_(False)  # LoRA adapters come next and are the only trainable weights
     return model, _prepare_tokenizer(tokenizer, max_seq_length)
@@ -177,15 +179,22 @@ def add_lora(
     """Add LoRA adapters (peft) and route the LoRA layers through our fast paths. Returns the PeftModel."""
     from peft import LoraConfig, get_peft_model
 
-    for name in sorted(set(kwargs) & (_ACCEPTED_UNUSED | {"finetune_last_n_layers", "target_parameters"})):
+    from unsloth.models.patches.moe import expert_target_parameters
+
+    target_parameters = kwargs.pop("target_parameters", None) or []
+    for name in sorted(set(kwargs) & (_ACCEPTED_UNUSED | {"finetune_last_n_layers"})):
         kwargs.pop(name)
     torch.manual_seed(random_state)
+    target_modules = list(target_modules or DEFAULT_TARGETS)
+    # packed MoE experts are parameters, not modules: peft adapts them through target_parameters
+    target_parameters = list(dict.fromkeys([*target_parameters, *expert_target_parameters(model, target_modules)]))
     config = LoraConfig(
         r=r,
         lora_alpha=lora_alpha,
         lora_dropout=lora_dropout,
         bias=bias,
-        target_modules=list(target_modules or DEFAULT_TARGETS),
+        target_modules=target_modules,
+        target_parameters=target_parameters or None,
         layers_to_transform=layers_to_transform,
         layers_pattern=layers_pattern,
         use_rslora=use_rslora,
@@ -198,17 +207,40 @@ def add_lora(
     peft_model = get_peft_model(model, config)
     peft_model.max_seq_length = max_seq_length or getattr(model, "max_seq_length", None)
     peft_model._unsloth_checkpointing = use_gradient_checkpointing
-    apply_gradient_checkpointing(peft_model.get_base_model(), use_gradient_checkpointing)
+    base = peft_model.get_base_model()
+    layers = apply_gradient_checkpointing(base, use_gradient_checkpointing)
+    _record_checkpointing(base, layers, use_gradient_checkpointing)
     patch_peft_model(peft_model)
     wanted = getattr(model, "_unsloth_offload_embedding", None)
     if wanted and world_size() > 1:
         log.warning("unsloth: offload_embedding: off in a job of several processes (DDP and FSDP keep "
                     "every weight on the rank's GPU).")
-    if wanted is not False and world_size() == 1:
+    if wanted is False:
+        reason = "offload_embedding=False"
+    elif world_size() > 1:
+        reason = "a job of several processes"
+    else:
         reason = offload_input_embedding(peft_model)
-        if reason and wanted:
-            log.warning("unsloth: offload_embedding: the input embedding stays on the GPU: %s.", reason)
+    if reason and wanted and world_size() == 1:
+        log.warning("unsloth: offload_embedding: the input embedding stays on the GPU: %s.", reason)
+    report = getattr(base, "_unsloth_patches", None)
+    if report is not None:
+        report.embedding = reason or "host memory"
+    _say_what_is_fast(base)
     return peft_model
+
+
+def _record_checkpointing(model, layers: int, mode) -> None:
+    report = getattr(model, "_unsloth_patches", None)
+    if report is not None:
+        report.checkpointed, report.offloaded = layers, mode == "unsloth" and torch.cuda.is_available()
+
+
+def _say_what_is_fast(model) -> None:
+    """The load message: which parts of this model run through our code and which do not."""
+    report = getattr(model, "_unsloth_patches", None)
+    if report is not None:
+        log.info(report.summary())
 
 
 def model_config(model):

@@ -1,14 +1,20 @@
-"""Per-family patch registry: which of our kernels go into which model families.
+"""Patch registry: the generic fast path for every decoder, then per-family kernels on top.
 
 Every patch is found and checked by behaviour (the module's own output on a probe input), never
 by copying library source, so it holds across transformers releases: a module that stops
-matching simply stays unpatched. Families outside the registry train unpatched through
-transformers + peft, and we say so.
+matching simply stays unpatched.
+
+Any causal LM transformers loads gets the generic fast path first: the fused linear cross-entropy
+on its LM head (here) and the LoRA fast path on every adapted nn.Linear (`patch_peft_model`);
+the loader adds our offloaded gradient checkpointing on its decoder layers and the input-embedding
+offload. Families in FAMILIES also get their norms, RoPE and gated MLP through our kernels.
+UNSLOTH_FAMILY_PATCHES=0 keeps a model on the generic path (to compare, or to rule patches out).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -16,14 +22,15 @@ from torch import nn
 from unsloth.models.kernels import unavailable_reason
 from unsloth.models.patches.loss import patch_loss
 from unsloth.models.patches.mlp import patch_mlps
+from unsloth.models.patches.moe import patch_moe_experts
 from unsloth.models.patches.norms import patch_rms_norms
 from unsloth.models.patches.probe import module_device_dtype
 from unsloth.models.patches.rope import patch_rope
 
 log = logging.getLogger("unsloth")
 
-# model_type -> the patches that family gets (all of them for the decoder families we know).
-ALL = ("rms_norm", "rope", "mlp", "loss", "lora")
+# model_type -> the family patches it gets on top of the generic path.
+ALL = ("rms_norm", "rope", "mlp")
 FAMILIES: dict[str, tuple[str, ...]] = {
     "llama": ALL,
     "mistral": ALL,
@@ -34,43 +41,110 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "gemma3_text": ALL,
 }
 
+# Mixture-of-experts families: their packed experts also run as our grouped GEMMs ("moe"); the
+# other patches cover what these models share with dense ones (norms, RoPE, shared-expert MLPs).
+MOE = ALL + ("moe",)
+MOE_NO_ROPE = tuple(p for p in MOE if p != "rope")
+MOE_FAMILIES: dict[str, tuple[str, ...]] = {
+    # gpt-oss rotates with half-width cos/sin tables of its own (and keeps its attention sinks and
+    # sliding window): its RoPE stays transformers' (our RoPE patch broke it on a tiny model).
+    "gpt_oss": MOE_NO_ROPE,
+    "qwen3_moe": MOE,
+    "qwen3_5_moe_text": MOE,
+    "qwen2_moe": MOE,
+    "mixtral": MOE,
+    "olmoe": MOE,
+    "deepseek_v3": MOE,
+    "glm4_moe": MOE,
+    "gemma4_text": MOE,
+}
+
 # Families whose decoder layer adds the MLP's output straight to the residual stream, with no norm
 # after it (Gemma 2 and 3 have one): a checkpoint's recompute pass never reads that output, so the
 # fused MLP skips its down projection there. tests/models checks each family's gradients with it.
 MLP_FEEDS_RESIDUAL = {"llama", "mistral", "qwen2", "qwen3", "gemma"}
 
 
+def family_patches_enabled() -> bool:
+    return os.environ.get("UNSLOTH_FAMILY_PATCHES", "1") != "0"
+
+
 @dataclass
 class PatchReport:
-    """What was patched in one model (counts of modules), and why not when nothing was."""
+    """What runs through our code in one model (counts of modules), and why the rest does not."""
 
     family: str
     rms_norm: int = 0
     rope: int = 0
     mlp: int = 0
+    moe: int = 0
     loss: bool = False
     lora: dict[str, int] = field(default_factory=dict)
-    skipped: str | None = None
+    checkpointed: int | None = None  # decoder layers under our checkpointing; None: not applied yet
+    offloaded: bool = False  # checkpointed layers' inputs go to host memory
+    embedding: str | None = None  # "host memory", or why the input embedding stays on the GPU
+    skipped: str | None = None  # why nothing at all is patched (kernels unavailable)
+    generic_only: str | None = None  # why the family patches were not applied
+
+    def fast(self) -> list[str]:
+        parts = []
+        if self.rms_norm:
+            parts.append(f"{self.rms_norm} RMSNorm")
+        if self.rope:
+            parts.append(f"{self.rope} RoPE")
+        if self.mlp:
+            parts.append(f"{self.mlp} MLP")
+        if self.moe:
+            parts.append(f"{self.moe} MoE experts")
+        if self.loss:
+            parts.append("fused loss")
+        parts += [f"{n} LoRA {kind}" for kind, n in self.lora.items() if n]
+        if self.checkpointed:
+            parts.append(f"checkpointing on {self.checkpointed} layers" + (" (offloaded)" if self.offloaded else ""))
+        if self.embedding == "host memory":
+            parts.append("input embedding in host memory")
+        return parts
+
+    def slow(self) -> list[str]:
+        parts = []
+        if self.generic_only:
+            parts.append(f"norms, RoPE, MLP stock ({self.generic_only})")
+        else:
+            parts += [f"{name} stock" for name, n in (("RMSNorm", self.rms_norm), ("RoPE", self.rope),
+                                                      ("MLP", self.mlp)) if not n]  # fmt: skip
+        if not self.loss:
+            parts.append("loss stock (logits built)")
+        if self.checkpointed == 0:
+            parts.append("no checkpointing")
+        if self.embedding not in (None, "host memory"):
+            parts.append(f"input embedding on the GPU ({self.embedding})")
+        return parts
 
     def summary(self) -> str:
         if self.skipped:
-            return f"unsloth: {self.family}: unpatched ({self.skipped})"
-        parts = [f"{self.rms_norm} RMSNorm", f"{self.rope} RoPE", f"{self.mlp} MLP",
-                 "fused loss" if self.loss else "stock loss"]
-        parts += [f"{n} LoRA {kind}" for kind, n in self.lora.items()]
-        return f"unsloth: {self.family}: patched " + ", ".join(parts)
+            return f"unsloth: {self.family}: unpatched ({self.skipped}); LoRA/QLoRA train through transformers + peft"
+        path = "generic fast path" if self.generic_only else "family patches"
+        text = f"unsloth: {self.family}: {path}; fast: " + (", ".join(self.fast()) or "nothing")
+        slow = self.slow()
+        return text + ("; not accelerated: " + ", ".join(slow) if slow else "")
 
 
 def patch_model(model: nn.Module) -> PatchReport:
     """Put our kernels into a loaded causal LM (before LoRA); returns what was done."""
     family = getattr(model.config, "model_type", type(model).__name__)
     report = PatchReport(family)
-    wanted = FAMILIES.get(family)
+    wanted = FAMILIES.get(family) or MOE_FAMILIES.get(family)
     device, dtype = module_device_dtype(model)
-    if wanted is None:
-        report.skipped = "no kernels for this family yet; LoRA/QLoRA train through transformers + peft"
-    elif unavailable_reason(device) is not None:
+    if unavailable_reason(device) is not None:
         report.skipped = f"kernels off: {unavailable_reason(device)}"
+        model._unsloth_patches = report
+        log.info(report.summary())
+        return report
+    report.loss = patch_loss(model, device)  # the generic path first
+    if wanted is None:
+        report.generic_only = f"no family patches for {family} yet"
+    elif not family_patches_enabled():
+        report.generic_only = "family patches off: UNSLOTH_FAMILY_PATCHES=0"
     else:
         if "rms_norm" in wanted:
             report.rms_norm = patch_rms_norms(model)
@@ -78,21 +152,25 @@ def patch_model(model: nn.Module) -> PatchReport:
             report.rope = patch_rope(model, device, dtype)
         if "mlp" in wanted:
             report.mlp = patch_mlps(model, device, dtype)
-        if "loss" in wanted:
-            report.loss = patch_loss(model, device)
+        if "moe" in wanted:
+            report.moe = patch_moe_experts(model, device, dtype)
     model._unsloth_patches = report
     log.info(report.summary())
     return report
 
 
 def patch_peft_model(model) -> PatchReport | None:
-    """After get_peft_model: route eligible LoRA layers through our fused LoRA kernels."""
+    """After get_peft_model: route eligible LoRA layers through our fused LoRA kernels (any family)."""
     from unsloth.models.patches.lora import patch_lora
+    from unsloth.models.patches.moe import patch_moe_lora
 
     base = model.get_base_model()
     report = getattr(base, "_unsloth_patches", None)
-    if report is None or report.skipped or "lora" not in FAMILIES.get(report.family, ()):
+    if report is None or report.skipped:
         return report
-    report.lora = patch_lora(model, mlp_feeds_residual=report.family in MLP_FEEDS_RESIDUAL)
-    log.info(report.summary())
+    feeds_residual = report.generic_only is None and report.family in MLP_FEEDS_RESIDUAL
+    report.lora = patch_lora(model, mlp_feeds_residual=feeds_residual)
+    wanted = (FAMILIES.get(report.family) or MOE_FAMILIES.get(report.family, ())) if report.generic_only is None else ()
+    if "moe" in wanted:
+        report.lora["MoE experts"] = patch_moe_lora(model)
     return report

@@ -1,16 +1,22 @@
-"""Checks that run inside an environment's own Python and print one JSON line per check.
+"""The self-test: checks that run inside an environment's own Python and print one JSON line per check.
 
-`unsloth doctor` copies this file to a temporary folder and runs it with the managed
-environment's interpreter (`python env_probe.py --backend cuda`), so one interpreter start
+unsloth.selftest.run copies this file to a temporary folder and runs it with the managed
+environment's interpreter (`python selftest.py --backend cuda`), so one interpreter start
 covers every check and a hang costs one timeout. It uses only the standard library at
 import, because it must report, not crash, when torch or anything else is broken.
 
 Each line: {"check": name, "ok": true|false|null, "message": "...", "seconds": s, ...facts}.
 ok is null when the check could not run (torch missing for the matmul, no GPU for Triton).
 Lines come in the order of CHECKS; whatever is missing after a timeout is what hung.
+
+`unsloth install` runs it too, to verify a new environment (`--only torch --imports unsloth ...`):
+then it also prints an "imports" line (each module's import status) and a "packages" line (every
+installed distribution's version).
 """
 
 import argparse
+import importlib
+import importlib.metadata
 import json
 import os
 import sys
@@ -19,6 +25,8 @@ import traceback
 
 CHECKS = ("torch", "gpu", "matmul", "bitsandbytes", "triton", "llama_cpp")
 GPU_BACKENDS = ("cuda", "rocm")
+# What an install verifies imports (the plan decides which of them must).
+IMPORTS = ("unsloth", "transformers", "peft", "trl", "accelerate", "datasets", "bitsandbytes", "gguf", "llama_cpp")
 
 
 class Skip(Exception):
@@ -29,12 +37,14 @@ def emit(check, ok, message, **facts):
     print(json.dumps({"check": check, "ok": ok, "message": message, **facts}, default=str), flush=True)
 
 
-def build_backend(torch):
-    if getattr(torch.version, "hip", None):
+def torch_backend(torch_info):
+    """The backend a torch build was made for, from its version fields: the one answer to
+    "which backend is this torch" (the install's verification and doctor both ask it)."""
+    if torch_info.get("hip"):
         return "rocm"
-    if torch.version.cuda:
+    if torch_info.get("cuda"):
         return "cuda"
-    if getattr(torch, "xpu", None) is not None and torch.xpu.is_available():
+    if "+xpu" in (torch_info.get("version") or ""):
         return "xpu"
     return "cpu"
 
@@ -43,13 +53,31 @@ def check_torch(state):
     import torch
 
     state["torch"] = torch
-    backend = build_backend(torch)
-    return True, "torch %s (%s build)" % (torch.__version__, backend), {
-        "version": torch.__version__,
-        "backend": backend,
-        "cuda": torch.version.cuda,
-        "hip": getattr(torch.version, "hip", None),
-    }
+    facts = {"version": torch.__version__, "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)}
+    backend = torch_backend(facts)
+    cuda = bool(torch.cuda.is_available())  # true on ROCm builds too
+    xpu = bool(getattr(torch, "xpu", None) and torch.xpu.is_available())
+    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    return True, "torch %s (%s build)" % (torch.__version__, backend), dict(
+        facts, backend=backend, gpu_seen=cuda or xpu or mps, device_name=torch.cuda.get_device_name(0) if cuda else None)
+
+
+def report_imports(modules):
+    status = {}
+    for name in modules:
+        try:
+            importlib.import_module(name)
+            status[name] = "ok"
+        except BaseException as exc:  # noqa: BLE001 - a broken package must become a report, not a crash
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            status[name] = "%s: %s" % (type(exc).__name__, exc)
+    broken = [name for name in modules if status[name] != "ok"]
+    emit("imports", not broken, "broken: " + ", ".join(broken) if broken else "%d modules import" % len(modules),
+         modules=status)
+    versions = {dist.metadata["Name"].lower(): dist.version
+                for dist in importlib.metadata.distributions() if dist.metadata["Name"]}
+    emit("packages", True, "%d distributions" % len(versions), versions=versions)
 
 
 def check_gpu(state):
@@ -166,14 +194,24 @@ def run(name, check, state):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="cpu", help="the plan's torch backend: cuda, rocm, cpu, ...")
+    parser.add_argument("--only", type=lambda text: text.split(","), default=list(CHECKS),
+                        help="comma-separated checks to run, of: " + ",".join(CHECKS))
+    parser.add_argument("--imports", nargs="*", default=[], metavar="MODULE",
+                        help="also report whether these modules import, and every installed distribution")
     args = parser.parse_args(argv)
-    if args.backend not in GPU_BACKENDS:
+    unknown = sorted(set(args.only) - set(CHECKS))
+    if unknown:
+        parser.error("unknown check(s): " + ", ".join(unknown))
+    if args.backend not in GPU_BACKENDS and "triton" in args.only:
         # Without a GPU, Triton can still prove it works through its interpreter.
         os.environ.setdefault("TRITON_INTERPRET", "1")
     emit("python", True, sys.version.split()[0], executable=sys.executable)
     state = {}
     for name in CHECKS:
-        run(name, globals()["check_" + name], state)
+        if name in args.only:
+            run(name, globals()["check_" + name], state)
+    if args.imports:
+        report_imports(args.imports)
     return 0
 
 
