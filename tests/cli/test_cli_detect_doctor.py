@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from unsloth.cli import main
-from unsloth.envs.receipt import write_receipt
+from unsloth.envs.receipt import Receipt, write_receipt
 
 DUMPS = Path(__file__).parents[1] / "fixtures" / "dumps"
 WSL_4090 = DUMPS / "nvidia-smi__rtx4090_wsl__1"
@@ -187,7 +187,7 @@ def _managed_env_without_torch(home: Path) -> Path:
     """A managed environment whose Python works but holds no packages (a half-broken install)."""
     env = home / "envs" / "broken"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
-    write_receipt(env, {"name": "broken", "finished": "2026-11-29T00:00:00+00:00"})
+    write_receipt(env, Receipt("broken", finished="2026-11-29T00:00:00+00:00"))
     (home / "current").write_text("broken\n")
     return env
 

@@ -9,14 +9,14 @@ import pytest
 
 from unsloth.envs import launcher, state
 from unsloth.envs.paths import active_env, env_python, home, previous_env
-from unsloth.envs.receipt import SCHEMA, hardware_fingerprint, read_receipt, write_receipt
+from unsloth.envs.receipt import SCHEMA, Receipt, hardware_fingerprint, read_receipt, write_receipt
 
 
 def make_env(root: Path, name: str, finished: bool = True) -> Path:
     env = root / "envs" / name
     (env / "bin").mkdir(parents=True)
     if finished:
-        write_receipt(env, {"name": name, "finished": "2026-01-01T00:00:00+00:00", "packages": {}})
+        write_receipt(env, Receipt(name, finished="2026-01-01T00:00:00+00:00"))
     return env
 
 
@@ -67,13 +67,20 @@ def test_sweep_removes_unfinished_builds_and_on_request_old_ones(tmp_path):
 
 def test_receipt_round_trip_and_unreadable_receipts(tmp_path):
     env = tmp_path / "e"
-    write_receipt(env, {"name": "e", "packages": {"torch": "2.13.0+cpu"}})
-    assert read_receipt(env) == {"name": "e", "packages": {"torch": "2.13.0+cpu"}, "schema": SCHEMA}
+    write_receipt(env, Receipt("e", packages={"torch": "2.13.0+cpu"}))
+    assert read_receipt(env) == Receipt("e", packages={"torch": "2.13.0+cpu"})
+    written = json.loads((env / "receipt.json").read_text())
+    assert written["schema"] == SCHEMA and written["name"] == "e" and written["packages"] == {"torch": "2.13.0+cpu"}
     assert [p.name for p in env.iterdir()] == ["receipt.json"]  # no temp file left behind
     (env / "receipt.json").write_text(json.dumps({"schema": SCHEMA + 1}))
     assert read_receipt(env) is None
     (env / "receipt.json").write_text("{truncated")
     assert read_receipt(env) is None
+    (env / "receipt.json").write_text(json.dumps({"schema": SCHEMA, "packages": {}}))  # no name
+    assert read_receipt(env) is None
+    # a key a later schema-1 unsloth added is skipped, not fatal
+    (env / "receipt.json").write_text(json.dumps({"schema": SCHEMA, "name": "e", "added_later": 1}))
+    assert read_receipt(env) == Receipt("e")
 
 
 def test_fingerprint_changes_with_the_gpu_not_with_unrelated_facts():
@@ -137,7 +144,7 @@ def test_update_reads_what_the_active_environment_was_asked_for(tmp_path):
 
     assert active_request(tmp_path) == {}
     env = make_env(tmp_path, "a")
-    write_receipt(env, {"name": "a", "request": {"without": ["llama-cpp"], "source": "/src"}})
+    write_receipt(env, Receipt("a", request={"without": ["llama-cpp"], "source": "/src"}))
     state.switch(tmp_path, "a")
     assert active_request(tmp_path) == {"without": ["llama-cpp"], "source": "/src"}
 

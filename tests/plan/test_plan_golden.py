@@ -5,6 +5,7 @@ platforms planned against a frozen copy of the matrix (so matrix edits do not mo
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,10 @@ CASES = sorted({d.name for d in DUMPS.iterdir() if d.is_dir()} | set(OVERRIDES))
 
 
 def platform_from_json(data: dict) -> Platform:
+    """An input written by detection; one missing a fact detection now states (written before it did)
+    would silently plan with that fact unknown, so it is refused."""
+    missing = {f.name for f in fields(Platform)} - set(data)
+    assert not missing, f"a golden platform without {sorted(missing)}: write it again with make_golden.py"
     return Platform(**{**data, "gpus": [Gpu(**gpu) for gpu in data["gpus"]]})
 
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from unsloth.doctor.findings import Finding
-from unsloth.envs.receipt import hardware_fingerprint
+from unsloth.envs.receipt import Receipt, hardware_fingerprint
 from unsloth.platform.facts import Platform
 from unsloth.selftest.judge import REINSTALL
 
@@ -23,7 +22,7 @@ class EnvTarget:
     python: Path
     origin: str  # "managed" (the active environment) | "--python"
     env: Path | None = None
-    receipt: dict[str, Any] | None = None
+    receipt: Receipt | None = None
 
 
 def check_env(target: EnvTarget | None, platform: Platform | None) -> Finding:
@@ -42,9 +41,9 @@ def check_env(target: EnvTarget | None, platform: Platform | None) -> Finding:
     if not target.python.exists():
         return Finding("env", title, "error", f"{target.env}: its Python ({target.python}) is missing",
                        fix=REINSTALL, required=True)
-    name = target.receipt.get("name") or target.env.name
-    built = target.receipt.get("finished", "?")
-    if platform is not None and target.receipt.get("fingerprint") not in (None, hardware_fingerprint(platform.to_json())):
+    name = target.receipt.name or target.env.name
+    built = target.receipt.finished or "?"
+    if platform is not None and target.receipt.fingerprint not in (None, hardware_fingerprint(platform.to_json())):
         return Finding("env", title, "warning",
                        f"{name} was built for other hardware or drivers than this machine has now",
                        fix=REINSTALL)

@@ -154,7 +154,7 @@ def diagnose(platform: Platform, *, source: str = "live", python: Path | None = 
 
         def environment_checks() -> list[Finding]:
             run = run_env_probe(target.python, checks.backend(plan), timeout_s, plan.env if plan else None)
-            without = (target.receipt or {}).get("without") or ()
+            without = (target.receipt.without if target.receipt else None) or ()
             return probe_findings(run, platform, plan, without)
 
         findings += _listed("env-checks", "Environment checks", environment_checks)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 from unsloth.envs.fsio import write_atomic
 from unsloth.envs.paths import CURRENT, PREVIOUS, active_env, envs_dir, previous_env
 from unsloth.envs.processes import PIDFILE, reap
-from unsloth.envs.receipt import read_receipt
+from unsloth.envs.receipt import Receipt, read_receipt
 
 
 def switch(root: Path, name: str) -> None:
@@ -30,7 +29,7 @@ def rollback(root: Path) -> tuple[str, str] | None:
     return (old.name if old else "-", new.name)
 
 
-def list_envs(root: Path) -> list[tuple[Path, dict[str, Any] | None]]:
+def list_envs(root: Path) -> list[tuple[Path, Receipt | None]]:
     folder = envs_dir(root)
     if not folder.is_dir():
         return []

@@ -21,8 +21,12 @@ from unsloth.selftest import script
 from unsloth.selftest.parse import parse_probe_output
 
 DEFAULT_TIMEOUT_S = 180  # torch + bitsandbytes imports and a first Triton compile; a hang is far longer
+
+
 @dataclass
 class ProbeRun:
+    """What one run of the script said (its lines by check), and how it ended."""
+
     results: dict[str, dict[str, Any]] = field(default_factory=dict)  # check name -> the probe's line
     timed_out: bool = False
     returncode: int | None = None
