@@ -111,6 +111,9 @@ def _launch(gpus: str, config, train_args: list[str]) -> int:
     count = gpu_count(gpus, torch.cuda.device_count(), cpu_processes=cpu_processes)
     if count == 1 and not cpu_processes:  # one GPU: no launcher needed
         return _train(config)
+    from unsloth.training.sft import check_before_loading
+
+    check_before_loading(config)  # the [training] mistakes, said once, before N processes start
     return launch(count, train_args, cpu_processes=cpu_processes)
 
 

@@ -17,6 +17,7 @@ from unsloth.doctor.host import HostFacts
 from unsloth.errors import UnslothError
 from unsloth.matrix import Matrix
 from unsloth.platform.facts import Gpu, Platform
+from unsloth.platform.parsers.gpu_topology import DESCRIPTIONS, parse_nvidia_topo, parse_rocm_topo
 from unsloth.plan import Plan, support_phrase, version_or_none
 from unsloth.selftest.judge import backend, target_gpu
 
@@ -321,3 +322,30 @@ def check_disk(plan: Plan | None, host: HostFacts | None, env_installed: bool) -
                        fix=f"Free some space there, or set UNSLOTH_HOME to a disk with {need} GiB free",
                        required=not env_installed)
     return Finding("disk", title, "ok", f"{_gib(free)} free in {host.data_dir} (needs about {need} GiB {what})")
+
+
+def check_multi_gpu(platform: Platform, host: HostFacts | None) -> Finding | None:
+    """With 2+ GPUs: whether `unsloth train --gpus N` can use them, and how fast they talk to each other."""
+    gpus = [g for g in platform.gpus if not g.integrated]
+    if len(gpus) < 2:
+        return None
+    title = "Several GPUs"
+    if platform.os == "windows":
+        return Finding("multi-gpu", title, "warning",
+                       f"{len(gpus)} GPUs, but training on several is not supported on Windows (no NCCL); one is used",
+                       fix="For multi-GPU training use Linux, or WSL where its GPUs are visible")
+    if host is None:
+        return Finding("multi-gpu", title, "skipped", NOT_LIVE)
+    text = host.gpu_topology or ""
+    topology = parse_nvidia_topo(text) or parse_rocm_topo(text)
+    if topology is None or not topology.links:
+        return Finding("multi-gpu", title, "ok", f"{len(gpus)} GPUs (`unsloth train --gpus {len(gpus)}`); "
+                       "their links are unknown (no nvidia-smi / rocm-smi topology)", detail=text)
+    slowest = topology.slowest()
+    kinds = sorted({DESCRIPTIONS[kind] for kind in topology.links.values()})
+    message = f"{topology.gpus} GPUs linked by {', '.join(kinds)} (`unsloth train --gpus {topology.gpus}`)"
+    if slowest == "pcie-sockets":
+        return Finding("multi-gpu", title, "warning", message + "; some pairs cross CPU sockets, which slows "
+                       "the gradient exchange", fix="Prefer GPUs on one CPU: CUDA_VISIBLE_DEVICES=<those GPUs>",
+                       detail=text)
+    return Finding("multi-gpu", title, "ok", message, detail=text)

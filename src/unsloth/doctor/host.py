@@ -46,6 +46,23 @@ class HostFacts:
     data_dir: str = ""  # where managed environments live
     disk_free_bytes: int | None = None  # free space on data_dir's file system
     rc_overrides: list[RcLine] = field(default_factory=list)
+    gpu_topology: str | None = None  # `nvidia-smi topo -m` / `rocm-smi --showtopo` output, with 2+ GPUs
+
+
+def _gpu_topology() -> str | None:
+    """The GPU link matrix's text from whichever tool is installed (parsed by platform.parsers.gpu_topology)."""
+    import subprocess
+
+    for command in (["nvidia-smi", "topo", "-m"], ["rocm-smi", "--showtopo"]):
+        if shutil.which(command[0]) is None:
+            continue
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if done.returncode == 0 and "GPU1" in done.stdout:
+            return done.stdout
+    return None
 
 
 def _group_name(gid: int) -> str:
@@ -112,4 +129,5 @@ def gather_host_facts(data_dir: Path) -> HostFacts:
         data_dir=str(data_dir),
         disk_free_bytes=shutil.disk_usage(_existing_parent(data_dir)).free,
         rc_overrides=_rc_overrides(Path.home()),
+        gpu_topology=_gpu_topology(),
     )

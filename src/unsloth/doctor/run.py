@@ -86,6 +86,7 @@ def machine_findings(platform: Platform, plan: Plan | None, plan_error: Exceptio
         guard("dev-kfd", "/dev/kfd access", lambda: checks.check_kfd_access(platform, plan, host)),
         guard("dev-dri", "/dev/dri access", lambda: checks.check_dri_access(platform, plan, host)),
         guard("hsa-override", "HSA_OVERRIDE_GFX_VERSION", lambda: checks.check_hsa_override(platform, plan, host)),
+        guard("multi-gpu", "Several GPUs", lambda: checks.check_multi_gpu(platform, host)),
         guard("ram", "Memory", lambda: checks.check_ram(platform)),
         guard("disk", "Free disk", lambda: checks.check_disk(plan, host, env_installed)),
     ]

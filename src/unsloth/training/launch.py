@@ -50,10 +50,10 @@ def torchrun_command(processes: int, train_args: list[str], python: str = sys.ex
 
 def rank_environment(cpu_processes: bool) -> dict[str, str]:
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1" if cpu_processes else env.get("OMP_NUM_THREADS", "4"))
     if cpu_processes:  # the Trainer (accelerate) then runs the ranks as CPU processes over gloo
         env["CUDA_VISIBLE_DEVICES"] = ""
         env["ACCELERATE_USE_CPU"] = "true"
+        env.setdefault("OMP_NUM_THREADS", "1")  # the ranks share the cores
     return env
 
 
