@@ -38,12 +38,21 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "gemma": ALL,
     "gemma2": ALL,
     "gemma3_text": ALL,
+    # Qwen3.5: norms, MLPs and the full-attention layers' projections through ours; its Gated DeltaNet
+    # layers run transformers' own path, which uses flash-linear-attention and causal-conv1d where
+    # installed (the gated RMSNorm inside them takes a gate, so the norm patch leaves it alone).
+    "qwen3_5_text": ALL,
+    "qwen3_5": ALL,
+    # Gemma 4: norms and MLPs (its RoPE is applied to q and k in separate calls: stock); per-layer
+    # input embeddings go through our checkpoint as layer arguments, softcapping into the fused loss.
+    "gemma4_text": ALL,
+    "gemma4": ALL,
 }
 
 # Families whose decoder layer adds the MLP's output straight to the residual stream, with no norm
 # after it (Gemma 2 and 3 have one): a checkpoint's recompute pass never reads that output, so the
 # fused MLP skips its down projection there. tests/models checks each family's gradients with it.
-MLP_FEEDS_RESIDUAL = {"llama", "mistral", "qwen2", "qwen3", "gemma"}
+MLP_FEEDS_RESIDUAL = {"llama", "mistral", "qwen2", "qwen3", "gemma", "qwen3_5_text", "qwen3_5"}
 
 
 def family_patches_enabled() -> bool:
