@@ -182,30 +182,93 @@ function Install-Bootstrap {
     return $bootstrap
 }
 
+# The same lock as `unsloth install` (a lock on the first byte of <home>\install.lock, as Python's
+# msvcrt.locking takes it), held to the end: a concurrent run waits, then finds everything in place.
+# The `unsloth install` started from here counts it as its own (UNSLOTH_LOCK_OWNER names us).
+function Lock-UnslothHome {
+    param([string]$UnslothHome)
+    $path = Join-Path $UnslothHome 'install.lock'
+    $stream = [System.IO.File]::Open($path, [System.IO.FileMode]::OpenOrCreate, [System.IO.FileAccess]::ReadWrite,
+        [System.IO.FileShare]::ReadWrite)
+    $waiting = $false
+    while ($true) {
+        try {
+            $stream.Lock(0, 1)
+            break
+        } catch [System.IO.IOException] {
+            if (-not $waiting) { Write-Step 'Another unsloth install is running; waiting for it to finish...' }
+            $waiting = $true
+            Start-Sleep -Milliseconds 200
+        }
+    }
+    $env:UNSLOTH_LOCK_OWNER = [string]$PID
+    return $stream
+}
+
+function Show-Usage {
+    Write-Host @'
+Install unsloth: a managed environment matched to this machine's GPU, and the `unsloth` command.
+
+Usage: powershell -File install.ps1 [options] [-PassThrough @(options for `unsloth install`)]
+       irm <release>/install.ps1 | iex          (options as UNSLOTH_* variables)
+
+  -Yes                 do not ask (also UNSLOTH_YES=1)
+  -DryRun              show what would happen and the plan; change nothing
+  -Version V           install release V instead of the latest (UNSLOTH_VERSION)
+  -Source PATH|URL     install this source tree or archive (UNSLOTH_SOURCE)
+  -Home DIR            install home (UNSLOTH_HOME; default %LOCALAPPDATA%\unsloth)
+  -BinDir DIR          where the `unsloth` launcher goes (UNSLOTH_BIN_DIR; default <home>\bin)
+  -Python PY           use this Python (UNSLOTH_PYTHON)
+  -IndexUrl URL        package index / mirror for everything but PyTorch (UNSLOTH_INDEX_URL)
+  -ExtraIndexUrl URL   another index (UNSLOTH_EXTRA_INDEX_URL)
+  -FindLinks DIR       a wheelhouse, for offline installs (UNSLOTH_FIND_LINKS)
+  -TorchIndexUrl URL   take PyTorch from this index, e.g. a mirror (UNSLOTH_TORCH_INDEX_URL)
+  -Without PART        leave out llama-cpp, export, bitsandbytes or train (UNSLOTH_WITHOUT)
+  -Pip                 install with pip instead of uv (UNSLOTH_INSTALLER=pip)
+  -NoModifyPath        do not add the launcher's folder to the user PATH (UNSLOTH_NO_MODIFY_PATH=1)
+  -Help                this help
+
+The same options as install.sh (--index-url there is -IndexUrl here); see docs/install.md.
+'@
+}
+
 function Install-Unsloth {
     param(
         [switch]$Yes,
         [switch]$DryRun,
         [string]$Version,
         [string]$Source,
+        [Alias('Home')] [string]$InstallHome,  # $HOME is PowerShell's own, read-only
+        [string]$BinDir,
         [string]$Python,
         [string]$IndexUrl,
-        [string]$TorchIndexUrl,
+        [string]$ExtraIndexUrl,
         [string]$FindLinks,
+        [string]$TorchIndexUrl,
         [string]$Without,
+        [switch]$Pip,
         [switch]$NoModifyPath,
+        [switch]$Help,
         [string[]]$PassThrough = @()
     )
+    if ($Help) {
+        Show-Usage
+        return
+    }
     # Here, not at the top: `irm | iex` runs in the caller's session, whose preferences we leave alone.
     $ErrorActionPreference = 'Stop'
     # Parameters become the UNSLOTH_* variables `unsloth install` reads too: one set of names.
     if ($Version) { $env:UNSLOTH_VERSION = $Version }
     if ($Source) { $env:UNSLOTH_SOURCE = $Source }
+    if ($InstallHome) { $env:UNSLOTH_HOME = $InstallHome }
+    if ($BinDir) { $env:UNSLOTH_BIN_DIR = $BinDir }
     if ($Python) { $env:UNSLOTH_PYTHON = $Python }
     if ($IndexUrl) { $env:UNSLOTH_INDEX_URL = $IndexUrl }
-    if ($TorchIndexUrl) { $env:UNSLOTH_TORCH_INDEX_URL = $TorchIndexUrl }
+    if ($ExtraIndexUrl) { $env:UNSLOTH_EXTRA_INDEX_URL = $ExtraIndexUrl }
     if ($FindLinks) { $env:UNSLOTH_FIND_LINKS = $FindLinks }
+    if ($TorchIndexUrl) { $env:UNSLOTH_TORCH_INDEX_URL = $TorchIndexUrl }
     if ($Without) { $env:UNSLOTH_WITHOUT = $Without }
+    if ($Pip) { $env:UNSLOTH_INSTALLER = 'pip' }
     if ($NoModifyPath) { $env:UNSLOTH_NO_MODIFY_PATH = '1' }
 
     $unslothHome = Get-UnslothHome
@@ -237,7 +300,18 @@ function Install-Unsloth {
         }
     }
     New-Item -ItemType Directory -Force -Path $unslothHome | Out-Null
-    $bootstrap = Install-Bootstrap -UnslothHome $unslothHome -Python $pythonPath -Source $packageSource
+    $lock = Lock-UnslothHome $unslothHome
+    try {
+        Install-Locked -UnslothHome $unslothHome -Python $pythonPath -Source $packageSource -PassThrough $PassThrough
+    } finally {
+        $lock.Close()
+    }
+}
+
+# The install proper, under the lock: the bootstrap environment, `unsloth install`, `unsloth doctor`.
+function Install-Locked {
+    param([string]$UnslothHome, [string]$Python, [string]$Source, [string[]]$PassThrough)
+    $bootstrap = Install-Bootstrap -UnslothHome $unslothHome -Python $Python -Source $Source
     Write-Step 'Handing over to `unsloth install` for the hardware-aware rest'
     $currentFile = Join-Path $unslothHome 'current'
     $before = $null

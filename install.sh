@@ -20,7 +20,8 @@ PYTHON_MAX=3.13
 PYTHON_DEFAULT=3.12 # what uv installs when the system has no usable Python
 RELEASES=${UNSLOTH_RELEASE_URL:-https://github.com/unsloth-installer/unsloth/releases}
 
-say() { printf '%s\n' "==> $*"; }
+# Progress, warnings and errors go to stderr, as installers do: stdout is `unsloth install`'s own.
+say() { printf '%s\n' "==> $*" >&2; }
 warn() { printf '%s\n' "warning: $*" >&2; }
 die() {
   printf '%s\n' "error: $*" >&2
@@ -272,6 +273,35 @@ confirm() {
   esac
 }
 
+# The same lock as `unsloth install` (flock(2) on $UNSLOTH_HOME/install.lock), held from here to the
+# end: a concurrent run waits, then finds the bootstrap and the managed environment in place. The
+# `unsloth install` started below counts it as its own (UNSLOTH_LOCK_OWNER names this shell).
+take_lock() {
+  lock="$UNSLOTH_HOME/install.lock"
+  exec 9>>"$lock" || die "cannot open $lock: check that $UNSLOTH_HOME is yours and writable"
+  if ! lock_fd9 nowait; then
+    say "Another unsloth install is running (pid $(cat "$lock" 2>/dev/null)); waiting for it to finish..."
+    lock_fd9 || die "could not lock $lock"
+  fi
+  printf '%s' "$$" >"$lock"
+  UNSLOTH_LOCK_OWNER=$$
+  export UNSLOTH_LOCK_OWNER
+}
+
+# flock(2) on this shell's fd 9, by whichever tool is here: the lock belongs to the open file, which
+# this shell keeps open, so it lasts until the shell ends (or is killed) even though the tool exits.
+lock_fd9() {
+  if have flock; then
+    if [ -n "${1:-}" ]; then flock -n 9; else flock 9; fi
+  elif have perl; then
+    perl -e 'use Fcntl qw(:flock); open(my $fh, ">&=", 9) or exit 2; exit(flock($fh, LOCK_EX | ($ARGV[0] ? LOCK_NB : 0)) ? 0 : 1)' "${1:+1}"
+  elif [ -n "$PY" ]; then
+    "$PY" -c 'import fcntl, sys; fcntl.flock(9, fcntl.LOCK_EX | (fcntl.LOCK_NB if sys.argv[1:] != [""] else 0))' "${1:+1}" 2>/dev/null
+  else
+    warn "no flock, perl or Python to lock $lock with: start no other install until this one ends"
+  fi
+}
+
 # The bootstrap environment: uv and this package, enough to run `unsloth install`.
 ensure_bootstrap() {
   if [ -x "$BOOT/bin/python" ] && "$BOOT/bin/python" -c "" 2>/dev/null; then
@@ -343,6 +373,7 @@ main() {
 
   confirm
   mkdir -p "$UNSLOTH_HOME"
+  take_lock
   ensure_bootstrap
   say "Handing over to \`unsloth install\` for the hardware-aware rest"
   before=$(cat "$UNSLOTH_HOME/current" 2>/dev/null || true)

@@ -18,7 +18,7 @@ unset TRITON_INTERPRET
 machine() {
   nvidia-smi | tee "$OUT/nvidia-smi.txt"
   python3 -c "import unsloth, unsloth_kernels; print('unsloth from', unsloth.__file__)"
-  python3 src/unsloth/doctor/env_probe.py --backend cuda 2>&1 | tee "$OUT/env-probe.json"
+  python3 src/unsloth/selftest/script.py --backend cuda 2>&1 | tee "$OUT/env-probe.json"
   python3 - <<'PY' 2>&1 | tee "$OUT/detect.json"
 import json, os
 from unsloth.platform.detect import detect_live

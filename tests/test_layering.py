@@ -23,10 +23,13 @@ FORBIDDEN = {
     "unsloth.training": ["unsloth.notebook", "unsloth.commands", "unsloth.cli"],
     "unsloth.export": ["unsloth.training", "unsloth.notebook", "unsloth.commands", "unsloth.cli"],
     "unsloth.notebook": ["unsloth.commands", "unsloth.cli"],
-    "unsloth.platform": ["unsloth.plan", "unsloth.envs", "unsloth.doctor", "unsloth.commands", "unsloth.models"],
-    "unsloth.matrix": ["unsloth.plan", "unsloth.envs", "unsloth.doctor", "unsloth.commands"],
-    "unsloth.plan": ["unsloth.envs", "unsloth.doctor", "unsloth.commands"],
-    "unsloth.envs": ["unsloth.commands"],  # TODO(#19): and unsloth.doctor, once the self-test package exists
+    "unsloth.platform": ["unsloth.plan", "unsloth.selftest", "unsloth.envs", "unsloth.doctor", "unsloth.commands",
+                         "unsloth.models"],
+    "unsloth.matrix": ["unsloth.plan", "unsloth.selftest", "unsloth.envs", "unsloth.doctor", "unsloth.commands"],
+    "unsloth.plan": ["unsloth.selftest", "unsloth.envs", "unsloth.doctor", "unsloth.commands"],
+    # the environment self-test, below both the install (which verifies with it) and doctor
+    "unsloth.selftest": ["unsloth.envs", "unsloth.doctor", "unsloth.commands", "unsloth.cli"],
+    "unsloth.envs": ["unsloth.doctor", "unsloth.commands"],
     "unsloth.doctor": ["unsloth.commands"],
 }
 

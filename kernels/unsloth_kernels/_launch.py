@@ -4,8 +4,7 @@ On the small memory-bound ops (norms, RoPE, the activations) the host's time to 
 as long as the GPU's time to run it. Triton's entry point (JITFunction.run) spends much of it on
 work that gives the same answer on every call of a launcher: binding arguments to parameters,
 parsing options, reading environment variables, building launch metadata for hooks nobody set.
-On the lent H200's host (Triton 3.6, bench/tune_kernels.py --only host) Triton's path took 24-32 µs
-per launch, of which the compiled kernel's own launcher takes 9-10; this module's path, 19-22 µs.
+`bench/tune_kernels.py --only host` times both paths (docs/benchmarks.md, "Tuned constants").
 
 `direct_launch` keeps Triton's path for the first launch of each kind of arguments (it compiles,
 specialises and launches as usual) and remembers the compiled kernel it chose. Later launches

@@ -67,14 +67,13 @@ def check_device(*tensors: torch.Tensor) -> None:
 
 # --- row-wise kernels (norms): tiling and work split, shared by rms_norm and layer_norm ---
 
-# Launch parameters of the row-wise kernels, measured on an H200 at 16384 x 4096 (bf16) with
-# bench/tune_kernels.py, which sweeps them (they are module state for that reason):
+# Launch parameters of the row-wise kernels, chosen with bench/tune_kernels.py, which sweeps them
+# (they are module state for that reason; its measurements: docs/benchmarks.md, "Tuned constants"):
 #   tile            elements per tile: BLOCK_M stacks rows of BLOCK_N until a tile holds this many
 #   warps           None = the size heuristic (num_warps_for)
 #   programs_per_sm backward only: programs each walking a contiguous chunk of rows (see split_rows)
-# Forward: two rows per 16-warp program, 0.071 ms (the copy floor is 0.060). Backward: two rows per
-# step, 16 warps, 2 programs per SM, 0.13 ms for RMSNorm (floor 0.09). 16 warps is also the most a
-# program may have on ROCm (64-wide warps, 1024 threads).
+# Forward: two rows per 16-warp program. Backward: two rows per step, 16 warps, 2 programs per SM.
+# 16 warps is also the most a program may have on ROCm (64-wide warps, 1024 threads).
 NORM_TUNING = {
     "forward": {"tile": 8192, "warps": 16},
     "backward": {"tile": 8192, "warps": 16, "programs_per_sm": 2},
@@ -129,7 +128,7 @@ def rows_of(t: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, int]:
 # --- the last step of a row-reducing backward: partial sums -> weight gradients ---
 
 # Partial rows per step and columns per program of sum_partials. The backward leaves
-# programs_per_sm * SMs partial rows (264 on an H200): (128, 32) fp32 tiles take them in 3 steps of
+# programs_per_sm * SMs partial rows (264 with 132 SMs): (128, 32) fp32 tiles take them in 3 steps of
 # eight 16-byte loads per thread at 4 warps, and 4096 columns give 128 programs per group.
 SUM_BLOCK_P = 128
 SUM_BLOCK_N = 32

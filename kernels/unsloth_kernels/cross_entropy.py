@@ -33,11 +33,11 @@ from ._launch import direct_launch
 from ._utils import block_size_for, check_device, is_hip
 
 # One chunk of logits (in the input dtype) stays under this; see `chunk_rows`. 256 MiB is 1024 rows
-# at V = 128256 in bf16: on an H200 the loss ran in 54.1 ms with those against 56.0 with 512 rows
-# (cuBLAS is slow on the 512-row products, 368-409 TFLOP/s inside a training step), for 0.25 GiB.
+# at V = 128256 in bf16: faster than 512-row chunks (cuBLAS is slow on the 512-row products) for
+# 0.25 GiB more (docs/benchmarks.md, "Tuned constants").
 _CHUNK_BYTES = 256 * 1024 * 1024
-# The per-row softmax program: vocabulary elements per loop step, and warps. On an H200, 32 warps
-# over 16384 elements stream a 512 x 128256 chunk at 3.7 TB/s (8 warps over 8192: 3.3 TB/s).
+# The per-row softmax program: vocabulary elements per loop step, and warps (32 warps over 16384
+# elements stream a chunk faster than 8 over 8192: docs/benchmarks.md, "Tuned constants").
 # ROCm's warps are 64 wide and a program holds at most 1024 threads, hence 8 there.
 _MAX_BLOCK_V = 16384
 _CE_WARPS = 8 if is_hip() else 32

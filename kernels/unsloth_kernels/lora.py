@@ -525,8 +525,8 @@ def lora_mlp(
 
 def _mlp_forward_in_chunks(x, projections, activation, params):
     """The MLP's output alone, a chunk of tokens at a time: each (rows x intermediate) buffer stays
-    within _MLP_CHUNK_BYTES, and the down projection runs on chunks, where cuBLAS is faster (measured
-    on an H200: 729 TFLOP/s on 4096-token chunks against 557 on 16384 tokens at once)."""
+    within _MLP_CHUNK_BYTES, and the down projection runs on chunks, where cuBLAS is faster than on
+    all tokens at once (docs/benchmarks.md, "Tuned constants")."""
     fold = _folds(projections)
     rows = _mlp_chunk_rows(x.shape[0], projections[0].out_features, x.element_size())
     if rows >= x.shape[0]:

@@ -38,9 +38,8 @@ NF4_CODE = (
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 )  # fmt: skip
 
-# Packed bytes per program and its warps: two 16-byte rows (64 weights) per thread on CUDA. Measured
-# on an H200 with bench/tune_kernels.py: 0.045 ms for 14336 x 4096 (bitsandbytes: 0.076), 0.017-0.019
-# ms for 4096 x 4096 (0.031), the fastest of 24 configurations at both sizes.
+# Packed bytes per program and its warps: two 16-byte rows (64 weights) per thread on CUDA; the
+# fastest of the configurations bench/tune_kernels.py sweeps (docs/benchmarks.md, "Tuned constants").
 _BYTES_PER_PROGRAM = 4096
 _WARPS = 4
 _ROW_BYTES = 16  # packed bytes sharing one scale per kernel row (a 16-byte load per thread)

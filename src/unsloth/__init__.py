@@ -10,10 +10,13 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 # name -> module that defines it; resolved on first access (PEP 562).
+# Importing unsloth.notebook.fast_model also makes TRL's trainers accept what notebooks pass.
 _LAZY = {
-    "FastLanguageModel": "unsloth.notebook.fast_model",
-    "FastModel": "unsloth.notebook.fast_model",
-    "is_bfloat16_supported": "unsloth.notebook.fast_model",
+    **dict.fromkeys(("FastLanguageModel", "FastModel", "FastVisionModel", "is_bfloat16_supported"),
+                    "unsloth.notebook.fast_model"),
+    **dict.fromkeys(("UnslothTrainer", "UnslothTrainingArguments", "unsloth_train"), "unsloth.notebook.trainers"),
+    **dict.fromkeys(("get_chat_template", "standardize_sharegpt", "standardize_data_formats", "to_sharegpt",
+                     "apply_chat_template", "train_on_responses_only"), "unsloth.chat_templates"),
 }
 
 

@@ -19,6 +19,8 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from unsloth.errors import ExitCode, UnslothError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
@@ -29,14 +31,16 @@ OSES = ("linux", "wsl", "windows", "macos")  # the columns plan.os_cell produces
 REQUIRED_FAMILIES = ("CPU", "Apple")
 LEVELS = ("full", "limited", "unsupported")
 VENDORS = ("nvidia", "amd", "intel", "apple", "none")
-BACKENDS = ("cuda", "rocm", "mps", "cpu", "vulkan")
+BACKENDS = ("cuda", "rocm", "mps", "cpu", "vulkan", "xpu")
 LLAMA_BACKENDS = ("cuda", "hip", "vulkan", "metal", "cpu")
 REQUIRED_URLS = ("pytorch", "pypi", "amd", "llama_cpp_wheels", "rocm_install", "rocm_wsl", "nvidia_driver")
 ENV_VAR = "UNSLOTH_MATRIX"
 
 
-class MatrixError(ValueError):
+class MatrixError(UnslothError, ValueError):
     """The matrix file is missing, unparsable, or an entry in it is wrong."""
+
+    exit_code = ExitCode.USAGE
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,7 @@ class Matrix:
     attention: dict[str, str]  # torch backend -> attn_implementation
     fits: Fits
     sources: dict[str, str]  # section -> citation, for sections without rows
+    xpu_torch: str | None = None  # torch specifier for PyTorch's XPU index (Intel Arc); None: no XPU builds
 
     def family_of(self, arch: str) -> Family | None:
         for family in self.families.values():
@@ -147,23 +152,34 @@ class Matrix:
 
 
 def default_path() -> Path:
-    """The packaged matrix (src/unsloth/hardware_matrix.toml links to the repository's copy)."""
+    """The packaged matrix, src/unsloth/hardware_matrix.toml: the one copy (a real file, not a link, so a
+    checkout without symlinks, as on Windows, has it too)."""
     return Path(__file__).with_name("hardware_matrix.toml")
 
 
 def load_matrix(path: str | os.PathLike[str] | None = None) -> Matrix:
     """Read and validate the matrix: `path`, else $UNSLOTH_MATRIX, else the packaged file."""
+    from_env = not path and bool(os.environ.get(ENV_VAR))
     chosen = Path(path or os.environ.get(ENV_VAR) or default_path())
+    hint = f" (set by {ENV_VAR})" if from_env else ""
+    fix = (f"point {ENV_VAR} at a valid hardware_matrix.toml, or unset it to use the packaged one" if from_env
+           else "reinstall unsloth: its packaged hardware_matrix.toml is damaged")
     try:
         text = chosen.read_text(encoding="utf-8")
     except OSError as exc:
-        hint = f" (set by {ENV_VAR})" if not path and os.environ.get(ENV_VAR) else ""
-        raise MatrixError(f"{chosen}{hint}: cannot read the hardware matrix: {exc.strerror or exc}") from exc
+        raise MatrixError(f"{chosen}{hint}: cannot read the hardware matrix: {exc.strerror or exc}", fix) from exc
+    except UnicodeDecodeError as exc:  # random bytes, a binary file
+        raise MatrixError(f"{chosen}{hint}: the hardware matrix is not text (byte {exc.start} is not UTF-8)",
+                          fix) from exc
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise MatrixError(f"{chosen}: not valid TOML: {exc}") from exc
-    return parse_matrix(data, str(chosen))
+        raise MatrixError(f"{chosen}{hint}: not valid TOML: {exc}", fix) from exc
+    try:
+        return parse_matrix(data, str(chosen))
+    except MatrixError as exc:
+        exc.fix = exc.fix or fix
+        raise
 
 
 def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
@@ -180,6 +196,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
     archs = {arch: family.name for family in families.values() for arch in family.archs}
     amd_entry = _table(data, "amd_wheels", path, "torch", "source")
     attention_entry = _table(data, "attention", path, *BACKENDS, "source")
+    xpu_entry = _table(data, "xpu_wheels", path, "torch", "source") if "xpu_wheels" in data else None
     return Matrix(
         path=path,
         oses=oses,
@@ -197,7 +214,9 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
         amd_torch=amd_entry.specifier("torch"),
         attention={key: attention_entry.text(key) for key in attention_entry.data if key != "source"},
         fits=_fits(data, path),
-        sources={"urls": urls_entry.source(), "amd_wheels": amd_entry.source(), "attention": attention_entry.source()},
+        sources={"urls": urls_entry.source(), "amd_wheels": amd_entry.source(), "attention": attention_entry.source(),
+                 **({"xpu_wheels": xpu_entry.source()} if xpu_entry else {})},
+        xpu_torch=xpu_entry.specifier("torch") if xpu_entry else None,
     )
 
 

@@ -66,7 +66,7 @@ def channel(matrix: Matrix, family: Family, os_name: str) -> str:
 def _header() -> str:
     return (
         "# Hardware support\n\n"
-        "<!-- Generated from hardware_matrix.toml by `python -m unsloth.matrix_docs`; do not edit by hand. -->\n\n"
+        "<!-- Generated from src/unsloth/hardware_matrix.toml by `python -m unsloth.matrix_docs`; do not edit by hand. -->\n\n"
         "What `unsloth install` sets up for each GPU family on each OS, and how well it is supported.\n"
         "**full**: the tested path (QLoRA and our Triton kernels). **limited**: works, with the caveat given below.\n"
         "**unsupported**: the installer sets up CPU PyTorch and says why. `unsloth install --dry-run` shows the plan\n"
@@ -161,6 +161,9 @@ def _overrides(matrix: Matrix) -> str:
         "",
         "Set in the managed environment on Linux and WSL only (never on Windows), for targets no PyTorch index ships.",
         "An override the user set that makes ROCm report another GPU is flagged, and the plan follows the real GPU.",
+        "When another AMD GPU of a different target sits beside the one trained on (an iGPU next to a dGPU), the",
+        "plan sets the per-node form `HSA_OVERRIDE_GFX_VERSION_<n>` instead (n: the GPU's KFD node id, `kfd_node`",
+        "in `detect --json`), so the other GPU keeps its own kernels.",
         "",
         "| gfx target | Override | Runs the kernels of | Source |",
         "|---|---|---|---|",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from unsloth.cli import main
-from unsloth.envs.receipt import write_receipt
+from unsloth.envs.receipt import Receipt, write_receipt
 
 DUMPS = Path(__file__).parents[1] / "fixtures" / "dumps"
 WSL_4090 = DUMPS / "nvidia-smi__rtx4090_wsl__1"
@@ -164,6 +164,11 @@ def test_dump_then_from_round_trip(capsys, tmp_path):
     assert code == 0
     assert again["platform"] == live["platform"] and again["plan"] == live["plan"]
     assert again["source"] == str(dump) and live["source"] == "live"
+    # The dump carries the live answers, and `detect --from` the dump reproduces them exactly.
+    assert json.loads((dump / "detect.json").read_text()) == live["platform"]
+    assert json.loads((dump / "plan.json").read_text()) == live["plan"]
+    code, detected, _ = run_json(capsys, "detect", "--json", "--from", str(dump))
+    assert code == 0 and detected == live["platform"]
 
 
 def test_doctor_quick_through_the_console_script_answers_fast(tmp_path):
@@ -182,7 +187,7 @@ def _managed_env_without_torch(home: Path) -> Path:
     """A managed environment whose Python works but holds no packages (a half-broken install)."""
     env = home / "envs" / "broken"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
-    write_receipt(env, {"name": "broken", "finished": "2026-11-29T00:00:00+00:00"})
+    write_receipt(env, Receipt("broken", finished="2026-11-29T00:00:00+00:00"))
     (home / "current").write_text("broken\n")
     return env
 

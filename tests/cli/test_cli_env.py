@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 from unsloth.cli import main
-from unsloth.envs.receipt import write_receipt
+from unsloth.envs.receipt import Receipt, write_receipt
 
 
-def _env(home, receipt: dict | None):
+def _env(home, receipt: Receipt | None):
     env = home / "envs" / "one"
     env.mkdir(parents=True)
     if receipt is not None:
@@ -22,9 +22,9 @@ def _env(home, receipt: dict | None):
 def test_export_writes_a_lock_and_counts_its_packages(tmp_path, monkeypatch, capsys):
     home = tmp_path / "home"
     monkeypatch.setenv("UNSLOTH_HOME", str(home))
-    _env(home, {"name": "one", "finished": "2026-11-29T00:00:00+00:00", "plan": {"torch": {"backend": "cpu"}},
-                "indexes": {"torch": {"mode": "index", "url": "https://download.pytorch.org/whl/cpu"}},
-                "unsloth": {"source": str(tmp_path)}, "packages": {"torch": "2.13.0+cpu", "peft": "0.18.0"}})
+    _env(home, Receipt("one", finished="2026-11-29T00:00:00+00:00", plan={"torch": {"backend": "cpu"}},
+                       indexes={"torch": {"mode": "index", "url": "https://download.pytorch.org/whl/cpu"}},
+                       unsloth={"source": str(tmp_path)}, packages={"torch": "2.13.0+cpu", "peft": "0.18.0"}))
     lock = tmp_path / "lock.txt"
     assert main(["env", "export", "-o", str(lock)]) == 0
     assert "(2 packages) from one" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import pytest
 
 from unsloth.doctor.host import DeviceNode, HostFacts
 from unsloth.platform.facts import Gpu
-from unsloth.plan import Plan, TorchChoice
+from unsloth.plan import BitsAndBytes, LlamaCpp, Plan, TorchChoice
 
 GIB = 2**30
 
@@ -36,8 +36,8 @@ def make_plan():
             device=device,
             device_reason="best supported GPU" if device else "no GPU found",
             torch=TorchChoice(backend=backend, variant=variant or backend, index_url=None),
-            bitsandbytes={"source": "pypi" if device else "none"},
-            llama_cpp={"backend": {"cuda": "cuda", "rocm": "hip"}.get(backend, "cpu")},
+            bitsandbytes=BitsAndBytes("pypi" if device else "none"),
+            llama_cpp=LlamaCpp({"cuda": "cuda", "rocm": "hip"}.get(backend, "cpu")),
             attention="sdpa",
             env={},
         )

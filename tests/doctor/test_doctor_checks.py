@@ -67,7 +67,7 @@ def test_each_plan_warning_becomes_a_finding_with_its_fix(make_plan):
 
 
 def test_advice_about_a_fact_doctor_judged_itself_is_said_once(make_plan):
-    # Advice.check names the doctor check covering the same fact (plan.py sets it where one does).
+    # Advice.check names the doctor check covering the same fact (the plan sets it where one does).
     about_driver = SimpleNamespace(message="No NVIDIA driver was detected", fix="install it", check="driver")
     other = SimpleNamespace(message="UNSLOTH_TORCH_INDEX_URL pins a rocm build", fix="unset it", check=None)
     plan = make_plan(warnings=[about_driver, other])
@@ -260,3 +260,12 @@ def test_disk_for_a_new_environment_and_for_work(make_plan, make_host, rx7800):
     full = checks.check_disk(rocm, make_host(disk_free_bytes=2 * GIB), env_installed=True)
     assert full.status == "error" and not full.required
     assert checks.check_disk(rocm, None, env_installed=False).status == "skipped"
+
+
+def test_a_global_override_where_the_plan_sets_one_per_node(make_plan):
+    igpu = Gpu(vendor="amd", name="Radeon 780M", arch="gfx1103", integrated=True, kfd_node=1)
+    dgpu = Gpu(vendor="amd", name="Radeon RX 6700 XT", arch="gfx1031", kfd_node=2)
+    plan = make_plan("rocm", "rocm7.2", igpu, env={"HSA_OVERRIDE_GFX_VERSION_1": "11.0.0"})
+    finding = checks.check_hsa_override(linux(gpus=[igpu, dgpu], hsa_override="11.0.0"), plan, None)
+    assert finding.fails and "HSA_OVERRIDE_GFX_VERSION_1=11.0.0" in finding.message
+    assert finding.fix.startswith("unset HSA_OVERRIDE_GFX_VERSION")

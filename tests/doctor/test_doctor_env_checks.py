@@ -14,19 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from unsloth.doctor import env_probe
-from unsloth.doctor.env_checks import (
-    EnvTarget,
-    ProbeRun,
-    check_env,
-    parse_probe_output,
-    probe_findings,
-    run_env_probe,
-)
-from unsloth.envs.receipt import hardware_fingerprint
-from unsloth.platform.facts import Platform
+from unsloth.doctor.env_checks import EnvTarget, check_env
+from unsloth.envs.receipt import Receipt, hardware_fingerprint
+from unsloth.plan import BitsAndBytes
+from unsloth.platform.facts import Gpu, Platform
+from unsloth.selftest.judge import probe_findings
+from unsloth.selftest.parse import parse_probe_output
+from unsloth.selftest.run import ProbeRun, run_env_probe
+from unsloth.selftest.script import CHECKS
 
-IDS = [f"env-{name.replace('_', '-')}" for name in env_probe.CHECKS]
+IDS = [f"env-{name.replace('_', '-')}" for name in CHECKS]
 
 
 def line(check: str, ok, message: str = "", **facts) -> dict:
@@ -65,6 +62,16 @@ def test_a_cpu_torch_where_the_plan_wants_cuda(make_plan, rtx4090):
     assert finding.fails
     assert finding.message == "torch 2.13.0+cpu (cpu build), but the plan needs a cuda build (cu130)"
     assert finding.fix == "unsloth install --force"  # a plain install keeps an unchanged request
+
+
+def test_a_cpu_torch_where_the_plan_wants_intels_xpu_build(make_plan):
+    arc = Gpu("intel", name="Intel Arc B580", family="Arc", integrated=False)
+    run = healthy_gpu_run()
+    run.results["torch"] = line("torch", True, "torch 2.11.0+cpu (cpu build)", backend="cpu")
+    finding = by_id(probe_findings(run, Platform(gpus=[arc]), make_plan("xpu", "xpu", arc)))["env-torch"]
+    assert finding.fails and finding.message.endswith("but the plan needs a xpu build (xpu)")
+    run.results["torch"] = line("torch", True, "torch 2.11.0+xpu (xpu build)", backend="xpu")
+    assert by_id(probe_findings(run, Platform(gpus=[arc]), make_plan("xpu", "xpu", arc)))["env-torch"].status == "ok"
 
 
 def test_torch_that_sees_no_gpu_fails_and_one_that_sees_another_arch_warns(make_plan, rx7800):
@@ -106,7 +113,7 @@ def test_optional_parts(make_plan, rtx4090):
     run = healthy_gpu_run()
     run.results["bitsandbytes"] = line("bitsandbytes", False, "ModuleNotFoundError: No module named 'bitsandbytes'")
     run.results["llama_cpp"] = line("llama_cpp", False, "ModuleNotFoundError: No module named 'llama_cpp'")
-    no_bnb = make_plan("cuda", "cu130", rtx4090, bitsandbytes={"source": "none"})
+    no_bnb = make_plan("cuda", "cu130", rtx4090, bitsandbytes=BitsAndBytes("none"))
     found = by_id(probe_findings(run, Platform(gpus=[rtx4090]), no_bnb, without=("llama-cpp",)))
     assert found["env-bitsandbytes"].status == "skipped"
     assert found["env-llama-cpp"].message == "Left out at install (--without llama-cpp)"
@@ -131,14 +138,13 @@ def test_environment_presence_and_health(tmp_path):
     assert check_env(None, None).status == "warning" and check_env(None, None).fix == "unsloth install"
     env = tmp_path / "envs" / "e1"
     python = env / "bin" / "python"
-    broken = check_env(EnvTarget(python, "managed", env, {"name": "e1"}), None)
+    broken = check_env(EnvTarget(python, "managed", env, Receipt("e1")), None)
     assert broken.fails and "its Python" in broken.message
     python.parent.mkdir(parents=True)
     python.write_text("")
     assert check_env(EnvTarget(python, "managed", env, None), None).fails  # unreadable receipt
     platform = Platform(os="linux")
-    built_here = {"name": "e1", "finished": "2026-11-29T10:00:00+00:00",
-                  "fingerprint": hardware_fingerprint(platform.to_json())}
+    built_here = Receipt("e1", finished="2026-11-29T10:00:00+00:00", fingerprint=hardware_fingerprint(platform.to_json()))
     assert check_env(EnvTarget(python, "managed", env, built_here), platform).status == "ok"
     moved = check_env(EnvTarget(python, "managed", env, built_here), Platform(os="linux", nvidia_driver="580.1"))
     assert moved.status == "warning" and "other hardware" in moved.message
@@ -201,7 +207,7 @@ def test_the_probe_runs_under_the_plans_env_vars_from_a_clean_folder(tmp_path, m
     python = _fake_python(tmp_path, 'printf \'{"check": "torch", "ok": true, "message": "%s|%s|%s"}\\n\' '
                                     '"$HSA_OVERRIDE_GFX_VERSION" "${PYTHONPATH:-unset}" "$(ls)"')
     run = run_env_probe(python, "rocm", timeout_s=10, plan_env={"HSA_OVERRIDE_GFX_VERSION": "11.0.0"})
-    assert run.results["torch"]["message"] == "11.0.0|unset|env_probe.py"
+    assert run.results["torch"]["message"] == "11.0.0|unset|selftest.py"
 
 
 GPU_BACKEND = "rocm" if os.path.exists("/dev/kfd") else "cuda" if shutil.which("nvidia-smi") else None

@@ -85,6 +85,15 @@ def test_likely_fix_names_the_cause(output, words):
     assert words in likely_fix(output)
 
 
+def test_a_dead_download_is_reported_with_the_timeout_it_ran_under(tmp_path):
+    script = "import sys; print('error: Failed to fetch torch-2.13.0.whl: operation timed out'); sys.exit(2)"
+    step = Step("torch", "PyTorch", [sys.executable, "-c", script], env={"UV_HTTP_TIMEOUT": "180"})
+    with pytest.raises(StepFailed) as failed:
+        run_step(step, tmp_path / "logs", Console(file=open(tmp_path / "screen", "w")), 2)
+    assert "given up after 180 s" in failed.value.fix and "PIP_DEFAULT_TIMEOUT" in failed.value.fix
+    assert "default network timeout (30 s for uv" in likely_fix("Read timed out.")
+
+
 def test_redact_hides_index_credentials_only():
     assert redact("--index-url https://me:tok@corp.example/simple x") == "--index-url https://***@corp.example/simple x"
     assert redact("https://download.pytorch.org/whl/cpu") == "https://download.pytorch.org/whl/cpu"
@@ -112,3 +121,46 @@ def test_tool_output_that_looks_like_markup_is_shown_verbatim(tmp_path, monkeypa
     assert code == 1
     text = screen.read_text()
     assert tail in text and "the [packages] failed" in text and "Likely fix: fix [/this]" in text
+
+
+INSTALLER = textwrap.dedent(
+    """
+    import os, subprocess, sys
+    from pathlib import Path
+    from unsloth.envs.lock import OWNER_ENV, InstallLock
+    # As install.sh does: hold the lock, name ourselves, start `unsloth install`.
+    with InstallLock(Path(sys.argv[1])):
+        child = "from pathlib import Path; import sys; from unsloth.envs.lock import InstallLock\\n" \\
+                "with InstallLock(Path(sys.argv[1]), on_wait=lambda who: sys.exit('waited for ' + who)): print('inherited')"
+        done = subprocess.run([sys.executable, "-c", child, sys.argv[1]], env={**os.environ, OWNER_ENV: str(os.getpid())},
+                              capture_output=True, text=True, timeout=60)
+        print(done.stdout.strip() or done.stderr.strip(), flush=True)
+        print("holding", flush=True)
+        sys.stdin.readline()
+    """
+)
+
+
+def test_the_installer_scripts_lock_is_inherited_by_the_install_it_starts_and_nobody_else(tmp_path, monkeypatch):
+    lock = tmp_path / "install.lock"
+    holder = subprocess.Popen([sys.executable, "-c", INSTALLER, str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "inherited"  # its own child: no wait
+        assert holder.stdout.readline().strip() == "holding"
+        monkeypatch.setenv("UNSLOTH_LOCK_OWNER", str(holder.pid))  # the name alone gives nothing to a stranger
+
+        class Waited(Exception):
+            pass
+
+        def waited(who):
+            raise Waited(who)
+
+        with pytest.raises(Waited):
+            with InstallLock(lock, on_wait=waited):
+                pass
+    finally:
+        holder.communicate("\n", timeout=30)
+    assert holder.returncode == 0
+    with InstallLock(lock):  # free once the installer ends: the inheriting child kept nothing
+        pass

@@ -9,14 +9,14 @@ import pytest
 
 from unsloth.envs import launcher, state
 from unsloth.envs.paths import active_env, env_python, home, previous_env
-from unsloth.envs.receipt import SCHEMA, hardware_fingerprint, read_receipt, write_receipt
+from unsloth.envs.receipt import SCHEMA, Receipt, hardware_fingerprint, read_receipt, write_receipt
 
 
 def make_env(root: Path, name: str, finished: bool = True) -> Path:
     env = root / "envs" / name
     (env / "bin").mkdir(parents=True)
     if finished:
-        write_receipt(env, {"name": name, "finished": "2026-01-01T00:00:00+00:00", "packages": {}})
+        write_receipt(env, Receipt(name, finished="2026-01-01T00:00:00+00:00"))
     return env
 
 
@@ -67,13 +67,20 @@ def test_sweep_removes_unfinished_builds_and_on_request_old_ones(tmp_path):
 
 def test_receipt_round_trip_and_unreadable_receipts(tmp_path):
     env = tmp_path / "e"
-    write_receipt(env, {"name": "e", "packages": {"torch": "2.13.0+cpu"}})
-    assert read_receipt(env) == {"name": "e", "packages": {"torch": "2.13.0+cpu"}, "schema": SCHEMA}
+    write_receipt(env, Receipt("e", packages={"torch": "2.13.0+cpu"}))
+    assert read_receipt(env) == Receipt("e", packages={"torch": "2.13.0+cpu"})
+    written = json.loads((env / "receipt.json").read_text())
+    assert written["schema"] == SCHEMA and written["name"] == "e" and written["packages"] == {"torch": "2.13.0+cpu"}
     assert [p.name for p in env.iterdir()] == ["receipt.json"]  # no temp file left behind
     (env / "receipt.json").write_text(json.dumps({"schema": SCHEMA + 1}))
     assert read_receipt(env) is None
     (env / "receipt.json").write_text("{truncated")
     assert read_receipt(env) is None
+    (env / "receipt.json").write_text(json.dumps({"schema": SCHEMA, "packages": {}}))  # no name
+    assert read_receipt(env) is None
+    # a key a later schema-1 unsloth added is skipped, not fatal
+    (env / "receipt.json").write_text(json.dumps({"schema": SCHEMA, "name": "e", "added_later": 1}))
+    assert read_receipt(env) == Receipt("e")
 
 
 def test_fingerprint_changes_with_the_gpu_not_with_unrelated_facts():
@@ -104,9 +111,9 @@ def test_path_line_is_added_once_and_removed_exactly(tmp_path):
     (user / ".bashrc").write_text("alias ll='ls -l'")  # no trailing newline
     (user / ".config" / "fish").mkdir(parents=True)
     bin_dir = tmp_path / "bin"
-    changed = launcher.add_to_path(bin_dir, user)
+    changed = launcher.add_to_path(bin_dir, user, shell="")
     assert sorted(p.name for p in changed) == [".bashrc", ".profile", "unsloth.fish"]
-    assert launcher.add_to_path(bin_dir, user) == []  # a re-run adds nothing
+    assert launcher.add_to_path(bin_dir, user, shell="") == []  # a re-run adds nothing
     bashrc = (user / ".bashrc").read_text()
     assert bashrc.count(launcher.MARKER) == 1 and bashrc.startswith("alias ll='ls -l'\n")
     # the line itself works in sh and never duplicates PATH entries
@@ -120,11 +127,58 @@ def test_path_line_is_added_once_and_removed_exactly(tmp_path):
     assert not launcher.fish_file(user).exists()
 
 
+@pytest.mark.parametrize("shell, read_by_a_new_window", [
+    ("bash", ".bashrc"), ("zsh", ".zshrc"), ("fish", ".config/fish/conf.d/unsloth.fish"), ("sh", None)])
+def test_a_fresh_home_gets_the_path_line_where_the_users_shell_reads_it(tmp_path, shell, read_by_a_new_window):
+    user = tmp_path / "user"
+    user.mkdir()
+    changed = launcher.add_to_path(tmp_path / "bin", user, shell=launcher.login_shell({"SHELL": f"/usr/bin/{shell}"}))
+    names = sorted(str(p.relative_to(user)) for p in changed)
+    assert names == sorted([".profile"] + ([read_by_a_new_window] if read_by_a_new_window else []))
+    launcher.remove_from_path(tmp_path / "bin", user)
+    assert sorted(p.name for p in user.rglob("*") if p.is_file()) == []
+
+
 def test_update_reads_what_the_active_environment_was_asked_for(tmp_path):
     from unsloth.envs.manager import active_request
 
     assert active_request(tmp_path) == {}
     env = make_env(tmp_path, "a")
-    write_receipt(env, {"name": "a", "request": {"without": ["llama-cpp"], "source": "/src"}})
+    write_receipt(env, Receipt("a", request={"without": ["llama-cpp"], "source": "/src"}))
     state.switch(tmp_path, "a")
     assert active_request(tmp_path) == {"without": ["llama-cpp"], "source": "/src"}
+
+
+def test_uninstall_says_which_caches_it_leaves_and_purge_removes_ours(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    from unsloth.envs import manager
+    from unsloth.envs.paths import build_caches
+
+    root, user = tmp_path / "home", tmp_path / "user"
+    for name in ("UV_CACHE_DIR", "PIP_CACHE_DIR", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(user))
+    monkeypatch.setenv("UNSLOTH_BIN_DIR", str(tmp_path / "bin"))
+    caches = build_caches(root, {})
+    assert caches == {"UV_CACHE_DIR": str(root / "cache" / "uv"), "PIP_CACHE_DIR": str(root / "cache" / "pip")}
+    assert build_caches(root, {"UV_CACHE_DIR": "/mine"})["UV_CACHE_DIR"] == "/mine"  # the user's choice stands
+    (root / "cache" / "uv").mkdir(parents=True)
+    (root / "cache" / "uv" / "wheel.whl").write_bytes(b"x" * 3 * 1024**2)
+    (user / ".cache" / "huggingface").mkdir(parents=True)
+    (user / ".cache" / "huggingface" / "model.bin").write_bytes(b"w" * 1024**2)
+    (root / "envs" / "a").mkdir(parents=True)
+
+    def uninstall(purge):
+        screen = tmp_path / "screen"
+        with open(screen, "w") as handle:
+            assert manager.uninstall(root, Console(file=handle, width=300), purge=purge) == 0
+        return screen.read_text()
+
+    said = uninstall(purge=False)
+    assert f"kept {root / 'cache'} (3 MB): our build caches" in said and "`unsloth uninstall --purge` removes them" in said
+    assert f"kept {user / '.cache' / 'huggingface'} (1 MB): Hugging Face" in said
+    assert (root / "cache" / "uv" / "wheel.whl").is_file() and not (root / "envs").exists()
+    said = uninstall(purge=True)
+    assert "our build caches" not in said and "Hugging Face" in said
+    assert not root.exists() and (user / ".cache" / "huggingface" / "model.bin").is_file()

@@ -13,6 +13,7 @@ from unsloth.envs.steps import (
     pins_text,
     torch_step,
 )
+from unsloth.plan import BitsAndBytes, LlamaCpp
 
 TOOL = Tool.uv("uv", Path("/e/bin/python"))
 GENERAL = Sources(extra_index_urls=("https://mirror/simple",), find_links=("/w",), constraints=("/c.txt",))
@@ -46,13 +47,13 @@ def test_pins_keep_the_installed_torch_family_only():
 
 def test_packages_step_installs_our_source_never_the_pypi_name():
     request = Request(source="/src/unsloth", sources=GENERAL)
-    step = packages_step(TOOL, request, PINS, {"source": "pypi", "spec": "bitsandbytes>=0.46"})
+    step = packages_step(TOOL, request, PINS, BitsAndBytes("pypi", "bitsandbytes>=0.46"))
     assert "unsloth-installer[train] @ file:///src/unsloth" in step.argv
     assert "unsloth" not in step.argv and "bitsandbytes>=0.46" in step.argv
     assert flag_values(step.argv, "--constraint") == ["/c.txt", str(PINS)]
     assert flag_values(step.argv, "--reinstall-package") == ["unsloth-installer"]  # a directory: rebuild it
     archive = packages_step(TOOL, Request(source="https://r/unsloth_installer-1.0.tar.gz", without=("train", "bitsandbytes")),
-                            PINS, {"source": "pypi", "spec": "bitsandbytes>=0.46"})
+                            PINS, BitsAndBytes("pypi", "bitsandbytes>=0.46"))
     assert archive.argv[-1] == "unsloth-installer @ https://r/unsloth_installer-1.0.tar.gz"
     assert "--reinstall-package" not in archive.argv and "bitsandbytes>=0.46" not in archive.argv
 
@@ -64,7 +65,7 @@ def test_export_tools_leave_llama_cpp_to_its_own_step():
 
 
 def test_llama_cpp_prebuilt_comes_from_its_wheel_index_alone_then_its_dependencies():
-    plan = {"backend": "cuda", "how": "wheel", "index_url": "https://wheels/cu125", "cmake_args": "-DGGML_CUDA=on"}
+    plan = LlamaCpp("cuda", "wheel", index_url="https://wheels/cu125", cmake_args="-DGGML_CUDA=on")
     request = Request(source="/s", sources=GENERAL)
     step = llama_cpp_step(TOOL, request, PINS, EXPORT_REQUIRES, plan)
     assert flag_values(step.argv, "--index-url") == ["https://wheels/cu125"]
@@ -76,15 +77,16 @@ def test_llama_cpp_prebuilt_comes_from_its_wheel_index_alone_then_its_dependenci
 
 
 def test_llama_cpp_source_build_gets_the_plans_cmake_args():
-    plan = {"backend": "hip", "how": "source", "index_url": None, "cmake_args": "-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1151"}
+    plan = LlamaCpp("hip", "source", cmake_args="-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1151")
     step = llama_cpp_step(TOOL, Request(source="/s"), PINS, EXPORT_REQUIRES, plan)
     assert step.env == {"CMAKE_ARGS": "-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1151"}
     assert flag_values(step.argv, "--no-binary") == ["llama-cpp-python"]
+    assert "--verbose" in step.argv  # the build's own progress reaches the log and the screen
     assert llama_cpp_step(TOOL, Request(source="/s", without=("llama-cpp",)), PINS, EXPORT_REQUIRES, plan) is None
 
 
 def test_llama_cpp_fallback_builds_from_the_general_sources_when_the_wheel_index_fails():
-    plan = {"backend": "cpu", "how": "wheel", "index_url": "https://wheels/cpu", "cmake_args": ""}
+    plan = LlamaCpp("cpu", "wheel", index_url="https://wheels/cpu")
     step = llama_cpp_step(TOOL, Request(source="/s", sources=GENERAL), PINS, EXPORT_REQUIRES, plan, prebuilt=False)
     assert flag_values(step.argv, "--index-url") != ["https://wheels/cpu"] and "--no-deps" not in step.argv
     assert flag_values(step.argv, "--extra-index-url") == ["https://mirror/simple"]

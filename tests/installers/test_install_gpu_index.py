@@ -8,6 +8,7 @@ import base64
 import hashlib
 import subprocess
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -111,7 +112,7 @@ def world(tmp_path_factory):
 
 def gpu_plan(world, torch_index: str):
     plan = resolve(world["platform"], load_matrix(), overrides={"torch_index_url": torch_index})
-    plan.llama_cpp = {**plan.llama_cpp, "how": "wheel", "index_url": world["llama_index"]}  # "pointed at" the local one
+    plan.llama_cpp = replace(plan.llama_cpp, how="wheel", index_url=world["llama_index"])  # "pointed at" the local one
     return plan
 
 
@@ -133,17 +134,17 @@ def origin_in(env: Path, module: str) -> str:
 def test_each_package_comes_from_the_index_the_plan_names(world, tmp_path, monkeypatch, tool):
     plan = gpu_plan(world, world["torch_index"])
     assert plan.torch.backend == "cuda" and plan.torch.index_url == world["torch_index"]
-    assert plan.bitsandbytes["source"] == "pypi"  # the plan takes bitsandbytes from the general index
+    assert plan.bitsandbytes.source == "pypi"  # the plan takes bitsandbytes from the general index
     env = run_build(world, plan, tmp_path / "home", monkeypatch, use_pip=tool == "pip")
-    assert read_receipt(env)["installer"]["tool"] == tool
+    assert read_receipt(env).installer["tool"] == tool
     assert origin_in(env, "torch") == "torch-index"
     assert origin_in(env, "bitsandbytes") == "mirror"
     assert origin_in(env, "llama_cpp") == "llama-index"
     receipt = read_receipt(env)
-    assert receipt["packages"]["torch"] == "2.9.0+cu126"
-    assert receipt["packages"]["llama-cpp-python"] == "0.3.99"
-    assert receipt["indexes"]["torch"] == {"mode": "index", "url": world["torch_index"], "requirements": [plan.torch.version_spec]}
-    assert receipt["verified"]["gpu_seen"] is True and receipt["verified"]["cuda"] == "12.6"
+    assert receipt.packages["torch"] == "2.9.0+cu126"
+    assert receipt.packages["llama-cpp-python"] == "0.3.99"
+    assert receipt.indexes["torch"] == {"mode": "index", "url": world["torch_index"], "requirements": [plan.torch.version_spec]}
+    assert receipt.verified["gpu_seen"] is True and receipt.verified["cuda"] == "12.6"
     torch_log = (env / "logs" / "02-torch.log").read_text().splitlines()[0]
     assert world["torch_index"] in torch_log and world["mirror"] not in torch_log
 

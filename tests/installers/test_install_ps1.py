@@ -16,13 +16,14 @@ import tree_sitter_powershell
 from unsloth.envs import launcher, paths
 from unsloth.envs.sources import Sources, TorchSource
 from unsloth.envs.steps import Request, Tool, llama_cpp_step, torch_step
+from unsloth.plan import LlamaCpp
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "install.ps1"
 WINDOWS_DUMP = Path(__file__).parent / "fixtures" / "Get-WmiObject__gfx1036+gfx1100_windows__1"
 # Cmdlets that ship with Windows PowerShell 5.1 and PowerShell 7; anything else must be defined in the script.
 BUILTIN = {"Copy-Item", "Expand-Archive", "Get-Command", "Get-Content", "Get-FileHash", "Invoke-WebRequest", "Join-Path",
-           "New-Item", "Out-Null", "Read-Host", "Remove-Item", "Select-String", "Split-Path", "Test-Path", "Write-Host"}
+           "New-Item", "Out-Null", "Read-Host", "Remove-Item", "Select-String", "Split-Path", "Start-Sleep", "Test-Path", "Write-Host"}
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,18 @@ def test_both_installers_take_the_same_documented_variables():
     assert shared <= ps1 and shared <= sh
 
 
+def test_both_installers_take_the_same_options():
+    """One interface: every install.sh flag is an install.ps1 parameter (--index-url is -IndexUrl)."""
+    usage = (REPO / "install.sh").read_text().split("usage() {")[1].split("EOF")[1]
+    sh = {"".join(part.capitalize() for part in flag.split("-")) for flag in re.findall(r"--([a-z][a-z-]*)", usage)}
+    function = SCRIPT.read_text().split("function Install-Unsloth {")[1].split("    )")[0]
+    declared = re.findall(r"(?:\[Alias\('(\w+)'\)\] )?\[(?:switch|string)\]\$(\w+)", function)
+    ps1 = {alias or name for alias, name in declared} - {"PassThrough"}
+    assert sh == ps1
+    usage_ps1 = SCRIPT.read_text().split("function Show-Usage {")[1].split("'@")[0]
+    assert {name for name in ps1 if f"-{name}" not in usage_ps1} == set()  # and its help lists them all
+
+
 def test_the_windows_plan_from_a_dump():
     done = subprocess.run([sys.executable, "-m", "unsloth.cli", "install", "--dry-run", "--json", "--from", str(WINDOWS_DUMP)],
                           capture_output=True, text=True)
@@ -96,7 +109,8 @@ def test_the_windows_plan_from_a_dump():
     assert step.argv.count("--index-url") == 1 and "--extra-index-url" not in step.argv
     assert step.argv[step.argv.index("--index-url") + 1] == plan["torch"]["index_url"]
     # ... and llama-cpp-python from its wheel index alone, with no source build.
-    llama = llama_cpp_step(tool, Request(source="C:/src"), Path("pins.txt"), ["llama-cpp-python>=0.3"], plan["llama_cpp"])
+    llama = llama_cpp_step(tool, Request(source="C:/src"), Path("pins.txt"), ["llama-cpp-python>=0.3"],
+                           LlamaCpp.from_json(plan["llama_cpp"]))
     if plan["llama_cpp"]["how"] == "wheel":
         assert llama.argv[llama.argv.index("--index-url") + 1] == plan["llama_cpp"]["index_url"]
         assert "--only-binary" in llama.argv and "--extra-index-url" not in llama.argv

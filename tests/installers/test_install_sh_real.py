@@ -13,12 +13,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from installers_sandbox import sandbox  # noqa: F401  (the module fixture)
 
 from unsloth.envs.lock import InstallLock
 from unsloth.envs.paths import LOCK_NAME
+from unsloth.envs.processes import PIDFILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]
 
@@ -41,7 +43,7 @@ def receipt(sandbox, name=None) -> dict:
 def test_fresh_home_ends_with_unsloth_on_path_and_a_green_doctor(sandbox, installed):
     _, done = installed
     assert "Ready" in done.stdout and "unsloth doctor" in done.stdout
-    assert "Done. Run:" in done.stdout  # install.sh got past `unsloth doctor` (exit 0 = no required check failed)
+    assert "Done. Run:" in done.stderr  # install.sh got past `unsloth doctor` (exit 0 = no required check failed)
     # PATH: one line in the start-up files, the user's own content untouched.
     bashrc = (sandbox.home / ".bashrc").read_text()
     assert bashrc.startswith("# the user's own settings\nexport EDITOR=vi\n") and bashrc.count("unsloth installer") == 1
@@ -76,7 +78,7 @@ def test_second_run_under_bash_is_a_fast_no_op(sandbox, installed):
     done = sandbox.run(["bash", str(sandbox.source / "install.sh"), "--yes", *WITHOUT])
     elapsed = time.monotonic() - start
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "Up to date" in done.stdout and "Nothing changed" in done.stdout
+    assert "Up to date" in done.stdout and "Nothing changed" in done.stderr
     assert sandbox.current() == active and sandbox.envs() == [active]
     assert elapsed < 60, f"a no-op re-run took {elapsed:.0f}s"
     assert (sandbox.home / ".bashrc").read_text().count("unsloth installer") == 1
@@ -99,8 +101,10 @@ def test_a_concurrent_run_waits_for_the_lock(sandbox, installed):
 
 
 def _start_forced_build(sandbox) -> subprocess.Popen:
+    # SIGINT reset to its default: under `./scripts/test &` the build would inherit it as ignored.
     return subprocess.Popen([str(sandbox.launcher), "install", "--force", "--yes", *WITHOUT], env=sandbox.env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for_new_build(sandbox, active: str, timeout: float = 120) -> Path:
@@ -108,7 +112,7 @@ def _wait_for_new_build(sandbox, active: str, timeout: float = 120) -> Path:
     while time.monotonic() < deadline:
         for name in sandbox.envs():
             logs = sandbox.unsloth_home / "envs" / name / "logs"
-            if name != active and (logs / "03-packages.log").exists():
+            if name != active and (logs / "03-packages.log").exists() and (logs / PIDFILE).exists():
                 return sandbox.unsloth_home / "envs" / name
         time.sleep(0.2)
     raise AssertionError("the forced build never reached its package step")
@@ -137,15 +141,24 @@ def test_a_killed_update_leaves_the_previous_env_working_and_is_swept_later(sand
     active = sandbox.current()
     build = _start_forced_build(sandbox)
     half = _wait_for_new_build(sandbox, active)
+    step = int((half / "logs" / PIDFILE).read_text().split()[0])  # the running step's session
     os.killpg(build.pid, signal.SIGKILL)
     build.wait(timeout=60)
-    assert half.exists()  # SIGKILL: no chance to clean up ...
+    assert half.exists()  # SIGKILL: no chance to clean up, and the step runs on in its own session ...
     _previous_env_still_works(sandbox, active)
     listing = sandbox.run([str(sandbox.launcher), "env", "list"])
     assert f"{half.name}  unfinished" in listing.stdout
     again = sandbox.run([str(sandbox.launcher), "install", "--yes", *WITHOUT])
     assert again.returncode == 0 and f"Removed unfinished builds left by an interrupted run: {half.name}" in again.stdout
-    assert not half.exists() and sandbox.envs() == [active]  # ... so the next run sweeps it
+    assert not half.exists() and sandbox.envs() == [active]  # ... so the next run ends it and sweeps
+    assert not [p for p in psutil.process_iter() if _session(p.pid) == step]
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
 
 
 def test_env_export_reproduces_the_environment_exactly(sandbox, installed, tmp_path):

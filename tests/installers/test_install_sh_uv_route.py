@@ -27,7 +27,7 @@ def test_no_pip_python_goes_through_uv(sandbox, tmp_path):
     env = {**sandbox.env, "PATH": f"{tools}{os.pathsep}{sandbox.env['PATH']}", "PYTHONPATH": str(shadow)}
     done = sandbox.run(["sh", str(sandbox.source / "install.sh"), "--yes", "--without", "llama-cpp"], env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "Creating the bootstrap environment with uv" in done.stdout
+    assert "Creating the bootstrap environment with uv" in done.stderr
     bootstrap = sandbox.unsloth_home / "bootstrap"
     assert not (bootstrap / "bin" / "pip").exists() and (bootstrap / "bin" / "uv").exists()
     assert "Ready" in done.stdout and sandbox.current() is not None

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
 from unsloth.matrix import MatrixError, default_path, load_matrix
 
 REAL = default_path().read_text(encoding="utf-8")
@@ -163,3 +168,14 @@ def test_environment_variable_points_at_the_matrix(tmp_path, monkeypatch):
     with pytest.raises(MatrixError, match=r"missing\.toml \(set by UNSLOTH_MATRIX\): cannot read the hardware matrix"):
         load_matrix()
     assert load_matrix(default_path()).cell("Pascal", "linux").level == "limited"  # an argument wins
+
+
+def test_the_packaged_matrix_is_the_one_real_file():
+    """A symlink breaks a Windows checkout without symlinks; a second copy at the root would drift."""
+    path = default_path()
+    assert path.is_file() and not path.is_symlink()
+    assert load_matrix(path).families
+    root = path.parents[2]
+    assert not (root / "hardware_matrix.toml").exists()
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    assert "hardware_matrix.toml" in pyproject["tool"]["setuptools"]["package-data"]["unsloth"]  # shipped in the wheel

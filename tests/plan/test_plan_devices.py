@@ -78,7 +78,7 @@ def test_more_vram_wins_among_equals(matrix):
     big = nvidia("sm_86", name="NVIDIA RTX A6000", vram_gib=48, index=1)
     plan = resolve(machine("linux", small, big), matrix)
     assert plan.device is big
-    assert plan.fits["memory_gib"] == 48.0
+    assert plan.fits.memory_gib == 48.0
 
 
 def test_strix_halo_igpu_alone_is_the_device(matrix):

@@ -86,7 +86,7 @@ def test_plan_invariants(matrix, platform):
         assert not any(name.startswith("HSA_") for name in plan.env)
     if "HSA_OVERRIDE_GFX_VERSION" in plan.env:
         assert plan.device.arch in ("gfx1031", "gfx1036", "gfx1103")  # only archs no index ships
-    if plan.bitsandbytes["source"] == "none":
-        assert plan.fits.get("qlora_max_b") is None
+    if plan.bitsandbytes.source == "none":
+        assert plan.fits.qlora_max_b is None
     assert all(advice.message and advice.fix for advice in plan.warnings)
     assert plan.to_json()["torch"]["backend"] == plan.torch.backend

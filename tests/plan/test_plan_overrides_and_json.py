@@ -57,7 +57,7 @@ def test_overrides_from_env():
 def test_apple_silicon_gets_mps_from_pypi(matrix):
     plan = resolve(machine("macos", machine="arm64"), matrix)
     assert (plan.support, plan.torch.backend, plan.torch.index_url) == ("limited", "mps", "https://pypi.org/simple")
-    assert plan.llama_cpp["index_url"] == "https://abetlen.github.io/llama-cpp-python/whl/metal"
+    assert plan.llama_cpp.index_url == "https://abetlen.github.io/llama-cpp-python/whl/metal"
 
 
 def test_apple_gpu_means_apple_silicon_even_without_machine(matrix):
@@ -75,21 +75,21 @@ def test_intel_mac_gets_the_last_cpu_wheels(matrix):
 
 def test_fits_follows_the_documented_formula(matrix):
     plan = resolve(machine("linux", nvidia("sm_89", vram_gib=24)), matrix)
-    row = next(r for r in plan.fits["table"] if r["params_b"] == 7)
+    row = next(r for r in plan.fits.table if r.params_b == 7)
     # 7e9 params x 0.5625 B x 1.2 / 2^30 + 1.5 GiB; 7e9 x 2 B x 1.2 / 2^30 + 1.5 GiB
-    assert (row["qlora_gib"], row["lora16_gib"]) == (5.9, 17.1)
-    assert (plan.fits["qlora_max_b"], plan.fits["lora16_max_b"]) == (32, 8)
+    assert (row.qlora_gib, row.lora16_gib) == (5.9, 17.1)
+    assert (plan.fits.qlora_max_b, plan.fits.lora16_max_b) == (32, 8)
 
 
 def test_no_qlora_without_bitsandbytes(matrix):
     plan = resolve(machine("linux", nvidia("sm_52", vram_gib=12)), matrix)  # Maxwell: no bnb kernels
-    assert plan.bitsandbytes == {"source": "none", "spec": None, "note": plan.bitsandbytes["note"]}
-    assert plan.fits["qlora_max_b"] is None and plan.fits["lora16_max_b"] == 4
+    assert plan.bitsandbytes.to_json() == {"source": "none", "spec": None, "note": plan.bitsandbytes.note}
+    assert plan.fits.qlora_max_b is None and plan.fits.lora16_max_b == 4
 
 
 def test_cpu_plan_fits_in_ram(matrix):
     plan = resolve(machine("linux", ram_bytes=64 * GIB), matrix)
-    assert (plan.fits["memory"], plan.fits["memory_gib"]) == ("ram", 64.0)
+    assert (plan.fits.memory, plan.fits.memory_gib) == ("ram", 64.0)
 
 
 @pytest.mark.parametrize("os_name", ["linux", "windows"])

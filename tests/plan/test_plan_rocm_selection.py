@@ -65,6 +65,13 @@ def test_rocm_missing_on_linux_still_plans_rocm_and_says_how_to_install(matrix):
     assert advice.fix == "Install ROCm 7.2: https://rocm.docs.amd.com/projects/install-on-linux/en/latest/"
 
 
+def test_a_rocm_tool_that_answered_is_rocm_installed_without_a_version(matrix):
+    """The planner reads detection's rocm_installed fact, not which probe files a dump holds."""
+    plan = plan_for(matrix, rocm=None, rocm_installed=True)
+    assert not any("ROCm was not found" in advice.message for advice in plan.warnings)
+    assert any("ROCm was not found" in advice.message for advice in plan_for(matrix, rocm=None, rocm_installed=False).warnings)
+
+
 def test_missing_dev_kfd_is_reported(matrix):
     plan = plan_for(matrix, dev_kfd=False)
     assert any("/dev/kfd" in advice.message and "render,video" in advice.fix for advice in plan.warnings)
@@ -91,7 +98,7 @@ def test_arch_no_index_ships_gets_the_override_on_linux_only(matrix, arch, overr
     linux = plan_for(matrix, arch=arch)
     assert linux.env == {"HSA_OVERRIDE_GFX_VERSION": override}
     assert linux.torch.variant == "rocm7.2"
-    assert linux.llama_cpp["cmake_args"] == f"-DGGML_HIP=on -DAMDGPU_TARGETS={effective}"
+    assert linux.llama_cpp.cmake_args == f"-DGGML_HIP=on -DAMDGPU_TARGETS={effective}"
     assert linux.device.arch == arch  # the plan never rewrites the real silicon
 
     windows = plan_for(matrix, arch=arch, os_name="windows", rocm=None)
@@ -102,9 +109,9 @@ def test_gfx1103_on_windows_uses_amds_rdna3_wheels(matrix):
     plan = plan_for(matrix, arch="gfx1103", os_name="windows", rocm=None)
     assert plan.torch.index_url == "https://repo.amd.com/rocm/whl/gfx110X-all/"
     assert plan.env == {}
-    assert plan.bitsandbytes["source"] == "none"  # bitsandbytes' Windows build lacks gfx1103
-    assert (plan.llama_cpp["backend"], plan.llama_cpp["how"]) == ("hip", "source")  # hip-radeon lacks it too
-    assert plan.llama_cpp["cmake_args"] == "-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1103"
+    assert plan.bitsandbytes.source == "none"  # bitsandbytes' Windows build lacks gfx1103
+    assert (plan.llama_cpp.backend, plan.llama_cpp.how) == ("hip", "source")  # hip-radeon lacks it too
+    assert plan.llama_cpp.cmake_args == "-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1103"
 
 
 def test_arch_without_pytorch_index_or_override_uses_amds_index_on_linux(matrix):
@@ -112,8 +119,8 @@ def test_arch_without_pytorch_index_or_override_uses_amds_index_on_linux(matrix)
     assert (plan.torch.backend, plan.torch.variant) == ("rocm", "gfx1152")
     assert plan.torch.index_url == "https://repo.amd.com/rocm/whl/gfx1152/"
     assert plan.env == {}
-    assert plan.bitsandbytes["source"] == "pypi"
-    assert plan.llama_cpp["how"] == "source"  # the rocm72 wheel has no gfx1152
+    assert plan.bitsandbytes.source == "pypi"
+    assert plan.llama_cpp.how == "source"  # the rocm72 wheel has no gfx1152
 
 
 def test_amd_gpu_without_gfx_target_gets_cpu_and_a_fix(matrix):
@@ -121,7 +128,7 @@ def test_amd_gpu_without_gfx_target_gets_cpu_and_a_fix(matrix):
     assert plan.torch.backend == "cpu" and plan.device is None
     advice = next(a for a in plan.warnings if "gfx target could not be read" in a.message)
     assert "rocminfo" in advice.fix and "unsloth install" in advice.fix
-    assert plan.llama_cpp["backend"] == "vulkan"
+    assert plan.llama_cpp.backend == "vulkan"
 
 
 def test_user_override_that_spoofs_is_flagged_and_ignored(matrix):
@@ -156,11 +163,11 @@ def test_user_override_on_windows_is_pointless(matrix):
 def test_rocm_on_arm_has_no_bitsandbytes(matrix):
     plan = plan_for(matrix, arch="gfx942", machine="aarch64")
     assert plan.torch.backend == "rocm"
-    assert plan.bitsandbytes["source"] == "none"
+    assert plan.bitsandbytes.source == "none"
 
 
 def test_llama_cpp_wheels_follow_the_gfx_target(matrix):
-    assert plan_for(matrix, arch="gfx1201").llama_cpp == {
+    assert plan_for(matrix, arch="gfx1201").llama_cpp.to_json() == {
         "backend": "hip",
         "how": "wheel",
         "package": "llama-cpp-python",
@@ -168,4 +175,57 @@ def test_llama_cpp_wheels_follow_the_gfx_target(matrix):
         "cmake_args": "-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1201",
     }
     windows = plan_for(matrix, arch="gfx1201", os_name="windows", rocm=None)
-    assert windows.llama_cpp["index_url"].endswith("/whl/hip-radeon")
+    assert windows.llama_cpp.index_url.endswith("/whl/hip-radeon")
+
+
+def _apu_with_dgpu(igpu_arch: str, dgpu_arch: str, **facts):
+    igpu = amd(igpu_arch, name="Radeon 780M", integrated=True, index=0)
+    dgpu = amd(dgpu_arch, name="Radeon RX dGPU", index=1)
+    igpu.kfd_node, dgpu.kfd_node = 1, 2  # KFD node 0 is the CPU
+    return machine("linux", igpu, dgpu, **facts)
+
+
+def test_an_override_beside_an_amd_gpu_of_another_target_is_per_node(matrix):
+    # The 780M (gfx1103, runs as gfx1100 with 11.0.0) is full, the RX 6700 XT (gfx1031) limited:
+    # the global variable would also make the 6700 XT load gfx1100 kernels.
+    plan = resolve(_apu_with_dgpu("gfx1103", "gfx1031"), matrix)
+    assert plan.device.arch == "gfx1103"
+    assert plan.env["HSA_OVERRIDE_GFX_VERSION_1"] == "11.0.0"
+    assert "HSA_OVERRIDE_GFX_VERSION" not in plan.env
+
+
+def test_the_dgpus_override_names_its_own_node(matrix):
+    # gfx1031 dGPU beside a gfx1036 iGPU: both RDNA2 and both need 10.3.0, but they are different
+    # targets, so only the training GPU (node 2) gets it.
+    plan = resolve(_apu_with_dgpu("gfx1036", "gfx1031"), matrix)
+    assert plan.device.arch == "gfx1031"
+    assert {k: v for k, v in plan.env.items() if k.startswith("HSA")} == {"HSA_OVERRIDE_GFX_VERSION_2": "10.3.0"}
+
+
+def test_peers_of_one_target_keep_the_global_override(matrix):
+    cards = [amd("gfx1031", index=n) for n in range(2)]
+    for node, card in enumerate(cards, start=1):
+        card.kfd_node = node
+    plan = resolve(machine("linux", *cards), matrix)
+    assert plan.env == {"HSA_OVERRIDE_GFX_VERSION": "10.3.0"}
+
+
+def test_without_a_node_id_the_override_stays_global(matrix):
+    platform = _apu_with_dgpu("gfx1103", "gfx1031")
+    platform.gpus[0].kfd_node = None
+    assert resolve(platform, matrix).env["HSA_OVERRIDE_GFX_VERSION"] == "11.0.0"
+
+
+def test_a_global_override_set_by_hand_is_flagged_when_the_plan_is_per_node(matrix):
+    plan = resolve(_apu_with_dgpu("gfx1103", "gfx1031", hsa_override="11.0.0"), matrix)
+    [advice] = [w for w in plan.warnings if w.check == "hsa-override"]
+    assert "HSA_OVERRIDE_GFX_VERSION_1=11.0.0" in advice.message and advice.fix.startswith("unset")
+
+
+@pytest.mark.parametrize(("arch", "leaf"), [("gfx1103", "gfx110X-all"), ("gfx1150", "gfx1150"),
+                                            ("gfx1151", "gfx1151"), ("gfx1152", "gfx1152")])
+def test_phoenix_and_strix_apus_on_windows_use_amds_windows_wheels(matrix, arch, leaf):
+    plan = resolve(machine("windows", amd(arch, integrated=True)), matrix)
+    assert (plan.support, plan.torch.backend, plan.torch.variant) == ("full", "rocm", leaf)
+    assert plan.torch.index_url == f"https://repo.amd.com/rocm/whl/{leaf}/"
+    assert not any(k.startswith("HSA_OVERRIDE") for k in plan.env)  # no HSA override on Windows

@@ -26,6 +26,7 @@ REPRESENTATIVE = {
     "Ada": nvidia("sm_89", name="GeForce RTX 4090"),
     "Hopper": nvidia("sm_90", name="H100"),
     "Blackwell": nvidia("sm_120", name="GeForce RTX 5090"),
+    "GCN": amd("gfx702", name="Radeon R9 390"),
     "GCN5": amd("gfx906", name="Radeon VII"),
     "CDNA1": amd("gfx908", name="Instinct MI100"),
     "CDNA2": amd("gfx90a", name="Instinct MI250X"),
@@ -36,7 +37,8 @@ REPRESENTATIVE = {
     "RDNA3": amd("gfx1100", name="Radeon RX 7900 XTX"),
     "RDNA3.5": amd("gfx1151", name="Radeon 8060S", integrated=True),
     "RDNA4": amd("gfx1201", name="Radeon RX 9070 XT"),
-    "Intel": Gpu("intel", name="Intel Arc A770", integrated=False),
+    "Intel": Gpu("intel", name="Intel UHD Graphics 770", integrated=True),
+    "Arc": Gpu("intel", name="Intel Arc B580", family="Arc", integrated=False),
     "Apple": Gpu("apple", name="Apple M3 Max", integrated=True),
     "CPU": None,
 }
@@ -50,7 +52,7 @@ for os_name in GPU_OSES:
     EXPECTED[("Pascal", os_name)] = ("limited", "cuda", "cu126", NO_ENV, "pypi", "cuda")
     EXPECTED[("Volta", os_name)] = ("limited", "cuda", "cu126", NO_ENV, "pypi", "cuda")
     EXPECTED[("Kepler", os_name)] = ("unsupported", "cpu", "cpu", NO_ENV, "none", "vulkan")
-    for family in ("GCN5", "RDNA1", "Intel"):
+    for family in ("GCN", "GCN5", "RDNA1", "Intel"):
         EXPECTED[(family, os_name)] = ("unsupported", "cpu", "cpu", NO_ENV, "none", "vulkan")
     EXPECTED[("Apple", os_name)] = ("unsupported", "cpu", "cpu", NO_ENV, "none", "cpu")
     EXPECTED[("CPU", os_name)] = ("limited", "cpu", "cpu", NO_ENV, "none", "cpu")
@@ -59,6 +61,9 @@ for os_name in ("wsl", "windows"):
         EXPECTED[(family, os_name)] = ("unsupported", "cpu", "cpu", NO_ENV, "none", "vulkan")
 EXPECTED.update(
     {
+        ("Arc", "linux"): ("limited", "xpu", "xpu", NO_ENV, "none", "vulkan"),
+        ("Arc", "windows"): ("limited", "xpu", "xpu", NO_ENV, "none", "vulkan"),
+        ("Arc", "wsl"): ("unsupported", "cpu", "cpu", NO_ENV, "none", "vulkan"),
         ("CDNA1", "linux"): ("limited", "rocm", "rocm7.2", NO_ENV, "none", "hip"),
         ("CDNA2", "linux"): ("full", "rocm", "rocm7.2", NO_ENV, "pypi", "hip"),
         ("CDNA3", "linux"): ("full", "rocm", "rocm7.2", NO_ENV, "pypi", "hip"),
@@ -98,8 +103,8 @@ def test_cell(matrix, family, os_name):
 
     assert (plan.support, plan.torch.backend, plan.torch.variant) == (support, backend, variant)
     assert plan.env == env
-    assert plan.bitsandbytes["source"] == bnb
-    assert plan.llama_cpp["backend"] == llama
+    assert plan.bitsandbytes.source == bnb
+    assert plan.llama_cpp.backend == llama
     assert plan.os == os_name
     assert plan.reason and plan.sources
     if os_name == "windows" or family not in ("RDNA2",):

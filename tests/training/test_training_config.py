@@ -159,10 +159,14 @@ def test_resume_problems_are_named_before_loading(tmp_path):
 
     config = from_dict({"model": {"name": "m"}, "dataset": {"name": "d"}, "output_dir": str(tmp_path),
                         "resume": True})
-    with pytest.raises(ConfigError, match="no checkpoint-\\* folder"):
+    with pytest.raises(ConfigError, match="no complete checkpoint-\\* folder"):
         check_before_loading(config)
     (tmp_path / "checkpoint-2").mkdir()
-    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-2" / "adapter_model.safetensors").write_bytes(b"weights")
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2, "log_hi')  # cut short
+    with pytest.raises(ConfigError, match="no complete checkpoint.*cut off while being written"):
+        check_before_loading(config)
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2}')
     check_before_loading(config)
     config.resume = str(tmp_path / "checkpoint-9")
     with pytest.raises(ConfigError, match="checkpoint-9 is not a checkpoint folder.*checkpoint-2"):

@@ -48,23 +48,12 @@ def _sampling(args: argparse.Namespace) -> dict:
     return {"max_tokens": args.max_tokens, "temperature": temperature, "top_p": args.top_p, "seed": args.seed}
 
 
-def _fail(command: str, exc: Exception, as_json: bool = False) -> int:
-    if as_json:
-        print(json.dumps({"ok": False, "error": getattr(exc, "problem", str(exc)), "fix": getattr(exc, "fix", None)}))
-    else:
-        print(f"unsloth {command}: {exc}", file=sys.stderr)
-    return 1
-
-
 def run_generate(args: argparse.Namespace) -> int:
     from unsloth.export import ExportError
     from unsloth.export.chat import generate, open_model, stream
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    try:
-        llm, path = open_model(args.model, n_ctx=args.n_ctx, gpu=not args.cpu)
-    except ExportError as exc:
-        return _fail("generate", exc, args.json)
+    llm, path = open_model(args.model, n_ctx=args.n_ctx, gpu=not args.cpu)  # a bad file: an ExportError
     try:
         if args.json:
             result = generate(llm, path, prompt, raw=args.raw, system=args.system, **_sampling(args))
@@ -75,22 +64,17 @@ def run_generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
             sys.stdout.write("\n")
     except ValueError as exc:  # llama-cpp-python: the prompt does not fit the context
-        too_long = ExportError(str(exc), fix="shorten the prompt or --max-tokens, or raise --n-ctx "
-                               "(at most the model's trained length)")
-        return _fail("generate", too_long, args.json)
+        raise ExportError(str(exc), fix="shorten the prompt or --max-tokens, or raise --n-ctx "
+                          "(at most the model's trained length)") from exc
     finally:
         llm.close()
     return 0
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from unsloth.export import ExportError
     from unsloth.export.chat import chat_stream, has_chat_template, open_model
 
-    try:
-        llm, path = open_model(args.model, n_ctx=args.n_ctx, gpu=not args.cpu)
-    except ExportError as exc:
-        return _fail("chat", exc)
+    llm, path = open_model(args.model, n_ctx=args.n_ctx, gpu=not args.cpu)  # a bad file: an ExportError
     if not has_chat_template(llm):
         print(f"note: {path} has no chat template; llama-cpp-python falls back to a generic one", file=sys.stderr)
     system = [{"role": "system", "content": args.system}] if args.system else []

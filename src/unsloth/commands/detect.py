@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from unsloth.doctor.findings import EXIT_USAGE
+from unsloth.errors import UsageError
 
 
 def add_from_argument(parser: argparse.ArgumentParser) -> None:
@@ -15,15 +14,19 @@ def add_from_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def detect_platform(from_dir: Path | None):
-    """(Platform, probe results) from the live machine or a dump; OSError when the dump cannot be read."""
+    """(Platform, probe results) from the live machine or a dump; a UsageError when the dump cannot be read."""
     from unsloth.platform.detect import detect_from_dump, detect_live
 
     if from_dir is None:
         return detect_live()
-    platform, results = detect_from_dump(from_dir)
+    fix = "pass the folder `unsloth doctor --dump DIR` wrote (it holds <probe>.txt files and probes.json)"
+    try:
+        platform, results = detect_from_dump(from_dir)
+    except OSError as exc:  # read_dump: not a directory, unreadable file
+        problem = f"--from {from_dir}: cannot read the dump ({exc.strerror})" if exc.strerror else str(exc)
+        raise UsageError(problem, fix) from exc
     if not results:  # an empty or wrong folder would otherwise read as "a machine with nothing"
-        raise FileNotFoundError(f"{from_dir}: no probe outputs here (a dump holds <probe>.txt files and "
-                                "probes.json; make one with `unsloth doctor --dump DIR`)")
+        raise UsageError(f"--from {from_dir}: no probe outputs here", fix)
     return platform, results
 
 
@@ -39,11 +42,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from unsloth.doctor import render
 
-    try:
-        platform, _ = detect_platform(args.from_dir)
-    except OSError as exc:  # read_dump: not a directory, unreadable file
-        print(f"unsloth detect: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    platform, _ = detect_platform(args.from_dir)
     if args.json:
         render.print_json(platform.to_json())
     else:

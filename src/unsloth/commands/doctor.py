@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 from unsloth.commands.detect import add_from_argument, detect_platform
-from unsloth.doctor.env_checks import DEFAULT_TIMEOUT_S
-from unsloth.doctor.findings import EXIT_USAGE
+from unsloth.errors import UsageError
+from unsloth.selftest.run import DEFAULT_TIMEOUT_S
 
 
 def _seconds(text: str) -> float:
@@ -40,33 +40,33 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def _usage(message: str) -> int:
-    print(f"unsloth doctor: {message}", file=sys.stderr)
-    return EXIT_USAGE
-
-
 def run(args: argparse.Namespace) -> int:
     from unsloth.doctor import render
     from unsloth.doctor.run import diagnose
-    from unsloth.platform.dump import write_dump
+    from unsloth.platform.dump import write_dump, write_reports
 
     if args.from_dir is not None and (args.dump is not None or args.python is not None):
-        return _usage("--from reads another machine's dump; --dump and --python need this machine")
+        raise UsageError("--from reads another machine's dump; --dump and --python need this machine",
+                         "drop --from to check this machine, or drop --dump / --python")
     start = time.monotonic()
-    try:
-        platform, results = detect_platform(args.from_dir)
-    except OSError as exc:  # read_dump: not a directory, unreadable file
-        return _usage(str(exc))
+    platform, results = detect_platform(args.from_dir)
     timings = {"detect": time.monotonic() - start}
     if args.dump is not None:
         try:
             write_dump(args.dump, results)
         except OSError as exc:  # a file in the way, a read-only place: say where, before any checking
-            return _usage(f"--dump {args.dump}: cannot write the dump there ({exc.strerror or exc}); pick another folder")
+            raise UsageError(f"--dump {args.dump}: cannot write the dump there ({exc.strerror or exc})",
+                             "pick another folder") from exc
         print(f"Wrote every probe's raw output to {args.dump.resolve()}: attach that folder to your bug report "
               f"(read it back with `unsloth doctor --from {args.dump}`).", file=sys.stderr)
     report = diagnose(platform, source=str(args.from_dir) if args.from_dir else "live", python=args.python,
                       env_checks=not args.quick, timeout_s=args.timeout, timings=timings)
+    if args.dump is not None:
+        try:
+            write_reports(args.dump, {"detect": platform.to_json(),
+                                      "plan": report.plan.to_json() if report.plan is not None else None})
+        except OSError as exc:
+            return _usage(f"--dump {args.dump}: cannot write the dump there ({exc.strerror or exc}); pick another folder")
     if args.json:
         render.print_json(report.to_json())
     else:

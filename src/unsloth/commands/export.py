@@ -34,25 +34,22 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from unsloth.export import ExportError
-    from unsloth.export.checkpoint import resolve_checkpoint
-    from unsloth.export.methods import resolve_all
+    from unsloth.export.checkpoint import check_checkpoint, checkpoint_parameters, resolve_checkpoint
+    from unsloth.export.files import ensure_free_space
+    from unsloth.export.methods import export_bytes, resolve_all
 
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
     methods = [m for value in args.gguf for m in value.split(",") if m.strip()]
-    try:
-        resolve_all(methods)  # a typo fails before anything is loaded
-        checkpoint = resolve_checkpoint(Path(args.checkpoint).resolve())
-        # unsloth-demo/merged -> files named after the run, beside it: unsloth-demo-gguf/unsloth-demo.Q8_0.gguf
-        run_dir = checkpoint.parent if checkpoint.name in ("merged", "lora") else checkpoint
-        out = Path(args.out) if args.out else run_dir.with_name(run_dir.name + "-gguf")
-        result = _export(checkpoint, out, methods, args, default_name=run_dir.name)
-    except ExportError as exc:
-        if args.json:
-            print(json.dumps({"ok": False, "error": exc.problem, "fix": exc.fix}))
-        else:
-            print(f"unsloth export: {exc}", file=sys.stderr)
-        return 1
+    # Everything that needs no model is checked first: a typo'd method, a damaged checkpoint, an output
+    # folder that cannot be written or has no room. The CLI reports the ExportError.
+    resolved = resolve_all(methods)
+    checkpoint = resolve_checkpoint(Path(args.checkpoint).resolve())
+    check_checkpoint(checkpoint)
+    # unsloth-demo/merged -> files named after the run, beside it: unsloth-demo-gguf/unsloth-demo.Q8_0.gguf
+    run_dir = checkpoint.parent if checkpoint.name in ("merged", "lora") else checkpoint
+    out = Path(args.out) if args.out else run_dir.with_name(run_dir.name + "-gguf")
+    ensure_free_space(out, export_bytes(checkpoint_parameters(checkpoint), resolved))
+    result = _export(checkpoint, out, methods, args, default_name=run_dir.name)
     ok = all(v.passed for v in result.validations.values())
     if args.json:
         print(json.dumps({"ok": ok, **result.to_json()}, indent=2))

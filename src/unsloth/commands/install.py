@@ -13,8 +13,7 @@ import sys
 
 from unsloth.commands.detect import add_from_argument, detect_platform
 from unsloth.envs.steps import OPTIONAL_PARTS
-
-EXIT_USAGE = 2
+from unsloth.errors import UsageError
 
 
 def _env_list(name: str) -> list[str]:
@@ -95,25 +94,26 @@ def make_plan(args: argparse.Namespace):
     return platform, resolve(platform, load_matrix(), overrides=overrides)
 
 
+def optional_parts(values: list[str]) -> list[str]:
+    """--without as given (repeated, comma- or space-separated) -> the parts, each checked."""
+    parts = [part for value in values for part in value.replace(",", " ").split()]
+    unknown = sorted(set(parts) - set(OPTIONAL_PARTS))
+    if unknown:
+        raise UsageError(f"--without {', '.join(unknown)}: not an optional part ({', '.join(OPTIONAL_PARTS)})",
+                         f"leave out only those, e.g. --without {','.join(OPTIONAL_PARTS)}", kept="nothing was changed")
+    return parts
+
+
 def run_install(args: argparse.Namespace) -> int:
     if args.json and not args.dry_run:  # never start a build when only the plan was asked for
-        print("unsloth install: --json prints the plan; add --dry-run.", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        platform, plan = make_plan(args)
-    except (OSError, ValueError) as exc:  # an unreadable dump or matrix: say which, change nothing
-        print(f"unsloth install: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError("--json prints the plan", "add --dry-run")
+    args.without = optional_parts(args.without)
+    platform, plan = make_plan(args)  # an unreadable dump or matrix is a UsageError / MatrixError naming it
     if args.dry_run:
         return _print_plan(plan, args.json)
     if args.from_dir is not None:
-        print("unsloth install: --from plans for another machine's dump; add --dry-run to see that plan.", file=sys.stderr)
-        return EXIT_USAGE
-    unknown = sorted(set(args.without) - set(OPTIONAL_PARTS))
-    if unknown:
-        print(f"unsloth install: --without {', '.join(unknown)}: not an optional part ({', '.join(OPTIONAL_PARTS)}).",
-              file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError("--from plans for another machine's dump", "add --dry-run to see that plan",
+                         kept="nothing was installed")
 
     from unsloth.envs import manager
     from unsloth.envs.paths import home
@@ -123,13 +123,11 @@ def run_install(args: argparse.Namespace) -> int:
     root = home()
     source = manager.find_source(args.source, root)
     if source is None:
-        print("unsloth install: where should unsloth be installed from? Pass --source PATH|URL "
-              "(a checkout or a release archive).", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError("where should unsloth be installed from? No checkout or active environment names it",
+                         "pass --source PATH|URL (a checkout or a release archive)")
     if "://" not in source and not os.path.exists(source):  # before PyTorch is downloaded, not after
-        print(f"unsloth install: the package source {source} does not exist (no such file or folder); "
-              "pass --source PATH|URL.", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(f"the package source {source} does not exist (no such file or folder)",
+                         "pass --source PATH|URL (a checkout or a release archive)", kept="nothing was installed")
     if args.upgrade and not args.without:  # `update` keeps what the active environment left out
         args.without = manager.active_request(root).get("without", [])
     base = Sources() if args.ignore_pip_config else manager.pip_config_sources(args.python)
@@ -175,15 +173,14 @@ def _print_plan(plan, as_json: bool) -> int:
     from rich.text import Text
 
     bnb, llama = plan.bitsandbytes, plan.llama_cpp
-    how = (f"prebuilt from {llama.get('index_url')}" if llama.get("how") == "wheel"
-           else f"source build, CMAKE_ARGS={llama.get('cmake_args')!r}")
+    how = f"prebuilt from {llama.index_url}" if llama.how == "wheel" else f"source build, CMAKE_ARGS={llama.cmake_args!r}"
     rows = {
         "support": f"{plan.support}: {plan.reason}",
         # device_reason already opens with the chosen GPU's label (name, arch, family).
         "device": plan.device_reason if plan.device else f"CPU — {plan.device_reason}",
         "torch": f"{plan.torch.backend} ({plan.torch.variant}) {plan.torch.version_spec or 'torch'} from {plan.torch.index_url}",
-        "bitsandbytes": (bnb.get("spec") or "none") + (f" — {bnb['note']}" if bnb.get("note") else ""),
-        "llama.cpp": f"{llama.get('backend')} — {how}",
+        "bitsandbytes": (bnb.spec or "none") + (f" — {bnb.note}" if bnb.note else ""),
+        "llama.cpp": f"{llama.backend} — {how}",
         "attention": plan.attention,
         "env": " ".join(f"{k}={v}" for k, v in plan.env.items()) or "-",
     }

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+
+from unsloth.errors import ExitCode, UnslothError, UsageError
 
 # Common settings with their own flag; anything else goes through --set key.path=value.
 _FLAGS = {
@@ -36,17 +39,33 @@ def register(subparsers) -> None:
     p.add_argument("--max-seq-length", dest="max_seq_length", type=int, help="model.max_seq_length")
     p.add_argument("--resume", nargs="?", const=True, default=None,
                    help="resume from the latest checkpoint in output_dir (or from the given checkpoint)")
+    p.add_argument("--gpus", metavar="N",
+                   help="train on N GPUs of this machine (or all), one process each, through torchrun")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any setting, e.g. --set training.warmup_steps=10 (repeatable)")
     p.set_defaults(func=run)
 
 
 def _quiet_libraries() -> None:
-    """Our own log lines at INFO; the libraries' deprecation notices and dataset-map bars stay out of the way."""
+    """Our own log lines at INFO; the libraries' deprecation notices and dataset-map bars stay out of the way.
+
+    In a job of several processes only rank 0 logs; the others say only what went wrong.
+    """
+    import os
     import warnings
 
+    main = int(os.environ.get("RANK", "0")) == 0
     log = logging.getLogger("unsloth")
-    log.setLevel(logging.INFO)
+    log.setLevel(logging.INFO if main else logging.ERROR)
+    if not main:
+        warnings.filterwarnings("ignore")
+        try:
+            from transformers.utils import logging as transformers_logging
+
+            transformers_logging.set_verbosity_error()
+            transformers_logging.disable_progress_bar()
+        except ImportError:
+            pass
     if not log.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
@@ -67,10 +86,8 @@ def run(args: argparse.Namespace) -> int:
     if args.demo:
         return _demo(args)
     if not args.config:
-        print("unsloth train: give a config file (unsloth train my.toml), or try `unsloth train --demo`",
-              file=sys.stderr)
-        return 2
-    from unsloth.training.config import ConfigError, load_config
+        raise UsageError("no config file given", "unsloth train my.toml, or try `unsloth train --demo`")
+    from unsloth.training.config import load_config
 
     overrides = list(args.overrides)
     for flag, key in _FLAGS.items():
@@ -79,12 +96,22 @@ def run(args: argparse.Namespace) -> int:
             overrides.append(f"{key}={value}")
     if args.resume is not None:
         overrides.append(f"resume={args.resume if isinstance(args.resume, str) else 'true'}")
-    try:
-        config = load_config(args.config, overrides)
+    config = load_config(args.config, overrides)  # a ConfigError says what and how, before any work
+    if args.gpus is not None and "LOCAL_RANK" not in os.environ:
+        return _launch(args.gpus, config, [args.config, *(f"--set={item}" for item in overrides)])
+    return _train(config)
+
+
+def _launch(gpus: str, config, train_args: list[str]) -> int:
+    import torch
+
+    from unsloth.training.launch import CPU_PROCESSES_ENV, gpu_count, launch
+
+    cpu_processes = os.environ.get(CPU_PROCESSES_ENV) == "1"
+    count = gpu_count(gpus, torch.cuda.device_count(), cpu_processes=cpu_processes)
+    if count == 1 and not cpu_processes:  # one GPU: no launcher needed
         return _train(config)
-    except ConfigError as exc:
-        print(f"unsloth train: {exc}", file=sys.stderr)
-        return 2
+    return launch(count, train_args, cpu_processes=cpu_processes)
 
 
 def _train(config) -> int:
@@ -95,16 +122,18 @@ def _train(config) -> int:
 
     try:
         result = train(config)
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as exc:
         batch = config.training.get("per_device_train_batch_size", 2)
-        print(out_of_memory_advice(batch, config.model.max_seq_length, config.model.load_in_4bit),
-              file=sys.stderr)
-        print(f"(checkpoints so far are kept in {config.output_dir}; add --resume to continue)", file=sys.stderr)
-        return 3
+        raise UnslothError("out of GPU memory",
+                           out_of_memory_advice(batch, config.model.max_seq_length, config.model.load_in_4bit),
+                           kept=f"checkpoints so far are kept in {config.output_dir} (add --resume to continue)",
+                           exit_code=ExitCode.OUT_OF_MEMORY) from exc
     except KeyboardInterrupt:
         print(f"\nunsloth train: interrupted; checkpoints so far are kept in {config.output_dir} "
               "(add --resume to continue)", file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
     print(f"done: adapters in {result.output_dir}/lora" + (f", merged model in {result.merged_dir}"
                                                             if result.merged_dir else ""))
     return 0
@@ -116,8 +145,8 @@ def _demo(args: argparse.Namespace) -> int:
     kwargs = {"output_dir": args.output_dir or DEFAULT_OUTPUT}
     if args.max_steps is not None:
         if args.max_steps < 1:
-            print("unsloth train: --max-steps must be 1 or more", file=sys.stderr)
-            return 2
+            raise UsageError(f"--max-steps must be 1 or more (got {args.max_steps})", "--max-steps 150 (the default)",
+                             kept="nothing was trained")
         kwargs["max_steps"] = args.max_steps
     result = run_demo(**kwargs)
     return 0 if result.losses[-1] < result.losses[0] else 1

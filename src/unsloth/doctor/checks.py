@@ -7,15 +7,18 @@ Finding when it applies but its facts are missing (HostFacts of a dump from anot
 from __future__ import annotations
 
 import re
+import traceback
 from dataclasses import dataclass, field
 
 from packaging.version import Version
 
 from unsloth.doctor.findings import Finding
 from unsloth.doctor.host import HostFacts
+from unsloth.errors import UnslothError
 from unsloth.matrix import Matrix
 from unsloth.platform.facts import Gpu, Platform
 from unsloth.plan import Plan, support_phrase, version_or_none
+from unsloth.selftest.judge import backend, target_gpu
 
 GIB = 2**30
 MIN_RAM_GIB = 8  # tokenizer, dataset and the model's CPU copy during load; below this loads swap
@@ -52,18 +55,6 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.0f} GiB"
 
 
-def target_gpu(platform: Platform, plan: Plan | None) -> Gpu | None:
-    """The GPU the checks are about: the plan's device, else the first discrete GPU, else any."""
-    if plan is not None and plan.device is not None:
-        return plan.device
-    discrete = [g for g in platform.gpus if not g.integrated]
-    return (discrete or platform.gpus or [None])[0]
-
-
-def backend(plan: Plan | None) -> str:
-    return plan.torch.backend if plan is not None else "cpu"
-
-
 def describe_gpu(gpu: Gpu) -> str:
     facts = [gpu.arch, _gib(gpu.vram_bytes) if gpu.vram_bytes else None, "integrated" if gpu.integrated else None]
     extra = ", ".join(f for f in facts if f)
@@ -89,11 +80,18 @@ def check_gpu(platform: Platform, plan: Plan | None) -> Finding:
     return Finding("gpu", title, "ok", describe_gpu(gpu) + (f" (+{others} more)" if others else ""))
 
 
-def check_support(plan: Plan | None, plan_error: str | None = None) -> Finding:
+def check_support(plan: Plan | None, plan_error: Exception | str | None = None) -> Finding:
+    """``plan_error``: why there is no plan; an UnslothError (an unreadable matrix) brings its own fix."""
     title = "Support"
     if plan is None:
-        return Finding("support", title, "error", f"No install plan: {plan_error}", required=True,
-                       fix="Report this with `unsloth doctor --dump ./unsloth-dump` attached")
+        problem, fix, detail = str(plan_error), None, ""
+        if isinstance(plan_error, UnslothError):  # an unreadable matrix: its own fix
+            problem, fix = plan_error.problem, plan_error.fix
+        elif isinstance(plan_error, Exception):  # a crash in the planner: a bug, with its traceback
+            problem = f"{type(plan_error).__name__}: {plan_error}"
+            detail = "".join(traceback.format_exception(plan_error)).rstrip()
+        return Finding("support", title, "error", f"No install plan: {problem}".replace("\n", " "), required=True,
+                       fix=fix or "Report this with `unsloth doctor --dump ./unsloth-dump` attached", detail=detail)
     if plan.support == "full":
         return Finding("support", title, "ok", f"Fully supported: {plan.reason}")
     fix = next((w.fix for w in plan.warnings if w.fix), None)
@@ -278,6 +276,12 @@ def check_hsa_override(platform: Platform, plan: Plan | None, host: HostFacts | 
     if have is None:
         return None  # the managed environment sets the plan's value itself
     title = "HSA_OVERRIDE_GFX_VERSION"
+    per_node = sorted(k for k in (plan.env if plan is not None else {}) if k.startswith("HSA_OVERRIDE_GFX_VERSION_"))
+    if per_node:
+        return Finding("hsa-override", title, "error",
+                       f"Set to {have} for every AMD GPU, but they are of different targets: only the training GPU "
+                       f"needs it ({per_node[0]}={plan.env[per_node[0]]}, which the managed environment sets)",
+                       fix=_unset_fix(host), required=True)
     if wanted is not None:
         if have == wanted:
             return Finding("hsa-override", title, "ok", f"Set to {have}, as this GPU needs")

@@ -1,42 +1,17 @@
-"""A finding: one check's verdict in one line, with the exact fix. Exit codes follow from them."""
+"""Exit codes and summaries follow from the findings (the type lives in unsloth.selftest.findings)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
 from typing import Any
 
-STATUSES = ("ok", "warning", "error", "skipped")
-
-EXIT_OK = 0  # every required check passed (warnings allowed)
-EXIT_FAILED = 1  # a required check failed
-EXIT_USAGE = 2  # bad arguments or an unreadable dump: nothing was checked
+from unsloth.errors import ExitCode
+from unsloth.selftest.findings import STATUSES, Finding
 
 
-@dataclass(frozen=True)
-class Finding:
-    id: str  # stable, kebab-case: "gpu", "driver", "env-torch"
-    title: str  # what was checked: "GPU driver"
-    status: str  # one of STATUSES; "skipped" says the check applies but could not run here
-    message: str  # one line: what was found
-    fix: str | None = None  # the exact command or step; None when there is nothing to do
-    required: bool = False  # only a failed required check makes the exit status non-zero
-    detail: str = ""  # evidence for --verbose: probe output, versions, a traceback
-
-    def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"finding {self.id!r}: status {self.status!r} is not one of {STATUSES}")
-
-    @property
-    def fails(self) -> bool:
-        return self.required and self.status == "error"
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def exit_code(findings: Iterable[Finding]) -> int:
-    return EXIT_FAILED if any(f.fails for f in findings) else EXIT_OK
+def exit_code(findings: Iterable[Finding]) -> ExitCode:
+    """FAILED when a required check failed, else OK (warnings allowed)."""
+    return ExitCode.FAILED if any(f.fails for f in findings) else ExitCode.OK
 
 
 def summarize(findings: list[Finding]) -> dict[str, Any]:
@@ -44,5 +19,5 @@ def summarize(findings: list[Finding]) -> dict[str, Any]:
     return {
         **counts,
         "failed_required": [f.id for f in findings if f.fails],
-        "exit_code": exit_code(findings),
+        "exit_code": int(exit_code(findings)),
     }

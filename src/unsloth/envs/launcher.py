@@ -63,10 +63,18 @@ def path_line(bin_dir: Path) -> str:
     return f'case ":$PATH:" in *:{quoted}:*) ;; *) export PATH={quoted}":$PATH" ;; esac  {MARKER}'
 
 
-def rc_files(user_home: Path) -> list[Path]:
-    """Start-up files that get the PATH line: ~/.profile always, the others where the user has them."""
+def login_shell(environ: dict[str, str] | None = None) -> str:
+    """The user's shell by name ("bash", "zsh", "fish"), from SHELL; "" when unknown."""
+    return Path((environ if environ is not None else os.environ).get("SHELL", "")).name
+
+
+def rc_files(user_home: Path, shell: str = "") -> list[Path]:
+    """Start-up files that get the PATH line: ~/.profile (login shells, sh), and each shell's own
+    file where the user has it or uses that shell: a new bash window reads only ~/.bashrc, zsh only
+    ~/.zshrc, and a login bash skips ~/.profile once ~/.bash_profile exists."""
     files = [user_home / ".profile"]
-    files += [user_home / name for name in (".bash_profile", ".bashrc", ".zshrc") if (user_home / name).exists()]
+    wanted = {".bashrc": shell == "bash", ".zshrc": shell == "zsh", ".bash_profile": False}
+    files += [user_home / name for name, used in wanted.items() if used or (user_home / name).exists()]
     return files
 
 
@@ -74,13 +82,14 @@ def fish_file(user_home: Path) -> Path:
     return user_home / ".config" / "fish" / "conf.d" / "unsloth.fish"
 
 
-def add_to_path(bin_dir: Path, user_home: Path | None = None) -> list[Path]:
+def add_to_path(bin_dir: Path, user_home: Path | None = None, shell: str | None = None) -> list[Path]:
     """Make ``bin_dir`` found by new shells; returns the files changed (none on a re-run)."""
     if is_windows():
         return [Path("HKCU\\Environment\\Path")] if _windows_path(bin_dir, add=True) else []
     user_home = user_home or Path.home()
+    shell = login_shell() if shell is None else shell
     changed = []
-    for rc in rc_files(user_home):
+    for rc in rc_files(user_home, shell):
         text = rc.read_text(encoding="utf-8") if rc.exists() else ""
         if MARKER in text:
             continue
@@ -88,7 +97,7 @@ def add_to_path(bin_dir: Path, user_home: Path | None = None) -> list[Path]:
         rc.write_text(f"{text}{sep}{path_line(bin_dir)}\n", encoding="utf-8")
         changed.append(rc)
     fish = fish_file(user_home)
-    if fish.parent.parent.is_dir() and not fish.exists():
+    if (shell == "fish" or fish.parent.parent.is_dir()) and not fish.exists():
         fish.parent.mkdir(parents=True, exist_ok=True)
         fish.write_text(f"{MARKER}\nfish_add_path -g {shlex.quote(str(bin_dir))}\n", encoding="utf-8")
         changed.append(fish)

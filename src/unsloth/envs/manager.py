@@ -8,27 +8,49 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from rich.console import Console
 from rich.markup import escape
 
 from unsloth.envs import launcher, state
-from unsloth.envs.build import BuildFailed, build, default_python, request_hash, source_identity
+from unsloth.envs.build import BuildFailed, build, default_python, has_newer, request_hash, source_identity
 from unsloth.envs.lock import InstallLock
-from unsloth.envs.paths import CURRENT, LOCK_NAME, PREVIOUS, active_env, bin_dir, is_windows
+from unsloth.envs.paths import CACHE, CURRENT, LOCK_NAME, PREVIOUS, active_env, bin_dir, is_windows
 from unsloth.envs.receipt import hardware_fingerprint, read_receipt
 from unsloth.envs.runner import StepFailed
 from unsloth.envs.sources import Sources, parse_pip_config
 from unsloth.envs.steps import DIST_NAME, Request
+from unsloth.interrupts import signals_as_interrupt
 
-KEEP_ON_UNINSTALL_HINT = "model caches (~/.cache/huggingface) and your training outputs are kept"
+def folder_size(path: Path) -> int:
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _size(n: int) -> str:
+    return f"{n / 1024**3:.1f} GB" if n >= 1024**3 else f"{n / 1024**2:.0f} MB"
+
+
+def kept_caches(root: Path, environ=os.environ) -> list[tuple[str, Path, int]]:
+    """What `uninstall` leaves: (what it is and how to remove it, folder, bytes), for folders that exist."""
+    hf = Path(environ.get("HF_HOME") or Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface")
+    rows = [("our build caches (uv and pip downloads); `unsloth uninstall --purge` removes them", root / CACHE),
+            ("Hugging Face models and datasets: yours, kept", hf)]
+    for name, tool in (("UV_CACHE_DIR", "uv cache clean"), ("PIP_CACHE_DIR", "pip cache purge")):
+        if environ.get(name):
+            rows.append((f"the cache you chose with {name}: kept (`{tool}` empties it)", Path(environ[name])))
+    return [(what, path, folder_size(path)) for what, path in rows if path.is_dir()]
 
 
 @dataclass
@@ -66,29 +88,14 @@ def find_source(explicit: str | None, root: Path) -> str | None:
         return str(checkout)
     env = active_env(root)
     receipt = read_receipt(env) if env else None
-    return (receipt or {}).get("unsloth", {}).get("source")
+    return receipt.unsloth.get("source") if receipt else None
 
 
 def active_request(root: Path) -> dict:
     """What the active environment was built from (its receipt's request), or {}."""
     env = active_env(root)
-    return ((read_receipt(env) or {}).get("request") or {}) if env else {}
-
-
-@contextmanager
-def signals_as_interrupt() -> Iterator[None]:
-    """SIGTERM / SIGHUP clean up like Ctrl-C: the half-built environment is removed."""
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    names = [name for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
-    old = {name: signal.signal(getattr(signal, name), interrupt) for name in names}
-    try:
-        yield
-    finally:
-        for name, handler in old.items():
-            signal.signal(getattr(signal, name), handler)
+    receipt = read_receipt(env) if env else None
+    return receipt.request if receipt else {}
 
 
 def locked(root: Path, console: Console) -> InstallLock:
@@ -110,10 +117,17 @@ def install(options: Options, plan, platform, console: Console, confirm: Callabl
         wanted = request_hash(
             request, plan.to_json(), source_identity(request.source), hardware_fingerprint(platform.to_json())
         )
-        if receipt and receipt.get("request_hash") == wanted and not (options.force or options.upgrade):
+        if receipt and receipt.request_hash == wanted and not (options.force or options.upgrade):
             _expose(options, console)
             console.print(f"[green]Up to date[/]: {current.name} already matches this plan ({plan.torch.backend}). Nothing to do.")
             return 0
+        if options.upgrade and receipt and receipt.request_hash == wanted and not options.force:
+            with console.status("Checking the package indexes for newer versions"):
+                newer = has_newer(current, request, plan)
+            if newer is False:  # decided before anything is built
+                _expose(options, console)
+                console.print(f"[green]Up to date[/]: {current.name} already has the newest versions for this plan.")
+                return 0
         if confirm is not None and not confirm():
             console.print("Nothing changed.")
             return 1
@@ -137,7 +151,7 @@ def install(options: Options, plan, platform, console: Console, confirm: Callabl
             console.print("[yellow]Interrupted[/]: the half-built environment was removed.")
             _kept(current, console)
             return 130
-        same = receipt and receipt.get("request_hash") == wanted and read_receipt(env)["packages"] == receipt.get("packages")
+        same = receipt and receipt.request_hash == wanted and read_receipt(env).packages == receipt.packages
         if options.upgrade and same:
             state.remove_env(env)  # identical to what is active: keep the active one, which is proven
             _expose(options, console)
@@ -194,11 +208,13 @@ def uninstall(root: Path, console: Console, purge: bool = False) -> int:
     ours = launcher.is_ours(script)  # never delete an `unsloth` we did not write
     for path in ([script] if ours else []) + folders + ([root] if purge else []):
         console.print(f"removing {path}")
-    kept = "" if purge else f"; {KEEP_ON_UNINSTALL_HINT}"
+    caches = [row for row in kept_caches(root) if not (purge and row[1].is_relative_to(root))]
     with locked(root, console):
         for changed in launcher.remove_from_path(bin_dir()):
             console.print(f"removed the PATH line from {changed}")
-        console.print(f"[green]Uninstalled[/]{kept}.")
+        console.print("[green]Uninstalled[/]; your training outputs are kept.")
+        for what, path, size in caches:
+            console.print(f"  kept {escape(str(path))} ({_size(size)}): {escape(what)}")
         console.file.flush()
         if ours:
             script.unlink(missing_ok=True)
@@ -231,9 +247,9 @@ def env_table(root: Path) -> list[dict]:
                 "name": env.name,
                 "path": str(env),
                 "active": current is not None and env == current,
-                "finished": (receipt or {}).get("finished"),
-                "backend": ((receipt or {}).get("plan") or {}).get("torch", {}).get("backend"),
-                "torch": ((receipt or {}).get("packages") or {}).get("torch"),
+                "finished": receipt.finished if receipt else None,
+                "backend": receipt.backend if receipt else None,
+                "torch": receipt.packages.get("torch") if receipt else None,
                 "status": "ready" if receipt else "unfinished",
             }
         )
@@ -245,10 +261,10 @@ def export_lock(env: Path) -> str:
     receipt = read_receipt(env)
     if receipt is None:
         raise ValueError(f"{env}: its receipt is missing, unreadable or from a newer unsloth")
-    indexes = receipt.get("indexes") or {}
+    indexes = receipt.indexes
     torch = indexes.get("torch") or {}
     lines = [
-        f"# unsloth environment {receipt['name']}, built {receipt['finished']} ({receipt['plan']['torch']['backend']})",
+        f"# unsloth environment {receipt.name}, built {receipt.finished} ({receipt.backend})",
         "# Rebuild it exactly in a fresh environment: pip install -r THIS_FILE",
         "# (uv: uv pip install --index-strategy unsafe-best-match -r THIS_FILE)",
     ]
@@ -259,9 +275,9 @@ def export_lock(env: Path) -> str:
     lines += [f"--extra-index-url {url}" for url in indexes.get("extra_index_urls", [])]
     wheelhouses = indexes.get("find_links", []) + ([torch["url"]] if torch.get("mode") == "wheelhouse" else [])
     lines += [f"--find-links {link}" for link in dict.fromkeys(wheelhouses)]
-    source = receipt["unsloth"]["source"]
+    source = receipt.unsloth["source"]
     source_url = source if "://" in source else Path(source).as_uri()
-    for name, version in sorted(receipt["packages"].items()):
+    for name, version in sorted(receipt.packages.items()):
         lines.append(f"{DIST_NAME} @ {source_url}" if name == DIST_NAME else f"{name}=={version}")
     return "\n".join(lines) + "\n"
 

@@ -19,6 +19,14 @@ RECEIPT_NAME = "receipt.json"
 CURRENT = "current"
 PREVIOUS = "previous"
 LOCK_NAME = "install.lock"
+CACHE = "cache"  # <home>/cache/{uv,pip}: our builds' downloads and built wheels
+
+
+def build_caches(root: Path, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The cache folders every install step uses: ours, under the install home (so `uninstall`
+    can say how large they are and `uninstall --purge` removes them), unless the user chose one."""
+    environ = os.environ if environ is None else environ
+    return {name: environ.get(name) or str(root / CACHE / tool) for name, tool in (("UV_CACHE_DIR", "uv"), ("PIP_CACHE_DIR", "pip"))}
 
 
 def is_windows() -> bool:

@@ -1,11 +1,12 @@
-"""Run one install step: full output to a log file, a spinner on screen, and on failure the log's
-last lines, its path and the likely fix."""
+"""Run one install step: full output to a log file, its elapsed time and last line on screen, and
+on failure the log's last lines, its path and the likely fix."""
 
 from __future__ import annotations
 
 import os
 import re
 import subprocess
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -13,6 +14,9 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
+
+from unsloth.envs.processes import PIDFILE, group_options, kill_tree, record
+from unsloth.errors import UnslothError
 
 
 @dataclass
@@ -23,10 +27,10 @@ class Step:
     env: dict[str, str | None] = field(default_factory=dict)  # on top of ours; None unsets a variable
 
 
-class StepFailed(Exception):
+class StepFailed(UnslothError):
     def __init__(self, step: Step, log: Path, tail: str, fix: str):
-        super().__init__(f"{step.title} failed")
-        self.step, self.log, self.tail, self.fix = step, log, tail, fix
+        super().__init__(f"{step.title} failed", fix)
+        self.step, self.log, self.tail = step, log, tail
 
 
 _CREDENTIALS = re.compile(r"(?<=://)[^/@\s:]+:[^/@\s]+@")
@@ -40,6 +44,12 @@ def redact(text: str) -> str:
 # (pattern in the output, what to do about it): first match wins.
 _FIXES = (
     (r"No space left on device", "Free some disk space (the log says where), then run the same command again."),
+    (
+        r"timed out|Timeout was reached|operation timed out|ReadTimeout",
+        "A download stopped answering and was given up after {timeout}. Check the network or proxy, or allow "
+        "longer (pip's `timeout` setting or `PIP_DEFAULT_TIMEOUT`, which uv gets too); behind a mirror set "
+        "UNSLOTH_INDEX_URL; offline, pass --find-links <wheelhouse>.",
+    ),
     (
         r"dns error|Name or service not known|Could not resolve|Connection refused|timed out|Failed to fetch|"
         r"Network is unreachable|ConnectError",
@@ -61,21 +71,37 @@ _FIXES = (
 )
 
 
-def likely_fix(output: str) -> str:
+def likely_fix(output: str, timeout: str | None = None) -> str:
+    """``timeout``: the network timeout the step ran with (seconds), when one was configured."""
+    waited = f"{timeout} s" if timeout else "uv's or pip's default network timeout (30 s for uv, 15 s for pip)"
     for pattern, fix in _FIXES:
         if re.search(pattern, output):
-            return fix
+            return fix.format(timeout=waited)
     return "Read the log for the first error; `unsloth install` again retries from a clean state."
 
 
+PROGRESS_EVERY_S = 5.0  # how often a running step says how long it has run and what it last printed
+
+
+def clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
 def run_step(step: Step, log_dir: Path, console: Console, index: int) -> str:
-    """Run ``step``; return its output. Raises StepFailed (non-zero exit) or KeyboardInterrupt."""
+    """Run ``step``; return its output. Raises StepFailed (non-zero exit) or KeyboardInterrupt.
+
+    While it runs, the screen shows its elapsed time and last output line (a terminal: live; a log
+    or pipe: one line every PROGRESS_EVERY_S). Its process tree lives in a group of its own, which
+    an interrupt ends whole, and is recorded in ``log_dir``/running.pid for a run after a SIGKILL.
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{index:02d}-{step.name}.log"
+    pidfile = log_dir / PIDFILE
     tail: deque[str] = deque(maxlen=25)
     lines: list[str] = []
     started = time.monotonic()
-    with open(log, "w", encoding="utf-8") as handle, console.status(escape(step.title)):
+    with open(log, "w", encoding="utf-8") as handle, console.status(escape(step.title)) as status:
         handle.write("$ " + redact(" ".join(step.argv)) + "\n")
         for key, value in sorted(step.env.items()):
             handle.write(f"# {key}={redact(value) if value is not None else '(unset)'}\n")
@@ -89,20 +115,46 @@ def run_step(step: Step, log_dir: Path, console: Console, index: int) -> str:
             text=True,
             encoding="utf-8",
             errors="replace",
+            **group_options(),
         )
+        reader = threading.Thread(target=_pump, args=(proc, handle, tail, lines), daemon=True)
         try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                handle.write(redact(line))
-                tail.append(redact(line.rstrip()))
-                lines.append(line)
-            code = proc.wait()
-        except BaseException:  # Ctrl-C or a signal: never leave the child running
-            proc.kill()
-            proc.wait()
+            record(pidfile, proc)
+            reader.start()
+            next_report = started + PROGRESS_EVERY_S
+            while True:
+                try:
+                    code = proc.wait(timeout=min(1.0, PROGRESS_EVERY_S))
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                now = time.monotonic()
+                last = tail[-1][-120:] if tail else ""
+                progress = f"{step.title} · {clock(now - started)}" + (f" · {last}" if last else "")
+                status.update(escape(progress))
+                if not console.is_terminal and now >= next_report:
+                    console.print(escape(f"  … {progress}"))
+                    next_report = now + PROGRESS_EVERY_S
+            reader.join()
+        except BaseException:  # Ctrl-C or a signal: never leave the step, or anything it started, running
+            kill_tree(proc)
+            if reader.is_alive():
+                reader.join(timeout=5)  # the pipe closes with the tree
             raise
+        finally:
+            pidfile.unlink(missing_ok=True)
     output = "".join(lines)
     if code != 0:
-        raise StepFailed(step, log, "\n".join(tail), likely_fix(output))
-    console.print(f"[green]✓[/] {escape(step.title)} [dim]({time.monotonic() - started:.1f}s)[/]")
+        raise StepFailed(step, log, "\n".join(tail), likely_fix(output, step.env.get("UV_HTTP_TIMEOUT")))
+    console.print(f"[green]✓[/] {escape(step.title)} [dim]({clock(time.monotonic() - started)})[/]")
     return output
+
+
+def _pump(proc: subprocess.Popen, handle, tail: deque[str], lines: list[str]) -> None:
+    """Copy the step's output to its log (credentials hidden) as it comes."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        handle.write(redact(line))
+        handle.flush()
+        tail.append(redact(line.rstrip()))
+        lines.append(line)

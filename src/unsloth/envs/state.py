@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 from unsloth.envs.fsio import write_atomic
 from unsloth.envs.paths import CURRENT, PREVIOUS, active_env, envs_dir, previous_env
-from unsloth.envs.receipt import read_receipt
+from unsloth.envs.processes import PIDFILE, reap
+from unsloth.envs.receipt import Receipt, read_receipt
 
 
 def switch(root: Path, name: str) -> None:
@@ -29,7 +29,7 @@ def rollback(root: Path) -> tuple[str, str] | None:
     return (old.name if old else "-", new.name)
 
 
-def list_envs(root: Path) -> list[tuple[Path, dict[str, Any] | None]]:
+def list_envs(root: Path) -> list[tuple[Path, Receipt | None]]:
     folder = envs_dir(root)
     if not folder.is_dir():
         return []
@@ -44,12 +44,17 @@ def remove_env(env: Path) -> bool:
 
 def sweep(root: Path, keep_finished: bool = True) -> list[str]:
     """Remove unfinished builds (no receipt: a killed run) and, unless ``keep_finished``, every
-    finished environment that is neither current nor previous. Returns the names removed."""
+    finished environment that is neither current nor previous. Returns the names removed.
+
+    A killed run's step may still be running (uv compiling llama.cpp): it is ended first, or it
+    would write into the folder again after it is deleted."""
     keep = {env.name for env in (active_env(root), previous_env(root)) if env is not None}
     removed = []
     for env, receipt in list_envs(root):
         if env.name in keep or (receipt is not None and keep_finished):
             continue
+        if receipt is None:
+            reap(env / "logs" / PIDFILE)
         if remove_env(env):
             removed.append(env.name)
     return removed

@@ -18,6 +18,7 @@ from typing import Any
 from packaging.requirements import Requirement
 
 from unsloth.envs.runner import Step
+from unsloth.plan import BitsAndBytes, LlamaCpp
 from unsloth.envs.sources import Sources, TorchSource
 
 DIST_NAME = "unsloth-installer"  # ours; PyPI's `unsloth` is another project and is never asked for
@@ -80,17 +81,17 @@ def pins_text(installed: dict[str, str], names: frozenset[str]) -> str:
     return "".join(f"{name}=={installed[name]}\n" for name in sorted(names) if name in installed)
 
 
-def bitsandbytes_requirement(plan_bnb: dict[str, Any]) -> str | None:
-    if plan_bnb.get("source") in (None, "none"):
+def bitsandbytes_requirement(plan_bnb: BitsAndBytes) -> str | None:
+    if not plan_bnb.available:
         return None
-    return plan_bnb.get("spec") or "bitsandbytes"
+    return plan_bnb.spec or "bitsandbytes"
 
 
-def packages_step(tool: Tool, request: Request, pins: Path, plan_bnb: dict[str, Any]) -> Step:
+def packages_step(tool: Tool, request: Request, pins: Path, plan_bnb: BitsAndBytes) -> Step:
     extras = "" if "train" in request.without else "[train]"
     requirements = [f"{DIST_NAME}{extras} @ {_as_url(request.source)}"]
     bnb = bitsandbytes_requirement(plan_bnb)
-    if bnb and plan_bnb.get("source") == "pypi" and "bitsandbytes" not in request.without:
+    if bnb and plan_bnb.source == "pypi" and "bitsandbytes" not in request.without:
         requirements.append(bnb)
     refresh = ["--reinstall-package", DIST_NAME] if tool.name == "uv" and is_local_source(request.source) else []
     argv = [*tool.install, *request.sources.args(), "--constraint", str(pins), *refresh, *requirements]
@@ -113,7 +114,7 @@ def export_step(tool: Tool, request: Request, pins: Path, export_requires: list[
     return Step("export", "GGUF export tools", argv)
 
 
-def llama_cpp_step(tool: Tool, request: Request, pins: Path, export_requires: list[str], plan_llama: dict[str, Any],
+def llama_cpp_step(tool: Tool, request: Request, pins: Path, export_requires: list[str], plan_llama: LlamaCpp,
                    *, prebuilt: bool = True) -> Step | None:
     """llama-cpp-python as the plan says: from its prebuilt wheel index only (its dependencies follow in
     `llama_cpp_deps_step`), or built from source with the plan's CMAKE_ARGS (also the fallback, with
@@ -121,15 +122,17 @@ def llama_cpp_step(tool: Tool, request: Request, pins: Path, export_requires: li
     req = _llama_requirement(request, export_requires)
     if req is None:
         return None
-    backend = plan_llama.get("backend", "cpu")
-    if prebuilt and plan_llama.get("how") == "wheel" and plan_llama.get("index_url"):
+    backend = plan_llama.backend
+    if prebuilt and plan_llama.how == "wheel" and plan_llama.index_url:
         # That index alone, so no other index can supply a package of the same name (uv and pip alike).
-        argv = [*tool.install, "--index-url", plan_llama["index_url"], "--no-deps", "--only-binary", "llama-cpp-python",
+        argv = [*tool.install, "--index-url", plan_llama.index_url, "--no-deps", "--only-binary", "llama-cpp-python",
                 "--constraint", str(pins), str(req)]
-        return Step("llama-cpp", f"llama-cpp-python ({backend}, prebuilt) from {plan_llama['index_url']}", argv)
-    cmake_args = plan_llama.get("cmake_args") or ""
-    env = {"CMAKE_ARGS": " ".join(cmake_args) if isinstance(cmake_args, list) else str(cmake_args)}
-    argv = [*tool.install, *request.sources.args(), "--no-binary", "llama-cpp-python", "--constraint", str(pins), str(req)]
+        return Step("llama-cpp", f"llama-cpp-python ({backend}, prebuilt) from {plan_llama.index_url}", argv)
+    env = {"CMAKE_ARGS": plan_llama.cmake_args}
+    # --verbose: the build backend's output (cmake's "[ 42%] Building ...") reaches the log and the
+    # progress line, instead of minutes of silence.
+    argv = [*tool.install, "--verbose", *request.sources.args(), "--no-binary", "llama-cpp-python", "--constraint",
+            str(pins), str(req)]
     return Step("llama-cpp", f"llama-cpp-python ({backend}), built from source (minutes)", argv, env=env)
 
 

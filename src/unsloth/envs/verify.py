@@ -1,18 +1,8 @@
-"""Does a built environment match its plan? Pure: the probe's JSON and the plan in, problems out."""
+"""Does a built environment match its plan? Pure: the self-test's verification and the plan in, problems out."""
 
 from __future__ import annotations
 
-
-def torch_backend(torch_info: dict) -> str:
-    """The backend a torch build was made for, from its own version fields."""
-    if torch_info.get("hip"):
-        return "rocm"
-    if torch_info.get("cuda"):
-        return "cuda"
-    version = torch_info.get("version") or ""
-    if "+xpu" in version:
-        return "xpu"
-    return "cpu"
+from unsloth.selftest.script import torch_backend
 
 
 def problems(plan_backend: str, probe: dict, required_imports: list[str]) -> list[str]:

@@ -9,6 +9,11 @@ from typing import Any
 import torch
 
 from unsloth.export.errors import ExportError
+from unsloth.models.folder import ADAPTER_WEIGHTS, model_folder_problem, parameter_count, weights_problem
+
+BASE_FIX = "export the merged/ folder, or make the adapter's base model (base_model_name_or_path) available locally"
+FOLDER_FIX = ("pass the directory written by `unsloth train` (or its merged/ or lora/ folder) or by save_pretrained, "
+              "with its config.json and weights")
 
 
 def _is_checkpoint(path: Path) -> bool:
@@ -27,15 +32,49 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
+def adapter_base(path: Path) -> str | None:
+    """The base model an adapter directory names (None for a full model directory)."""
+    adapter = path / "adapter_config.json"
+    if not adapter.is_file():
+        return None
+    try:
+        config = json.loads(adapter.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ExportError(f"{adapter} is not readable JSON ({exc})", fix=FOLDER_FIX) from None
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    if not base:
+        raise ExportError(f"{adapter} names no base model", fix="set base_model_name_or_path to the base model's directory")
+    return base
+
+
+def check_checkpoint(path: Path) -> None:
+    """config.json with a known model_type and whole weights (or an adapter's weights and a whole local
+    base), before minutes of loading."""
+    base = adapter_base(path)
+    if base is None:
+        problem = model_folder_problem(path)
+    elif Path(base).is_absolute() and not Path(base).exists():
+        raise ExportError(f"could not load {path}: its base model {base} does not exist",
+                          fix=BASE_FIX, kept="nothing was written")
+    else:
+        problem = model_folder_problem(Path(base)) if Path(base).is_dir() else None
+        problem = problem or weights_problem(path, ADAPTER_WEIGHTS, ())
+    if problem:
+        raise ExportError(problem, fix=FOLDER_FIX, kept="nothing was written")
+
+
+def checkpoint_parameters(path: Path) -> int:
+    """How many weights the merged model has (the base's, for an adapter), from the files' headers."""
+    base = adapter_base(path)
+    return parameter_count(Path(base) if base and Path(base).is_dir() else path)
+
+
 def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> tuple[Any, Any]:
     """A merged model directory or a LoRA adapter directory -> (model, tokenizer), on the CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_checkpoint(path)
-    adapter = path / "adapter_config.json"
-    base = json.loads(adapter.read_text()).get("base_model_name_or_path") if adapter.is_file() else None
-    if adapter.is_file() and not base:
-        raise ExportError(f"{adapter} names no base model", fix="set base_model_name_or_path to the base model's directory")
+    base = adapter_base(path)
     tokenizer_dir = path if (path / "tokenizer_config.json").is_file() or not base else base
     try:
         model = AutoModelForCausalLM.from_pretrained(base or path, dtype=dtype or "auto")
@@ -45,8 +84,5 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> tuple
             model = PeftModel.from_pretrained(model, path)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     except OSError as exc:  # a missing base model or tokenizer, offline hub lookups
-        raise ExportError(
-            f"could not load {path}: {exc}",
-            fix="export the merged/ folder, or make the adapter's base model (base_model_name_or_path) available locally",
-        ) from exc
+        raise ExportError(f"could not load {path}: {exc}", fix=BASE_FIX) from exc
     return model.eval(), tokenizer

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,10 @@ from typing import Any
 from unsloth.export.architectures import architecture_for
 from unsloth.export.converter import write_gguf
 from unsloth.export.errors import ExportError
-from unsloth.export.files import atomic_output, ensure_free_space
+from unsloth.export.files import atomic_output, ensure_free_space, scratch_file
 from unsloth.models.merge import base_model, merged_tensors
-from unsloth.export.methods import METHODS, Method, estimated_bytes, resolve_all
+from unsloth.export.methods import Method, export_bytes, resolve_all
+from unsloth.export.methods import reference_method as reference_method_for
 from unsloth.export.modelfile import write_modelfile
 from unsloth.export.quantize import quantize
 from unsloth.export.runtime import require_llama_cpp
@@ -73,20 +75,21 @@ def save_pretrained_gguf(
     if quantized or validate_export:
         require_llama_cpp()
 
-    reference_method = next((m for m in methods if m.converted), METHODS["f16"])
+    reference_method = reference_method_for(methods)
     sources = merged_tensors(model)
     n_params = sum(math.prod(s.shape) for s in sources.values())
     keep_reference = reference_method in methods
-    ensure_free_space(out_dir, sum(estimated_bytes(n_params, m) for m in {reference_method, *methods}))
+    ensure_free_space(out_dir, export_bytes(n_params, methods))
 
     result = ExportResult()
     expected = reference_run(model, tokenizer) if validate_export else None  # transformers, once
     reference_path = out_dir / gguf_filename(name, reference_method)
-    with atomic_output(reference_path) as partial:
+
+    def write_reference(target: Path) -> None:
         log.info("writing %s%s", reference_path, "" if keep_reference else " (the reference to quantize from; not kept)")
-        write_gguf(model, tokenizer, sources, partial, reference_method, name=name)
+        write_gguf(model, tokenizer, sources, target, reference_method, name=name)
         if expected is not None:
-            report = validate(expected, tokenizer, partial, reference_method.name)
+            report = validate(expected, tokenizer, target, reference_method.name)
             report.file = str(reference_path)
             result.validations[reference_method.name] = report
             if not report.passed:
@@ -96,9 +99,16 @@ def save_pretrained_gguf(
                     fix="this is an exporter bug for this model, please report it; --no-validate "
                     "(validate_export=False) writes the file anyway, for inspection",
                 )
-    result.files[reference_method.name] = reference_path
 
-    try:
+    with ExitStack() as stack:
+        if keep_reference:
+            with atomic_output(reference_path) as partial:
+                write_reference(partial)
+            reference = reference_path
+            result.files[reference_method.name] = reference_path
+        else:  # not asked for: it never takes its final name, so no kill can leave it there
+            reference = stack.enter_context(scratch_file(reference_path))
+            write_reference(reference)
         for method in methods:
             if method.converted and method is not reference_method:
                 path = out_dir / gguf_filename(name, method)
@@ -108,14 +118,10 @@ def save_pretrained_gguf(
         for method in quantized:
             path = out_dir / gguf_filename(name, method)
             log.info("quantizing %s", path)
-            quantize(reference_path, path, method)
+            quantize(reference, path, method)
             result.files[method.name] = path
             if expected is not None:
                 result.validations[method.name] = validate(expected, tokenizer, path, method.name)
-    finally:
-        if not keep_reference:
-            reference_path.unlink(missing_ok=True)
-            result.files.pop(reference_method.name, None)
 
     if modelfile:
         preferred = next(result.files[m.name] for m in methods)

@@ -13,15 +13,18 @@ import os
 import torch
 from torch import nn
 
+from unsloth.models.distributed import gathered, is_main_process
 from unsloth.models.merge import base_model, merged_tensors
 
 
-def merged_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The base model's state dict with every LoRA layer merged and every floating tensor in `dtype` (on the CPU)."""
+def merged_state_dict(model: nn.Module, dtype: torch.dtype, copy: bool = False) -> dict[str, torch.Tensor]:
+    """The base model's state dict with every LoRA layer merged and every floating tensor in `dtype` (on
+    the CPU; `copy`: never the model's own tensors)."""
     state = {}
     for name, source in merged_tensors(model).items():
         tensor = source.load()
-        state[name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).cpu()
+        tensor = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        state[name] = tensor.to("cpu", copy=copy)
     return state
 
 
@@ -40,7 +43,10 @@ def save_pretrained_merged(self, save_directory: str, tokenizer=None, save_metho
             del config.quantization_config
         config.dtype = dtype
         config.use_cache = True  # a saved model is for inference; training turned the cache off
-        state = merged_state_dict(self, dtype)
+        with gathered(self) as whole:  # FSDP2: every weight gathered once, by every rank; rank 0 writes
+            state = merged_state_dict(self, dtype, copy=whole) if is_main_process() else None
+        if state is None:
+            return save_directory
         if getattr(config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # the loader ties it back to the embeddings
         os.makedirs(save_directory, exist_ok=True)

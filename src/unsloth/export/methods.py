@@ -69,3 +69,13 @@ def resolve_all(names: str | list[str] | tuple[str, ...]) -> list[Method]:
 
 def estimated_bytes(n_params: int, method: Method) -> int:
     return int(n_params * method.bits_per_weight / 8)
+
+
+def reference_method(methods: list[Method]) -> Method:
+    """The unquantized file every export writes first: the first 16/32-bit method asked for, else f16."""
+    return next((m for m in methods if m.converted), METHODS["f16"])
+
+
+def export_bytes(n_params: int, methods: list[Method]) -> int:
+    """What an export writes at most: the reference plus every method asked for."""
+    return sum(estimated_bytes(n_params, m) for m in {reference_method(methods), *methods})

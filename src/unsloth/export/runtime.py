@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from unsloth.export import gguf_file
 from unsloth.export.errors import ExportError
 
 INSTALL_FIX = (
@@ -35,6 +36,7 @@ def load(path: str | Path, *, n_ctx: int = 2048, gpu: bool = True, logits_all: b
     path = Path(path)
     if not path.is_file():
         raise ExportError(f"no GGUF file at {path}", fix="pass a .gguf file, or a directory written by `unsloth export`")
+    gguf_file.read_header(path)  # a truncated or foreign file is named here, not deep inside llama.cpp
     try:
         return llama_cpp.Llama(
             str(path),
@@ -53,13 +55,8 @@ def load(path: str | Path, *, n_ctx: int = 2048, gpu: bool = True, logits_all: b
 
 
 def context_length(path: str | Path) -> int | None:
-    """The context length the model was trained for, read from the GGUF header (no weights loaded)."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    arch = reader.fields["general.architecture"].contents()
-    field = reader.fields.get(f"{arch}.context_length")
-    return int(field.contents()) if field is not None else None
+    """The context length the model was trained for, read from the checked GGUF header (no weights loaded)."""
+    return gguf_file.context_length(gguf_file.read_header(path))
 
 
 def resolve_model_path(model: str | Path) -> Path:

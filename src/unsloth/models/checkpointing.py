@@ -197,26 +197,33 @@ class _Saved:
 
 
 class _CheckpointedLayer(torch.autograd.Function):
-    """Run a layer without keeping its activations; recompute them from its input in backward."""
+    """Run a layer without keeping its activations; recompute them from its input in backward.
+
+    The layer's trainable parameters (and any outside tensor it reads that needs a gradient) are
+    inputs of this Function, and its backward returns their gradients instead of accumulating them
+    itself: the autograd engine then accumulates each parameter once, through the outer graph.
+    That is what data-parallel training needs: DDP's per-parameter hooks fire once per step, and
+    its search for unused parameters (`find_unused_parameters`, what the Trainer asks for with a
+    PeftModel) finds these parameters in the graph instead of marking them unused in the forward
+    and then seeing them again in the recompute (DDP's "marked a variable ready only once" error).
+    FSDP2 gets the gradients on its unsharded parameters, as from an uncheckpointed layer.
+    """
 
     @staticmethod
     def forward(ctx, run, offloader, layer_index, hidden, *extras):
-        # `extras`: the layer's other tensor arguments that need gradients (Gemma 3n/4's per-layer
-        # inputs); they stay on the GPU, as they are, and get their gradients from the recompute.
         ctx.run = run
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
         ctx.offloaded = offloader is not None
         if not ctx.offloaded:
-            ctx.save_for_backward(hidden, *extras)
+            ctx.save_for_backward(hidden)
             with torch.no_grad():
-                return run(hidden, *extras)
-        ctx.save_for_backward(*extras)
+                return run(hidden)
         ctx.saved = offloader.save(hidden, layer_index)
         previous, _recompute.keeping = _keeping_entry(), ctx.saved
         try:
             with torch.no_grad():
-                return run(hidden, *extras)
+                return run(hidden)
         finally:
             _recompute.keeping = previous
             ctx.saved.seal()
@@ -224,11 +231,10 @@ class _CheckpointedLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         if ctx.offloaded:
-            (hidden, kept), extras = ctx.saved.fetch(), ctx.saved_tensors
+            hidden, kept = ctx.saved.fetch()
         else:
-            (hidden, *extras), kept = ctx.saved_tensors, {}
+            hidden, kept = ctx.saved_tensors[0], {}
         hidden = hidden.detach().requires_grad_(True)
-        extras = [t.detach().requires_grad_(True) for t in extras]
         devices = [hidden.device] if hidden.is_cuda else []
         with torch.random.fork_rng(devices=devices):
             torch.set_rng_state(ctx.rng)
@@ -238,12 +244,15 @@ class _CheckpointedLayer(torch.autograd.Function):
             _recompute.active, _recompute.kept = True, kept
             try:
                 with torch.enable_grad():
-                    output = ctx.run(hidden, *extras)
+                    output, inputs = ctx.run(hidden, recompute=True)
             finally:
                 _recompute.active, _recompute.kept = state
         del kept
-        torch.autograd.backward(output, grad_output)
-        return (None, None, None, hidden.grad, *(t.grad for t in extras))
+        wanted = [hidden, *inputs]
+        grads = torch.autograd.grad(output, wanted, grad_output, allow_unused=True)
+        # A parameter the layer did not use still gets a (zero) gradient: DDP waits for every one.
+        grads = [torch.zeros_like(x) if g is None and x.requires_grad else g for g, x in zip(grads, wanted)]
+        return (None, None, None, *grads)
 
 
 def _checkpointed_forward(self, hidden_states, *args, **kwargs):
@@ -258,27 +267,34 @@ def _checkpointed_forward(self, hidden_states, *args, **kwargs):
         if kwargs.get(name) is not None:
             kwargs[name] = None
     returns_tuple = []
-    # Tensor arguments besides the hidden state that need gradients go into the checkpoint as inputs:
-    # captured as they are, the recompute's backward would run through the graph that made them once
-    # per layer (and that graph is freed after the first).
-    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-    names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
-    extras = [args[i] for i in positions] + [kwargs[k] for k in names]
+    # Arguments that need a gradient (rare: the hidden state and masks do not) are inputs of the
+    # Function beside the parameters; the recompute reads them as fresh leaves to get theirs.
+    outside = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    outside += [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+    # Read per call: FSDP2 swaps its unsharded parameters in for the forward.
+    params = [p for p in self.parameters() if p.requires_grad]
 
-    def run(hidden, *extras):
-        call_args, call_kwargs = list(args), dict(kwargs)
-        for i, t in zip(positions, extras):
-            call_args[i] = t
-        for k, t in zip(names, extras[len(positions) :]):
-            call_kwargs[k] = t
+    def run(hidden, recompute=False):
+        call_args, call_kwargs = args, kwargs
+        leaves = []
+        if recompute and outside:
+            call_args, call_kwargs = list(args), dict(kwargs)
+            for key, tensor in outside:
+                leaves.append(tensor.detach().requires_grad_(True))
+                if isinstance(key, int):
+                    call_args[key] = leaves[-1]
+                else:
+                    call_kwargs[key] = leaves[-1]
         out = original(hidden, *call_args, **call_kwargs)
         if isinstance(out, tuple):  # older transformers return (hidden_states, ...)
-            returns_tuple[:] = [out[1:]]
-            return out[0]
-        return out
+            if not recompute:
+                returns_tuple.append(out[1:])
+            out = out[0]
+        return (out, leaves + params) if recompute else out
 
     offloader = self._unsloth_offloader
-    output = _CheckpointedLayer.apply(run, offloader, self._unsloth_layer_index, hidden_states, *extras)
+    output = _CheckpointedLayer.apply(run, offloader, self._unsloth_layer_index, hidden_states,
+                                      *(t for _, t in outside), *params)
     return (output, *returns_tuple[0]) if returns_tuple else output
 
 

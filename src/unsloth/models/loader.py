@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from unsloth.models.distributed import bind_to_gpu_numa_node, rank_device, world_size
 from unsloth.models.embedding import offload_input_embedding
 from unsloth.models.patches import patch_model, patch_peft_model
 from unsloth.models.checkpointing import apply_gradient_checkpointing
@@ -62,8 +63,11 @@ def _quantization_config(load_in_4bit: bool, load_in_8bit: bool, dtype: torch.dt
 
     if load_in_8bit:
         return BitsAndBytesConfig(load_in_8bit=True)
+    # In a job of several processes the packed 4-bit bytes are stored as the compute dtype, so FSDP
+    # can shard them with the layer's other weights (one dtype per layer); our kernels read them as bytes.
+    storage = dtype if world_size() > 1 else torch.uint8
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=dtype)
+                              bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=storage)
 
 
 # attn_implementation -> the class attribute by which a transformers model says it supports it
@@ -146,8 +150,12 @@ def load_pretrained(
     if full_finetuning and (load_in_4bit or load_in_8bit):
         log.info("unsloth: full fine-tuning trains every weight, so they load in %s, not quantized.", dtype)
         load_in_4bit = load_in_8bit = False
-    if device_map is None:
-        device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
+    if device_map is None and torch.cuda.is_available():
+        # Under torchrun / accelerate each rank loads onto its own GPU, next to its own CPUs.
+        device_map = {"": rank_device()}
+        cpus = bind_to_gpu_numa_node(device_map[""])
+        if cpus:
+            log.info("unsloth: rank on GPU %d runs on its NUMA node's CPUs (%d of them)", device_map[""], len(cpus))
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
     if Path(model_name).expanduser().is_dir():
@@ -207,15 +215,22 @@ def add_lora(
     """Add LoRA adapters (peft) and route the LoRA layers through our fast paths. Returns the PeftModel."""
     from peft import LoraConfig, get_peft_model
 
-    for name in sorted(set(kwargs) & (_ACCEPTED_UNUSED | {"finetune_last_n_layers", "target_parameters"})):
+    from unsloth.models.patches.moe import expert_target_parameters
+
+    target_parameters = kwargs.pop("target_parameters", None) or []
+    for name in sorted(set(kwargs) & (_ACCEPTED_UNUSED | {"finetune_last_n_layers"})):
         kwargs.pop(name)
     torch.manual_seed(random_state)
+    target_modules = list(target_modules or DEFAULT_TARGETS)
+    # packed MoE experts are parameters, not modules: peft adapts them through target_parameters
+    target_parameters = list(dict.fromkeys([*target_parameters, *expert_target_parameters(model, target_modules)]))
     config = LoraConfig(
         r=r,
         lora_alpha=lora_alpha,
         lora_dropout=lora_dropout,
         bias=bias,
-        target_modules=list(target_modules or DEFAULT_TARGETS),
+        target_modules=target_modules,
+        target_parameters=target_parameters or None,
         layers_to_transform=layers_to_transform,
         layers_pattern=layers_pattern,
         use_rslora=use_rslora,
@@ -233,8 +248,16 @@ def add_lora(
     _record_checkpointing(base, layers, use_gradient_checkpointing)
     patch_peft_model(peft_model)
     wanted = getattr(model, "_unsloth_offload_embedding", None)
-    reason = "offload_embedding=False" if wanted is False else offload_input_embedding(peft_model)
-    if reason and wanted:
+    if wanted and world_size() > 1:
+        log.warning("unsloth: offload_embedding: off in a job of several processes (DDP and FSDP keep "
+                    "every weight on the rank's GPU).")
+    if wanted is False:
+        reason = "offload_embedding=False"
+    elif world_size() > 1:
+        reason = "a job of several processes"
+    else:
+        reason = offload_input_embedding(peft_model)
+    if reason and wanted and world_size() == 1:
         log.warning("unsloth: offload_embedding: the input embedding stays on the GPU: %s.", reason)
     report = getattr(base, "_unsloth_patches", None)
     if report is not None:

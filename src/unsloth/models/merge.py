@@ -24,9 +24,15 @@ class TensorSource(NamedTuple):
     load: Callable[[], torch.Tensor]
 
 
-def _logical_shape(weight: torch.Tensor) -> tuple[int, ...]:
-    quant_state = getattr(weight, "quant_state", None)  # bitsandbytes 4-bit packs the data
-    return tuple(quant_state.shape) if quant_state is not None else tuple(weight.shape)
+def _quant_state(layer: Any):
+    """A bitsandbytes 4-bit layer's quant state (on its weight; on the layer too, which is where it
+    stays when FSDP gathers the weight into a plain tensor), else None."""
+    return getattr(layer.weight, "quant_state", None) or getattr(layer, "quant_state", None)
+
+
+def _logical_shape(layer: Any) -> tuple[int, ...]:
+    quant_state = _quant_state(layer)  # bitsandbytes 4-bit packs the data
+    return tuple(quant_state.shape) if quant_state is not None else tuple(layer.weight.shape)
 
 
 def _as_is(tensor: torch.Tensor) -> TensorSource:
@@ -43,7 +49,7 @@ def dequantized_weight(layer: Any) -> torch.Tensor:
     """A linear layer's weight as a floating tensor: bitsandbytes 4-bit through our NF4 kernel where
     it runs (else bitsandbytes), 8-bit through peft; other weights as they are."""
     weight = layer.weight
-    quant_state = getattr(weight, "quant_state", None)
+    quant_state = _quant_state(layer)
     if quant_state is not None:  # bitsandbytes Params4bit
         from unsloth.models.kernels import unavailable_reason  # not kernels_available: no "training" warning
 
@@ -88,7 +94,7 @@ def merged_tensors(model: Any) -> dict[str, TensorSource]:
         prefix = f"{name}." if name else ""
         if isinstance(module, LoraLayer):
             covered.append(prefix)
-            shape = _logical_shape(module.get_base_layer().weight)
+            shape = _logical_shape(module.get_base_layer())
             sources[f"{prefix}weight"] = TensorSource(shape, lambda m=module: _lora_weight(m))
             bias = getattr(module.get_base_layer(), "bias", None)
             if bias is not None:
@@ -101,7 +107,7 @@ def merged_tensors(model: Any) -> dict[str, TensorSource]:
                 sources[f"{prefix}{pname}"] = _as_is(param)
             continue
         if module.__class__.__name__ in ("Linear4bit", "Linear8bitLt"):  # bitsandbytes base layer
-            shape = _logical_shape(module.weight)
+            shape = _logical_shape(module)
             sources[f"{prefix}weight"] = TensorSource(shape, lambda m=module: dequantized_weight(m))
             if module.bias is not None:
                 sources[f"{prefix}bias"] = _as_is(module.bias)

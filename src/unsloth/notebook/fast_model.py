@@ -1,18 +1,37 @@
 """FastLanguageModel: the API fine-tuning notebooks already use, on our kernels.
 
 Loading and LoRA are ``unsloth.models.loader``'s; this class adds the notebook's entry points and
-attaches the saving methods (merged 16-bit, GGUF) that the export layer provides.
+attaches to each model the methods notebooks call on it (merged and GGUF saves, ``save_lora`` /
+``load_lora``, ``fast_generate``, the ``push_to_hub_*`` family, a ``generate`` that takes what
+``apply_chat_template`` returns). Importing this module also makes TRL's trainers accept what the
+notebooks pass (``unsloth.training.trl_compat``), as ``from unsloth import FastLanguageModel``
+comes first in every notebook.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import types
+from collections.abc import Mapping
 
 from unsloth.export.merged import save_pretrained_merged
 from unsloth.models.loader import add_lora, is_bfloat16_supported, load_pretrained, model_config
+from unsloth.notebook import hub
+from unsloth.training import trl_compat
 
-__all__ = ["FastLanguageModel", "FastModel", "is_bfloat16_supported"]
+__all__ = ["FastLanguageModel", "FastModel", "FastVisionModel", "is_bfloat16_supported"]
+
+log = logging.getLogger("unsloth")
+
+trl_compat.install()
+
+# get_peft_model keywords of vision-language notebooks -> which LoRA targets they keep, on a text model.
+_ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_value", "dense", "out_proj",
+              "c_attn", "c_proj", "Wqkv"}
+_MLP = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "w1", "w2", "w3", "c_fc",
+        "dense_h_to_4h", "dense_4h_to_h"}
 
 
 class FastLanguageModel:
@@ -22,14 +41,18 @@ class FastLanguageModel:
     @functools.wraps(load_pretrained)
     def from_pretrained(*args, **kwargs):
         model, tokenizer = load_pretrained(*args, **kwargs)
-        _attach_saving(model)
+        _attach(model, tokenizer)
         return model, tokenizer
 
     @staticmethod
     @functools.wraps(add_lora)
-    def get_peft_model(*args, **kwargs):
-        peft_model = add_lora(*args, **kwargs)
-        _attach_saving(peft_model)
+    def get_peft_model(model, *args, finetune_vision_layers: bool = False, finetune_language_layers: bool = True,
+                       finetune_attention_modules: bool = True, finetune_mlp_modules: bool = True, **kwargs):
+        kwargs["target_modules"] = lora_targets(model, kwargs.get("target_modules"), finetune_language_layers,
+                                                finetune_attention_modules, finetune_mlp_modules,
+                                                finetune_vision_layers)
+        peft_model = add_lora(model, *args, **kwargs)
+        _attach(peft_model, getattr(model, "_unsloth_tokenizer", None))
         return peft_model
 
     @staticmethod
@@ -47,16 +70,199 @@ class FastLanguageModel:
         return model
 
 
-FastModel = FastLanguageModel  # the original API's name for the general loader
+class FastModel(FastLanguageModel):
+    """The general loader's name in Unsloth's API (text models here; vision training is #16's)."""
 
 
-def _save_pretrained_gguf(model, *args, **kwargs):
-    """`model.save_pretrained_gguf(dir, tokenizer, quantization_method=...)`; see unsloth.export.gguf."""
+FastVisionModel = FastModel
+
+
+def lora_targets(model, target_modules, language: bool, attention: bool, mlp: bool, vision: bool) -> list[str]:
+    """The LoRA target names the finetune_* switches leave, among the model's linear layers."""
+    from torch import nn
+
+    from unsloth.models.loader import DEFAULT_TARGETS
+
+    if target_modules is not None and target_modules != "all-linear":
+        wanted = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    else:
+        wanted = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                         if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in _ATTENTION | _MLP}
+                        or DEFAULT_TARGETS)
+    if vision and not any(k in n for n, _ in model.named_modules() for k in ("vision", "visual")):
+        log.info("unsloth: finetune_vision_layers: this model has no vision layers; its language layers are trained")
+    if not language:
+        raise ValueError("finetune_language_layers=False leaves a text model nothing to train; "
+                         "set it to True (vision-only training needs a vision model)")
+    kept = [t for t in wanted if (attention or t not in _ATTENTION) and (mlp or t not in _MLP)]
+    if not kept:
+        raise ValueError("finetune_attention_modules=False and finetune_mlp_modules=False leave no LoRA targets; "
+                         "turn one of them on")
+    return kept
+
+
+# --- methods attached to the model ---------------------------------------------------------------
+
+def _save_pretrained_gguf(model, save_directory, tokenizer=None, quantization_method="q8_0", **kwargs):
+    """`model.save_pretrained_gguf(dir, tokenizer, quantization_method=...)`; also writes the Ollama Modelfile."""
     from unsloth.export.gguf import save_pretrained_gguf  # needs the [export] extra: import on use
 
-    return save_pretrained_gguf(model, *args, **kwargs)
+    tokenizer = tokenizer or model._unsloth_tokenizer
+    if isinstance(quantization_method, str):
+        quantization_method = quantization_method.lower()
+    else:
+        quantization_method = [m.lower() for m in quantization_method]
+    kwargs.setdefault("modelfile", True)
+    for unused in ("maximum_memory_usage", "first_conversion", "temporary_location"):
+        kwargs.pop(unused, None)
+    result = save_pretrained_gguf(model, save_directory, tokenizer, quantization_method, **kwargs)
+    if result.modelfile is not None:
+        tokenizer._ollama_modelfile = result.modelfile.read_text(encoding="utf-8")
+    return result
 
 
-def _attach_saving(model) -> None:
-    model.save_pretrained_merged = types.MethodType(save_pretrained_merged, model)
-    model.save_pretrained_gguf = types.MethodType(_save_pretrained_gguf, model)
+def _save_lora(model, save_directory, tokenizer=None, **kwargs):
+    """The LoRA adapters (peft's adapter_model.safetensors + adapter_config.json) and the tokenizer."""
+    model.save_pretrained(save_directory, **kwargs)
+    tokenizer = tokenizer or getattr(model, "_unsloth_tokenizer", None)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(save_directory)
+    return save_directory
+
+
+class LoRARequest:
+    """What `load_lora` returns and `fast_generate(lora_request=...)` takes: adapters saved in a folder."""
+
+    def __init__(self, path: str, state: dict):
+        self.lora_path, self.state = path, state
+
+    def __repr__(self) -> str:
+        return f"LoRARequest({self.lora_path!r})"
+
+
+def _load_lora(model, save_directory, load_tensors: bool = False):
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    path = Path(save_directory)
+    weights = path / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"load_lora: no adapter_model.safetensors in {path} (save it with model.save_lora)")
+    return LoRARequest(str(path), load_file(str(weights)))
+
+
+def _generation_kwargs(sampling_params, kwargs: dict) -> dict:
+    """vLLM's SamplingParams (or a dict of the same names) as `generate` keywords."""
+    if sampling_params is None:
+        params = {}
+    elif isinstance(sampling_params, Mapping):
+        params = dict(sampling_params)
+    else:
+        params = {k: getattr(sampling_params, k) for k in ("temperature", "top_p", "top_k", "max_tokens",
+                                                             "repetition_penalty", "min_p", "seed")
+                  if getattr(sampling_params, k, None) is not None}
+    out = {"max_new_tokens": params.pop("max_tokens", 16)}
+    temperature = params.pop("temperature", 1.0)
+    out["do_sample"] = temperature > 0
+    if temperature > 0:
+        out["temperature"] = temperature
+        for key in ("top_p", "min_p", "repetition_penalty"):
+            if key in params:
+                out[key] = params[key]
+        if params.get("top_k", -1) and params.get("top_k", -1) > 0:
+            out["top_k"] = params["top_k"]
+    return {**out, **kwargs}
+
+
+class _Completion:
+    def __init__(self, text: str, token_ids: list[int]):
+        self.text, self.token_ids = text, token_ids
+
+
+class _RequestOutput:
+    """The shape of vLLM's RequestOutput that notebooks read: `outputs[0].text`."""
+
+    def __init__(self, prompt: str, completion: _Completion):
+        self.prompt, self.outputs = prompt, [completion]
+
+
+def _fast_generate(model, prompts, sampling_params=None, lora_request=None, use_tqdm=False, **kwargs):
+    """`model.fast_generate(texts, sampling_params=..., lora_request=...)`: vLLM's call, run by `generate`.
+
+    Without a LoRA request the base model answers (as with vLLM, where adapters are opt-in per request);
+    with one, those saved adapters do.
+    """
+    import torch
+
+    tokenizer = model._unsloth_tokenizer
+    texts = [prompts] if isinstance(prompts, str) else list(prompts)
+    options = _generation_kwargs(sampling_params, kwargs)
+    options.setdefault("pad_token_id", tokenizer.pad_token_id)
+    peft = hasattr(model, "disable_adapter")
+    if lora_request is None and peft:
+        context = model.disable_adapter()
+    elif lora_request is not None:
+        context = _adapters(model, lora_request.state)
+    else:
+        context = contextlib.nullcontext()
+    results = []
+    was_training = model.training
+    model.eval()
+    try:
+        with context, torch.no_grad():
+            for text in texts:
+                batch = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(_device(model))
+                out = model.generate(**batch, **options)[0, batch["input_ids"].shape[1]:]
+                results.append(_RequestOutput(text, _Completion(tokenizer.decode(out, skip_special_tokens=True),
+                                                                out.tolist())))
+    finally:
+        model.train(was_training)
+    return results
+
+
+@contextlib.contextmanager
+def _adapters(model, state: dict):
+    """The model's LoRA weights replaced by `state` (a saved adapter) for the duration."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    saved = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+    set_peft_model_state_dict(model, state)
+    try:
+        yield
+    finally:
+        set_peft_model_state_dict(model, saved)
+
+
+def _device(model):
+    return next(model.parameters()).device
+
+
+def _generate_accepting_encodings(original):
+    """`generate` that also takes a BatchEncoding (what apply_chat_template returns in transformers 5)
+    where notebooks pass `input_ids`, positionally or by keyword."""
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        if args and isinstance(args[0], Mapping) and "input_ids" in args[0]:
+            kwargs = {**dict(args[0]), **kwargs}
+            args = args[1:]
+        ids = kwargs.get("input_ids")
+        if isinstance(ids, Mapping) and "input_ids" in ids:
+            kwargs = {**kwargs, **dict(ids)}
+        return original(*args, **kwargs)
+
+    return generate
+
+
+def _attach(model, tokenizer) -> None:
+    if tokenizer is not None:
+        model._unsloth_tokenizer = tokenizer
+    for name, method in (("save_pretrained_merged", save_pretrained_merged),
+                         ("save_pretrained_gguf", _save_pretrained_gguf), ("save_lora", _save_lora),
+                         ("load_lora", _load_lora), ("fast_generate", _fast_generate),
+                         ("push_to_hub_merged", hub.push_to_hub_merged), ("push_to_hub_gguf", hub.push_to_hub_gguf)):
+        setattr(model, name, types.MethodType(method, model))
+    if not getattr(model.generate, "_unsloth_accepts_encodings", False):
+        model.generate = _generate_accepting_encodings(model.generate)
+        model.generate._unsloth_accepts_encodings = True

@@ -14,80 +14,21 @@ from packaging.version import InvalidVersion, Version
 
 from unsloth.platform import identification as ident
 from unsloth.platform.facts import Gpu, Platform, ProbeResult
-from unsloth.platform.parsers import Findings, parser_for
-
-# Probes that list GPUs, most detailed first. GPUs are reported in the order the first of these
-# that saw them lists them; later probes fill in what earlier ones left unknown.
-GPU_SOURCES = (
-    "nvidia-smi-query",
-    "nvidia-smi",
-    "rocminfo",
-    "rocminfo-no-override",
-    "amd-smi",
-    "amd-smi-list",
-    "rocm-smi-json",
-    "rocm-smi",
-    "kfd-topology",
-    "drm",
-    "lspci",
-    "win32-videocontroller",
-    "system-profiler",
+from unsloth.platform.parsers import Findings, parser_for, unquote
+from unsloth.platform.probes import (  # detection's orders, derived from the one table of probes
+    FACT_SOURCES,
+    GPU_SOURCES,
+    REAL_ARCH_SOURCES,
+    ROCM_PROBES,
+    ROCM_VERSION_SOURCES,
 )
-# Where the physical AMD target comes from: KFD sysfs and tools that read it, which an
-# HSA_OVERRIDE_GFX_VERSION cannot change; rocminfo (the HSA runtime) reports the override.
-REAL_ARCH_SOURCES = ("kfd-topology", "rocminfo-no-override", "amd-smi", "amd-smi-list", "rocm-smi-json", "rocm-smi")
-# Platform facts: the first probe in each list that states the fact wins; the others are checked.
-FACT_SOURCES = {
-    "os": (
-        "host",
-        "proc-version",
-        "uname",
-        "os-release",
-        "device-nodes",
-        "win32-videocontroller",
-        "win-registry-video",
-        "system-profiler",
-        "nvidia-smi",
-        "nvidia-smi-query",
-        "rocminfo",
-        "rocm-smi",
-        "rocm-smi-json",
-        "amd-smi",
-        "amd-smi-version",
-        "hipconfig",
-        "rocm-version",
-        "kfd-topology",
-        "drm",
-        "lspci",
-        "proc-driver-nvidia-version",
-        "sys-module-nvidia-version",
-    ),
-    "wsl": (
-        "proc-version",
-        "uname",
-        "device-nodes",
-        "env",
-        "nvidia-smi",
-        "nvidia-smi-query",
-        "win32-videocontroller",
-        "win-registry-video",
-        "system-profiler",
-    ),
-    "wsl_version": ("proc-version", "uname", "device-nodes"),
-    "kernel": ("proc-version", "uname"),
-    "machine": ("host", "uname", "proc-version"),
-    "distro": ("os-release",),
-    "cpu": ("host",),
-    "ram_bytes": ("host",),
-    "nvidia_driver": ("nvidia-smi-query", "nvidia-smi", "sys-module-nvidia-version", "proc-driver-nvidia-version"),
-    "cuda_driver": ("nvidia-smi", "nvidia-smi-query"),
-    "env": ("env",),
-    "hsa_override": ("env",),
-    "dev_kfd": ("device-nodes",),
-    "dev_dxg": ("device-nodes",),
-}
-ROCM_VERSION_SOURCES = ("rocm-version", "amd-smi-version", "amd-smi", "hipconfig")
-_GPU_FIELDS = ("name", "pci_id", "bus_id", "uuid", "vram_bytes", "compute_capability", "integrated", "chip", "family")
+
+# More GPUs than any one host holds is not a machine but text misread as one: such a probe's GPUs
+# are dropped (and merging stays cheap: it compares every GPU with every other).
+MAX_GPUS_PER_PROBE = 64
+_GPU_FIELDS = (
+    "name", "pci_id", "bus_id", "uuid", "vram_bytes", "compute_capability", "integrated", "chip", "family", "kfd_node"
+)
 
 
 def detect(results: dict[str, ProbeResult]) -> Platform:
@@ -98,9 +39,14 @@ def detect(results: dict[str, ProbeResult]) -> Platform:
         if parser is None or not result.text:
             continue
         try:
-            findings[name] = parser(result.text)
+            found = parser(unquote(result.text))
         except Exception as exc:  # a parser bug must not cost the other probes' facts
             platform.notes.append(f"{name}: could not be read ({type(exc).__name__}: {exc})")
+            continue
+        if len(found.gpus) > MAX_GPUS_PER_PROBE:
+            platform.notes.append(f"{name}: {len(found.gpus)} GPUs is no real machine's output; its GPUs are ignored")
+            found.gpus = []
+        findings[name] = found
     _platform_facts(platform, findings)
     platform.gpus = _merge_gpus(findings, platform)
     _apply_registry_memory(platform, findings)
@@ -147,9 +93,21 @@ def _platform_facts(platform: Platform, findings: dict[str, Findings]) -> None:
     if not platform.wsl:
         platform.wsl_version = None
     _rocm_version(platform, findings)
+    _rocm_installed(platform)
     for name, found in sorted(findings.items()):
         if error := found.facts.get("_error"):
             platform.notes.append(f"{name} failed: {error}")
+
+
+def _rocm_installed(platform: Platform) -> None:
+    """True when a probe that answers only where ROCm is installed answered; False when such probes
+    ran and none did; None when none ran (another OS, a partial dump)."""
+    ran = [name for name in ROCM_PROBES if name in platform.probes]
+    if ran:
+        answered = next((name for name in ran if platform.probes[name] == "ok"), None)
+        platform.rocm_installed = answered is not None
+        if answered:
+            platform.provenance["rocm_installed"] = answered
 
 
 def _rocm_version(platform: Platform, findings: dict[str, Findings]) -> None:
@@ -260,7 +218,7 @@ def _identify(gpu: Gpu, platform: Platform) -> None:
         row = ident.amd_by_pci(gpu.pci_id) or {}
         gpu.chip = gpu.chip or row.get("chip")
         gpu.name = gpu.name or row.get("name")
-        gpu.family = ident.amd_family(gpu.arch) or gpu.family
+        gpu.family = ident.amd_family(gpu.arch) or gpu.family or ident.amd_legacy_family(gpu.name, gpu.chip)
         if gpu.integrated is None:
             gpu.integrated = row.get("integrated", ident.integrated_by_name("amd", gpu.name))
     elif gpu.vendor == "nvidia":
@@ -271,8 +229,10 @@ def _identify(gpu: Gpu, platform: Platform) -> None:
         if gpu.integrated is None:
             branded = re.search(r"GeForce|Quadro|Tesla|TITAN|\bRTX\b|NVIDIA [A-Z]\d", gpu.name or "")
             gpu.integrated = by_name.get("integrated", False) if (by_name or branded) else None
-    elif gpu.vendor == "intel" and gpu.integrated is None:
-        gpu.integrated = ident.integrated_by_name("intel", gpu.name)
+    elif gpu.vendor == "intel":
+        gpu.family = gpu.family or ident.intel_family(gpu.pci_id, gpu.name)
+        if gpu.integrated is None:
+            gpu.integrated = ident.integrated_by_name("intel", gpu.name)
     elif gpu.vendor == "apple":
         gpu.integrated = True
     if gpu.integrated:

@@ -1,5 +1,6 @@
 """Dump directories: one '<probe>.txt' per probe holding the tool's raw output, plus probes.json
-with each probe's status and detail. See docs/dump-format.md.
+with each probe's status and detail, and (from `doctor --dump`) detect.json and plan.json: the
+live machine's `detect --json` and plan. See docs/dump-format.md.
 
 A dump may hold any subset of the files; what is missing stays unknown. Files written by hand,
 in any of a tool's output forms, and saved with Windows encodings (UTF-16 with BOM from
@@ -9,10 +10,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from unsloth.platform.facts import ProbeResult
 
 INDEX = "probes.json"
+# No tool prints more than a few hundred KB about its GPUs (rocminfo on an 8-GPU host, lspci
+# -vvv); a bigger file is something else, so only its beginning is read and parsed.
+MAX_PROBE_BYTES = 2 * 2**20
 
 
 def write_dump(directory: str | Path, results: dict[str, ProbeResult]) -> Path:
@@ -25,6 +30,13 @@ def write_dump(directory: str | Path, results: dict[str, ProbeResult]) -> Path:
             (directory / f"{name}.txt").write_text(result.text, encoding="utf-8")
     (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     return directory
+
+
+def write_reports(directory: str | Path, reports: dict[str, Any]) -> None:
+    """Beside the raw outputs, what this machine made of them ('detect' -> detect.json, 'plan' ->
+    plan.json), so a report shows the answer to reproduce; reading a dump ignores them."""
+    for name, data in reports.items():
+        (Path(directory) / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
 def read_dump(directory: str | Path) -> dict[str, ProbeResult]:
@@ -44,10 +56,17 @@ def read_dump(directory: str | Path) -> dict[str, ProbeResult]:
     }
     for path in sorted(directory.glob("*.txt")):
         entry = index.get(path.stem, {})
-        results[path.stem] = ProbeResult(
-            path.stem, str(entry.get("status", "ok")), decode(path.read_bytes()), str(entry.get("detail", ""))
-        )
+        data, detail = read_bounded(path), str(entry.get("detail", ""))
+        if len(data) > MAX_PROBE_BYTES:
+            data, detail = data[:MAX_PROBE_BYTES], f"{detail} (only the first {MAX_PROBE_BYTES} bytes read)".strip()
+        results[path.stem] = ProbeResult(path.stem, str(entry.get("status", "ok")), decode(data), detail)
     return results
+
+
+def read_bounded(path: Path, limit: int = MAX_PROBE_BYTES) -> bytes:
+    """The first ``limit`` bytes of a file, plus one more byte when there are more."""
+    with path.open("rb") as handle:
+        return handle.read(limit + 1)
 
 
 def decode(data: bytes) -> str:

@@ -25,6 +25,7 @@ class Gpu:
     index: int | None = None  # the tool's own ordinal (nvidia-smi index, rocminfo GPU order)
     reported_arch: str | None = None  # what the runtime reported when an override changed it
     chip: str | None = None  # codename a tool printed: "Navi 31", "AD102"
+    kfd_node: int | None = None  # AMD: KFD topology node id (rocminfo "Node:"), what HSA_OVERRIDE_GFX_VERSION_<n> names
     sources: list[str] = field(default_factory=list)  # probes that contributed to this GPU
 
     def to_json(self) -> dict[str, Any]:
@@ -54,6 +55,7 @@ class Platform:
     nvidia_driver: str | None = None  # "580.126.09"; under WSL the Windows host driver
     cuda_driver: str | None = None  # highest CUDA the driver supports: "13.0"
     rocm_version: str | None = None  # "6.4.0"
+    rocm_installed: bool | None = None  # a ROCm tool answered (its version may still be unknown)
     gpus: list[Gpu] = field(default_factory=list)
     # Environment variables that change what the runtime sees (HSA_OVERRIDE_GFX_VERSION,
     # CUDA_VISIBLE_DEVICES, HIP_VISIBLE_DEVICES, ROCR_VISIBLE_DEVICES, ...), as they were set.

@@ -37,6 +37,19 @@ def amd_family(gfx: str | None) -> str | None:
     return tables()["amd"]["family"].get(gfx or "")
 
 
+def amd_legacy_family(name: str | None, chip: str | None) -> str | None:
+    """The family of a pre-ROCm Radeon (GCN 1-4) named by its codename or marketing name, else None."""
+    amd = tables()["amd"]
+    if chip:
+        for codename, family in amd["legacy_codename"].items():
+            if re.fullmatch(rf"{re.escape(codename)}( (PRO|XT|XL|LE|GL|\w+))*", chip, re.I):
+                return family
+    for family, patterns in amd["legacy_names"].items():
+        if name and any(re.search(p, name, re.I) for p in patterns):
+            return family
+    return None
+
+
 def nvidia_family(cc: str | None) -> str | None:
     return tables()["nvidia"]["family"].get(cc or "")
 
@@ -48,20 +61,38 @@ def nvidia_sm(cc: str | None) -> str | None:
 
 
 def nvidia_by_name(name: str | None) -> dict[str, Any] | None:
-    """The first name pattern that matches: {'cc': '8.9', 'integrated'?: bool}; None for truncated
-    names ('NVIDIA GeForce ...') and unknown models."""
-    if not name or name.rstrip().endswith("..."):
+    """The first name pattern that matches: {'cc': '8.9', 'integrated'?: bool}; None for unknown
+    models. nvidia-smi cuts long names with '...': only what ends at a word break before the cut
+    counts ('NVIDIA GeForce RTX 3060 ...' is a 3060; 'NVIDIA A10...' may be an A100, so nothing)."""
+    if not name:
         return None
+    stem, truncated = re.subn(r"\s*(\.\.\.|\u2026)\s*$", "", name)
     for row in tables()["nvidia"]["names"]:
-        if re.search(row["pattern"], name, re.I):
+        match = re.search(row["pattern"], stem, re.I)
+        if match and (not truncated or _word_break_before_cut(name, match.end())):
             return row
     return None
+
+
+def _word_break_before_cut(name: str, end: int) -> bool:
+    """The match is a whole word of the name as printed: a separator, not the cut, follows it."""
+    return end < len(name) and name[end] in " -_/("
 
 
 def nvidia_cc_by_pci(pci_id: str | None) -> str | None:
     if not pci_id or not pci_id.lower().startswith("10de:"):
         return None
     return tables()["nvidia"]["pci"].get(pci_id.lower()[5:])
+
+
+def intel_family(pci_id: str | None, name: str | None) -> str | None:
+    """'Arc' for the Intel GPUs PyTorch's XPU build supports, by PCI id first, then by name; else None."""
+    intel = tables()["intel"]
+    if pci_id and pci_id.lower().startswith("8086:"):
+        return "Arc" if pci_id.lower()[5:] in intel["arc_pci"] else None
+    if name and any(re.search(p, name, re.I) for p in intel["arc_names"]):
+        return "Arc"
+    return None
 
 
 def integrated_by_name(vendor: str, name: str | None) -> bool | None:

@@ -1,6 +1,7 @@
 """Probes: each runs one tool or reads one file, with a timeout, and returns its raw text.
 
-The only module here with side effects. Probes run concurrently, so detection takes about as
+`PROBES` declares each probe once, with the parser of its text and what detection may take from
+it; detection's orders derive from it. Running them is the only side effect in this package. Probes run concurrently, so detection takes about as
 long as the slowest tool; a hung tool (nvidia-smi with a wedged driver) is killed, with its
 children, when its time is up."""
 
@@ -14,12 +15,30 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from unsloth.platform.facts import ProbeResult
+from unsloth.platform.dump import MAX_PROBE_BYTES, read_bounded
+from unsloth.platform.facts import Platform, ProbeResult
+from unsloth.platform.parsers import (
+    Findings,
+    amd_smi,
+    drm,
+    hipconfig,
+    host,
+    kfd,
+    lspci,
+    nvidia_driver_files,
+    nvidia_smi,
+    os_files,
+    rocm_smi,
+    rocm_version,
+    rocminfo,
+    system_profiler,
+    win32,
+)
 from unsloth.platform.parsers.host import ENV_VARS
 
 NVIDIA_QUERY = (
@@ -32,17 +51,27 @@ _POWERSHELL = ("powershell", "-NoProfile", "-NonInteractive", "-Command")
 
 @dataclass(frozen=True)
 class Probe:
+    """One probe, declared once: what it runs or reads, which parser reads its text, and what detection
+    may take from it. Detection's orders (which probe is asked first for a fact, which lists GPUs
+    best) are derived from these rows."""
+
     name: str  # also the dump file stem
     platforms: tuple[str, ...]  # sys.platform values it makes sense on
     command: tuple[str, ...] = ()  # a tool to run...
     read: Callable[[], str | None] | None = None  # ...or a function that reads files (None: absent)
     env: Callable[[], dict[str, str]] | None = None  # environment for the tool (default: ours)
+    parser: Callable[[str], Findings] | None = None
+    facts: Mapping[str, int] = field(default_factory=dict)  # Platform fact -> priority (1 is asked first)
+    gpus: int | None = None  # lists GPUs, with this priority (1: the most detailed; its order is the report's)
+    real_arch: int | None = None  # reads the physical AMD target, which an HSA override cannot change
+    shows_rocm: bool = False  # answers only where ROCm is installed
+    when: Callable[[], bool] | None = None  # run only when this holds
 
 
 def _file(path: str) -> Callable[[], str | None]:
     def read() -> str | None:
         try:
-            return Path(path).read_text(encoding="utf-8", errors="replace")
+            return read_bounded(Path(path))[:MAX_PROBE_BYTES].decode("utf-8", errors="replace")
         except FileNotFoundError:
             return None
 
@@ -108,32 +137,54 @@ def _without_override() -> dict[str, str]:
 LINUX, WINDOWS, MAC = ("linux",), ("win32", "cygwin"), ("darwin",)
 ALL = LINUX + WINDOWS + MAC
 
+def _hsa_override_set() -> bool:
+    return any(k.startswith("HSA_OVERRIDE_GFX_VERSION") for k in os.environ)
+
+
+OS = "os"
 PROBES: tuple[Probe, ...] = (
-    Probe("host", ALL, read=_host),
-    Probe("env", ALL, read=_env),
-    Probe("nvidia-smi", LINUX + WINDOWS, ("nvidia-smi",)),
-    Probe("nvidia-smi-query", LINUX + WINDOWS, ("nvidia-smi", *NVIDIA_QUERY)),
-    Probe("proc-driver-nvidia-version", LINUX, read=_file("/proc/driver/nvidia/version")),
-    Probe("sys-module-nvidia-version", LINUX, read=_file("/sys/module/nvidia/version")),
-    Probe("rocminfo", LINUX, ("rocminfo",)),
-    Probe("rocm-smi", LINUX, ("rocm-smi", "--showproductname", "--showid", "--showbus", "--showmeminfo", "vram")),
+    Probe("host", ALL, read=_host, parser=host.parse_host, facts={OS: 1, "machine": 1, "cpu": 1, "ram_bytes": 1}),
+    Probe("env", ALL, read=_env, parser=host.parse_env, facts={"wsl": 4, "env": 1, "hsa_override": 1}),
+    Probe("nvidia-smi", LINUX + WINDOWS, ("nvidia-smi",), parser=nvidia_smi.parse,
+          facts={OS: 9, "wsl": 5, "nvidia_driver": 2, "cuda_driver": 1}, gpus=2),
+    Probe("nvidia-smi-query", LINUX + WINDOWS, ("nvidia-smi", *NVIDIA_QUERY), parser=nvidia_smi.parse,
+          facts={OS: 10, "wsl": 6, "nvidia_driver": 1, "cuda_driver": 2}, gpus=1),
+    Probe("proc-driver-nvidia-version", LINUX, read=_file("/proc/driver/nvidia/version"),
+          parser=nvidia_driver_files.parse, facts={OS: 21, "nvidia_driver": 4}),
+    Probe("sys-module-nvidia-version", LINUX, read=_file("/sys/module/nvidia/version"),
+          parser=nvidia_driver_files.parse, facts={OS: 22, "nvidia_driver": 3}),
+    Probe("rocminfo", LINUX, ("rocminfo",), parser=rocminfo.parse, facts={OS: 11}, gpus=3, shows_rocm=True),
+    # With an HSA override set, rocminfo reports the spoofed target; run it again without.
+    Probe("rocminfo-no-override", LINUX, ("rocminfo",), env=_without_override, parser=rocminfo.parse, gpus=4,
+          real_arch=2, shows_rocm=True, when=_hsa_override_set),
+    Probe("rocm-smi", LINUX, ("rocm-smi", "--showproductname", "--showid", "--showbus", "--showmeminfo", "vram"),
+          parser=rocm_smi.parse, facts={OS: 12}, gpus=8, real_arch=6, shows_rocm=True),
     Probe(
         "rocm-smi-json",
         LINUX,
         ("rocm-smi", "--showproductname", "--showid", "--showbus", "--showmeminfo", "vram", "--json"),
+        parser=rocm_smi.parse, facts={OS: 13}, gpus=7, real_arch=5, shows_rocm=True,
     ),
-    Probe("amd-smi", LINUX, ("amd-smi", "static")),
-    Probe("amd-smi-list", LINUX, ("amd-smi", "list")),
-    Probe("amd-smi-version", LINUX, ("amd-smi", "version")),
-    Probe("hipconfig", LINUX + WINDOWS, ("hipconfig", "--version")),
-    Probe("rocm-version", LINUX, read=_file("/opt/rocm/.info/version")),
-    Probe("kfd-topology", LINUX, read=kfd_nodes),
-    Probe("drm", LINUX, read=drm_cards),
-    Probe("lspci", LINUX, ("lspci", "-D", "-nn")),
-    Probe("proc-version", LINUX, read=_file("/proc/version")),
-    Probe("uname", LINUX + MAC, ("uname", "-a")),
-    Probe("os-release", LINUX, read=_file("/etc/os-release")),
-    Probe("device-nodes", LINUX, read=_device_nodes),
+    Probe("amd-smi", LINUX, ("amd-smi", "static"), parser=amd_smi.parse, facts={OS: 14, "rocm_version": 3}, gpus=5,
+          real_arch=3, shows_rocm=True),
+    Probe("amd-smi-list", LINUX, ("amd-smi", "list"), parser=amd_smi.parse, gpus=6, real_arch=4, shows_rocm=True),
+    Probe("amd-smi-version", LINUX, ("amd-smi", "version"), parser=amd_smi.parse, facts={OS: 15, "rocm_version": 2},
+          shows_rocm=True),
+    Probe("hipconfig", LINUX + WINDOWS, ("hipconfig", "--version"), parser=hipconfig.parse,
+          facts={OS: 16, "rocm_version": 4}, shows_rocm=True),
+    Probe("rocm-version", LINUX, read=_file("/opt/rocm/.info/version"), parser=rocm_version.parse,
+          facts={OS: 17, "rocm_version": 1}, shows_rocm=True),
+    Probe("kfd-topology", LINUX, read=kfd_nodes, parser=kfd.parse, facts={OS: 18}, gpus=9, real_arch=1),
+    Probe("drm", LINUX, read=drm_cards, parser=drm.parse, facts={OS: 19}, gpus=10),
+    Probe("lspci", LINUX, ("lspci", "-D", "-nn"), parser=lspci.parse, facts={OS: 20}, gpus=11),
+    Probe("proc-version", LINUX, read=_file("/proc/version"), parser=os_files.parse_kernel,
+          facts={OS: 2, "wsl": 1, "wsl_version": 1, "kernel": 1, "machine": 3}),
+    Probe("uname", LINUX + MAC, ("uname", "-a"), parser=os_files.parse_kernel,
+          facts={OS: 3, "wsl": 2, "wsl_version": 2, "kernel": 2, "machine": 2}),
+    Probe("os-release", LINUX, read=_file("/etc/os-release"), parser=os_files.parse_os_release,
+          facts={OS: 4, "distro": 1}),
+    Probe("device-nodes", LINUX, read=_device_nodes, parser=os_files.parse_device_nodes,
+          facts={OS: 5, "wsl": 3, "wsl_version": 3, "dev_kfd": 1, "dev_dxg": 1}),
     Probe(
         "win32-videocontroller",
         WINDOWS,
@@ -142,6 +193,7 @@ PROBES: tuple[Probe, ...] = (
             "Get-CimInstance Win32_VideoController | Format-List Name,AdapterCompatibility,VideoProcessor,"
             "AdapterRAM,PNPDeviceID,DriverVersion",
         ),
+        parser=win32.parse, facts={OS: 6, "wsl": 7}, gpus=12,
     ),
     Probe(
         "win-registry-video",
@@ -151,16 +203,39 @@ PROBES: tuple[Probe, ...] = (
             f"Get-ItemProperty -ErrorAction SilentlyContinue '{DISPLAY_CLASS_KEY}\\0*' | "
             "Format-List DriverDesc,'HardwareInformation.qwMemorySize'",
         ),
+        parser=win32.parse_registry, facts={OS: 7, "wsl": 8},
     ),
-    Probe("system-profiler", MAC, ("system_profiler", "SPDisplaysDataType")),
+    Probe("system-profiler", MAC, ("system_profiler", "SPDisplaysDataType"), parser=system_profiler.parse,
+          facts={OS: 8, "wsl": 9}, gpus=13),
 )
 
 
-def _override_probe() -> Probe | None:
-    """With an HSA override set, rocminfo reports the spoofed target; run it again without."""
-    if any(k.startswith("HSA_OVERRIDE_GFX_VERSION") for k in os.environ):
-        return Probe("rocminfo-no-override", LINUX, ("rocminfo",), env=_without_override)
-    return None
+# --- what detection derives from the rows ---------------------------------------------------------
+
+
+def _by(priority: Callable[[Probe], int | None]) -> tuple[str, ...]:
+    return tuple(p.name for p in sorted((p for p in PROBES if priority(p) is not None), key=priority))
+
+
+def sources_of(fact: str) -> tuple[str, ...]:
+    """The probes that state ``fact``, the one to believe first."""
+    return _by(lambda p: p.facts.get(fact))
+
+
+PARSERS: dict[str, Callable[[str], Findings]] = {p.name: p.parser for p in PROBES if p.parser is not None}
+# Probes that list GPUs, most detailed first: GPUs are reported in the order the first of these that
+# saw them lists them; later probes fill in what earlier ones left unknown.
+GPU_SOURCES = _by(lambda p: p.gpus)
+# Where the physical AMD target comes from: KFD sysfs and tools that read it; rocminfo (the HSA
+# runtime) reports the override.
+REAL_ARCH_SOURCES = _by(lambda p: p.real_arch)
+# rocm_version is the highest any of these states, not the first.
+ROCM_VERSION_SOURCES = sources_of("rocm_version")
+# Platform facts, in the Platform's own order: the first probe in each that states the fact wins.
+FACT_SOURCES = {
+    f.name: sources_of(f.name) for f in fields(Platform) if f.name != "rocm_version" and sources_of(f.name)
+}
+ROCM_PROBES = tuple(p.name for p in PROBES if p.shows_rocm)
 
 
 def run_probe(probe: Probe, timeout: float) -> ProbeResult:
@@ -196,7 +271,7 @@ def run_command(name: str, command: tuple[str, ...], timeout: float, env: dict[s
     except subprocess.TimeoutExpired:
         _kill(process)
         return ProbeResult(name, "timeout", detail=f"{line}: no answer within {timeout:g} s")
-    text = out.decode("utf-8", errors="replace")
+    text = out[:MAX_PROBE_BYTES].decode("utf-8", errors="replace")
     if process.returncode != 0:
         return ProbeResult(name, "failed", text, detail=f"{line}: exit code {process.returncode}")
     return ProbeResult(name, "ok", text, detail=line)
@@ -218,7 +293,7 @@ def _kill(process: subprocess.Popen[bytes]) -> None:
 
 def run_probes(timeout: float = 5.0, platform: str = sys.platform) -> dict[str, ProbeResult]:
     """Run every probe that makes sense on this OS, concurrently; probe name -> result."""
-    probes = [p for p in (*PROBES, _override_probe()) if p is not None and platform in p.platforms]
+    probes = [p for p in PROBES if platform in p.platforms and (p.when is None or p.when())]
     with ThreadPoolExecutor(max_workers=len(probes)) as pool:
         results = list(pool.map(lambda probe: run_probe(probe, timeout), probes))
     return {result.name: result for result in results}

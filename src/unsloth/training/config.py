@@ -25,8 +25,13 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
-    """A config problem, worded for the user: where, what, and the fix."""
+from unsloth.errors import ExitCode, UnslothError
+
+
+class ConfigError(UnslothError, ValueError):
+    """A config problem, worded for the user: where, what, and the fix. Found before training starts."""
+
+    exit_code = ExitCode.USAGE
 
 
 @dataclass
@@ -158,7 +163,47 @@ def from_dict(raw: dict) -> TrainConfig:
                           "true, false, \"unsloth\"")
     if config.model.max_seq_length <= 0:
         raise ConfigError("model.max_seq_length: must be a positive number of tokens")
+    check_ranges(config)
     return config
+
+
+# key -> (does a value work, the rule in words, a good value). Values of the wrong type are left to
+# the type checks (check_value); these are the right type with a value that cannot work.
+_TRAINING_RANGES = {
+    "max_steps": (lambda v: v >= 1 or v == -1, "1 or more, or -1 to train for num_train_epochs", "max_steps = 60"),
+    "num_train_epochs": (lambda v: v > 0, "above 0", "num_train_epochs = 1"),
+    "learning_rate": (lambda v: 0 < v <= 1, "above 0 and at most 1", "learning_rate = 2e-4"),
+    "per_device_train_batch_size": (lambda v: v >= 1, "1 or more", "per_device_train_batch_size = 2"),
+    "gradient_accumulation_steps": (lambda v: v >= 1, "1 or more", "gradient_accumulation_steps = 4"),
+    "warmup_steps": (lambda v: v >= 0, "0 or more", "warmup_steps = 5"),
+    "warmup_ratio": (lambda v: 0 <= v <= 1, "between 0 and 1", "warmup_ratio = 0.03"),
+    "logging_steps": (lambda v: v > 0, "above 0", "logging_steps = 1"),
+    "save_steps": (lambda v: v > 0, "above 0", "save_steps = 100"),
+    "weight_decay": (lambda v: v >= 0, "0 or more", "weight_decay = 0.01"),
+    "max_grad_norm": (lambda v: v >= 0, "0 or more", "max_grad_norm = 1.0"),
+}
+
+
+def check_ranges(config: TrainConfig) -> None:
+    """Numbers of the right type that cannot work (lora.r = -4, max_steps = 0), named before any work."""
+    lora = config.lora
+    if lora is not None:
+        if lora.r < 1:
+            raise ConfigError(f"lora.r = {lora.r}: the LoRA rank must be 1 or more", "set lora.r = 16 (8 to 64 is usual)")
+        if lora.alpha <= 0:
+            raise ConfigError(f"lora.alpha = {lora.alpha}: must be above 0", "set lora.alpha = 16 (often equal to r)")
+        if not 0 <= lora.dropout < 1:
+            raise ConfigError(f"lora.dropout = {lora.dropout}: must be at least 0 and below 1", "set lora.dropout = 0")
+    if config.dataset.limit is not None and config.dataset.limit < 1:
+        raise ConfigError(f"dataset.limit = {config.dataset.limit}: must be 1 or more", "remove it to use every row")
+    for key, (works, rule, example) in _TRAINING_RANGES.items():
+        value = config.training.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not works(value):
+            nothing = "; 0 steps would train nothing" if key == "max_steps" and value == 0 else ""
+            raise ConfigError(f"training.{key} = {value}: must be {rule}{nothing}", f"set training.{example}")
+    output = Path(config.output_dir).expanduser()
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"output_dir: {output} is a file, not a folder", "choose another output_dir (--output-dir DIR)")
 
 
 def _build(cls, raw: Any, where: str):

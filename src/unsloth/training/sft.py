@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import shutil
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from unsloth.training.config import ConfigError, DatasetConfig, TrainConfig, check_value
+from unsloth.training.inputs import KEPT, check_data_file, check_data_folder, check_model
 
 # Known local data files -> the `datasets` builder that reads them.
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -43,11 +45,16 @@ def load_dataset_from(config: DatasetConfig):
             raise ConfigError(f"dataset.name: {path} does not exist (a local .jsonl/.json/.parquet/.csv file, "
                               "or a Hugging Face dataset name such as 'trl-lib/Capybara')")
         if path.is_dir():
-            data = load_dataset(str(path), split=config.split)
+            check_data_folder(path)
+            data = _load_local(path, lambda: load_dataset(str(path), split=config.split))
         elif path.suffix.lower() not in _BUILDERS:
             raise ConfigError(f"dataset.name: {path.name}: unknown file type; use .jsonl, .json, .parquet or .csv")
         else:
-            data = load_dataset(_BUILDERS[path.suffix.lower()], data_files=str(path), split="train")
+            check_data_file(path)
+            data = _load_local(path, lambda: load_dataset(_BUILDERS[path.suffix.lower()], data_files=str(path),
+                                                          split="train"))
+        if len(data) == 0:
+            raise ConfigError(f"dataset.name: {path} holds no rows", "add training examples", kept=KEPT)
     else:
         try:
             data = load_dataset(config.name, config.subset, split=config.split)
@@ -70,16 +77,32 @@ def load_dataset_from(config: DatasetConfig):
     return data
 
 
+def _load_local(path: Path, load: Callable[[], Any]):
+    """``load()``, with what `datasets` still refuses after our checks (mixed column types, ...) named by file."""
+    try:
+        return load()
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - `datasets` raises many kinds; the user needs the file and the reason
+        reason = str(getattr(exc, "__cause__", None) or exc).splitlines()[0][:300]
+        raise ConfigError(f"dataset.name: `datasets` could not read {path} ({type(exc).__name__}: {reason})",
+                          "make every row the same shape (the same keys, with values of the same types)",
+                          kept=KEPT) from exc
+
+
 def check_before_loading(config: TrainConfig) -> None:
     """The mistakes that need no model: caught before minutes of loading, not after."""
+    check_model(config.model)  # a local folder: config.json, model_type, weights
     sft_arguments(config, bf16=False, fp16=False)  # the [training] keys and values
-    if config.resume is True and not _checkpoints(config.output_dir):
-        raise ConfigError(f"resume: no checkpoint-* folder in {config.output_dir} to resume from; "
+    complete = [p for p in _checkpoints(config.output_dir) if complete_checkpoint(p)]
+    if config.resume is True and not complete:
+        cut = "" if not _checkpoints(config.output_dir) else " (only ones cut off while being written)"
+        raise ConfigError(f"resume: no complete checkpoint-* folder in {config.output_dir} to resume from{cut}; "
                           "set resume = false to start over")
-    if isinstance(config.resume, str) and not (Path(config.resume) / "trainer_state.json").is_file():
-        found = ", ".join(str(p) for p in _checkpoints(config.output_dir)) or f"none in {config.output_dir}"
+    if isinstance(config.resume, str) and not complete_checkpoint(Path(config.resume)):
+        found = ", ".join(str(p) for p in complete) or f"none in {config.output_dir}"
         raise ConfigError(f"resume: {config.resume} is not a checkpoint folder (checkpoint-N, with "
-                          f"trainer_state.json); checkpoints: {found}")
+                          f"its weights and trainer_state.json, written to the end); checkpoints: {found}")
 
 
 def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool):
@@ -107,6 +130,9 @@ def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool):
         "fp16": fp16,
         # Checkpointing is ours (per layer, offloaded); the Trainer's would recompute twice.
         "gradient_checkpointing": False,
+        # Under DDP: every trainable weight gets a gradient each step, so the per-step search of the
+        # graph for unused ones (the Trainer's default for a PeftModel) is skipped.
+        "ddp_find_unused_parameters": False,
         "dataloader_pin_memory": _on_gpu(),
         # Packing (best-fit decreasing) is padding-free: sequences share a row, positions restart per sequence.
         "packing": config.packing,
@@ -208,18 +234,56 @@ def train(config: TrainConfig, echo: Callable[[str], None] = print, callbacks=()
                          callbacks=list(callbacks))
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(_callbacks(config.output_dir, echo, losses))
-    trainer.train(resume_from_checkpoint=config.resume or None)
+    trainer.train(resume_from_checkpoint=resume_point(config, echo))
     model = trainer.model
     merged_dir = _save(model, tokenizer, trainer, config)
     return TrainResult(model, tokenizer, losses, config.output_dir, merged_dir, trainer)
 
 
 def _checkpoints(output_dir: str) -> list[Path]:
-    return sorted(p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir())
+    """checkpoint-N folders, oldest step first (checkpoint-10 after checkpoint-9)."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and p.name.partition("-")[2].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.partition("-")[2]))
+
+
+# One of these holds a checkpoint's weights (LoRA adapters, or a full model, sharded or not).
+_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin", "model.safetensors", "model.safetensors.index.json",
+            "pytorch_model.bin")
+
+
+def complete_checkpoint(folder: Path) -> bool:
+    """Written to the end: the Trainer writes trainer_state.json last, so a run killed while saving
+    leaves a folder without it, or with it cut short (not JSON, or another step's)."""
+    try:
+        state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (isinstance(state, dict) and str(state.get("global_step")) == folder.name.partition("-")[2]
+            and any((folder / name).is_file() for name in _WEIGHTS))
+
+
+def resume_point(config: TrainConfig, echo: Callable[[str], None]) -> str | None:
+    """The checkpoint to resume from: the one asked for, or the last complete one. Newer folders
+    that a stopped run left half-written are removed, so the Trainer never reads or rotates them."""
+    if not config.resume:
+        return None
+    if isinstance(config.resume, str):
+        return config.resume
+    folders = _checkpoints(config.output_dir)
+    last = max(i for i, folder in enumerate(folders) if complete_checkpoint(folder))
+    for cut in folders[last + 1:]:
+        shutil.rmtree(cut)
+        echo(f"removed {cut.name}: the run stopped while writing it")
+    echo(f"resuming from {folders[last]}")
+    return str(folders[last])
 
 
 def _save(model, tokenizer, trainer, config: TrainConfig) -> str | None:
+    from unsloth.models.distributed import is_main_process
+
     output = Path(config.output_dir)
+    if not is_main_process():  # data parallel: every rank holds the same weights; rank 0 writes them
+        return None
     if config.model.full_finetuning:
         trainer.save_model(str(output))
         tokenizer.save_pretrained(str(output))

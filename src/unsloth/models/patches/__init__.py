@@ -22,6 +22,7 @@ from torch import nn
 from unsloth.models.kernels import unavailable_reason
 from unsloth.models.patches.loss import patch_loss
 from unsloth.models.patches.mlp import patch_mlps
+from unsloth.models.patches.moe import patch_moe_experts
 from unsloth.models.patches.norms import patch_rms_norms
 from unsloth.models.patches.probe import module_device_dtype
 from unsloth.models.patches.rope import patch_rope
@@ -49,6 +50,24 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "gemma4": ALL,
 }
 
+# Mixture-of-experts families: their packed experts also run as our grouped GEMMs ("moe"); the
+# other patches cover what these models share with dense ones (norms, RoPE, shared-expert MLPs).
+MOE = ALL + ("moe",)
+MOE_NO_ROPE = tuple(p for p in MOE if p != "rope")
+MOE_FAMILIES: dict[str, tuple[str, ...]] = {
+    # gpt-oss rotates with half-width cos/sin tables of its own (and keeps its attention sinks and
+    # sliding window): its RoPE stays transformers' (our RoPE patch broke it on a tiny model).
+    "gpt_oss": MOE_NO_ROPE,
+    "qwen3_moe": MOE,
+    "qwen3_5_moe_text": MOE,
+    "qwen2_moe": MOE,
+    "mixtral": MOE,
+    "olmoe": MOE,
+    "deepseek_v3": MOE,
+    "glm4_moe": MOE,
+    "gemma4_text": MOE,
+}
+
 # Families whose decoder layer adds the MLP's output straight to the residual stream, with no norm
 # after it (Gemma 2 and 3 have one): a checkpoint's recompute pass never reads that output, so the
 # fused MLP skips its down projection there. tests/models checks each family's gradients with it.
@@ -67,6 +86,7 @@ class PatchReport:
     rms_norm: int = 0
     rope: int = 0
     mlp: int = 0
+    moe: int = 0
     loss: bool = False
     lora: dict[str, int] = field(default_factory=dict)
     checkpointed: int | None = None  # decoder layers under our checkpointing; None: not applied yet
@@ -83,6 +103,8 @@ class PatchReport:
             parts.append(f"{self.rope} RoPE")
         if self.mlp:
             parts.append(f"{self.mlp} MLP")
+        if self.moe:
+            parts.append(f"{self.moe} MoE experts")
         if self.loss:
             parts.append("fused loss")
         parts += [f"{n} LoRA {kind}" for kind, n in self.lora.items() if n]
@@ -120,7 +142,7 @@ def patch_model(model: nn.Module) -> PatchReport:
     """Put our kernels into a loaded causal LM (before LoRA); returns what was done."""
     family = getattr(model.config, "model_type", type(model).__name__)
     report = PatchReport(family)
-    wanted = FAMILIES.get(family)
+    wanted = FAMILIES.get(family) or MOE_FAMILIES.get(family)
     device, dtype = module_device_dtype(model)
     if unavailable_reason(device) is not None:
         report.skipped = f"kernels off: {unavailable_reason(device)}"
@@ -139,6 +161,8 @@ def patch_model(model: nn.Module) -> PatchReport:
             report.rope = patch_rope(model, device, dtype)
         if "mlp" in wanted:
             report.mlp = patch_mlps(model, device, dtype)
+        if "moe" in wanted:
+            report.moe = patch_moe_experts(model, device, dtype)
     model._unsloth_patches = report
     log.info(report.summary())
     return report
@@ -147,6 +171,7 @@ def patch_model(model: nn.Module) -> PatchReport:
 def patch_peft_model(model) -> PatchReport | None:
     """After get_peft_model: route eligible LoRA layers through our fused LoRA kernels (any family)."""
     from unsloth.models.patches.lora import patch_lora
+    from unsloth.models.patches.moe import patch_moe_lora
 
     base = model.get_base_model()
     report = getattr(base, "_unsloth_patches", None)
@@ -154,4 +179,7 @@ def patch_peft_model(model) -> PatchReport | None:
         return report
     feeds_residual = report.generic_only is None and report.family in MLP_FEEDS_RESIDUAL
     report.lora = patch_lora(model, mlp_feeds_residual=feeds_residual)
+    wanted = (FAMILIES.get(report.family) or MOE_FAMILIES.get(report.family, ())) if report.generic_only is None else ()
+    if "moe" in wanted:
+        report.lora["MoE experts"] = patch_moe_lora(model)
     return report

@@ -36,7 +36,9 @@ def lora_weights(layer):
     weight = getattr(base, "weight", None)
     A, B = layer.lora_A[name].weight, layer.lora_B[name].weight
     dropout, bias = layer.lora_dropout[name], getattr(base, "bias", None)
-    quant_state = getattr(weight, "quant_state", None)
+    # FSDP's gathered copy of a 4-bit weight is a plain tensor of the packed bytes; bitsandbytes keeps
+    # the weight's quant state on the layer too.
+    quant_state = getattr(weight, "quant_state", None) or getattr(base, "quant_state", None)
     scaling, dora = layer.scaling[name], layer.use_dora.get(name, False)
     fan_in_fan_out = getattr(layer, "fan_in_fan_out", False)
     # Compared by identity; moving a model keeps the parameter objects but swaps their data (and a

@@ -1,7 +1,7 @@
 """One parser per tool: raw text -> Findings. Pure; garbage yields unknown, never raises.
 
-Each module exposes ``parse(text) -> Findings``. ``PARSERS`` maps a dump file stem (probe name)
-to the parser that reads it; several probes may share one parser (amd-smi static/list/version).
+Each module exposes ``parse(text) -> Findings``. Each probe's row (``unsloth.platform.probes.PROBES``)
+names the parser that reads its dump file; several probes may share one parser (amd-smi static/list/version).
 """
 
 from __future__ import annotations
@@ -56,6 +56,22 @@ def pci_id(vendor: int | None, device: int | None) -> str | None:
     return f"{vendor:04x}:{device:04x}"
 
 
+def gfx_target(text: str | None) -> str | None:
+    """An LLVM gfx target in either spelling tools print: 'gfx90a', or the decimal fields run
+    together ('gfx9010': major 9, minor 0, stepping 10 -> gfx90a; 'gfx1100'). None otherwise."""
+    match = re.fullmatch(r"\s*gfx([0-9a-f]{3,5})\s*", text or "", re.I)
+    if not match:
+        return None
+    digits = match.group(1).lower()
+    if not digits.isdigit():
+        return f"gfx{digits}" if re.fullmatch(r"\d{1,2}[0-9a-f]{2}", digits) and len(digits) in (3, 4) else None
+    major_len = 2 if digits[0] == "1" and len(digits) >= 4 else 1
+    major, minor, stepping = int(digits[:major_len]), int(digits[major_len]), int(digits[major_len + 1 :])
+    if not 7 <= major <= 15 or stepping > 15:
+        return None
+    return f"gfx{major}{minor:x}{stepping:x}"
+
+
 VENDOR_IDS = {0x10DE: "nvidia", 0x1002: "amd", 0x1022: "amd", 0x8086: "intel", 0x106B: "apple"}
 
 
@@ -71,6 +87,21 @@ def vendor_from_name(name: str | None) -> str | None:
     if re.search(r"\bapple\b", lowered):
         return "apple"
     return None
+
+
+_QUOTE = re.compile(r"^[ \t]*(?:>[ \t]?)+", re.M)
+_FENCE = re.compile(r"^[ \t]*(```|~~~).*$", re.M)
+
+
+def unquote(text: str) -> str:
+    """Output as pasted into an issue: markdown '> ' quote prefixes and code fences removed,
+    when most lines carry the prefix (tool output itself does not start lines with '>')."""
+    text = _FENCE.sub("", text)
+    lines = [line for line in text.splitlines() if line.strip()]
+    quoted = sum(1 for line in lines if line.lstrip().startswith(">"))
+    if lines and quoted * 2 >= len(lines):
+        text = _QUOTE.sub("", text)
+    return text
 
 
 def blocks(text: str, start: re.Pattern[str]) -> list[str]:
@@ -96,50 +127,9 @@ def key_values(text: str, sep: str = ":") -> dict[str, str]:
 
 @cache
 def _registry() -> dict[str, Callable[[str], Findings]]:
-    from unsloth.platform.parsers import (
-        amd_smi,
-        drm,
-        hipconfig,
-        host,
-        kfd,
-        lspci,
-        nvidia_driver_files,
-        nvidia_smi,
-        os_files,
-        rocm_smi,
-        rocm_version,
-        rocminfo,
-        system_profiler,
-        win32,
-    )
+    from unsloth.platform.probes import PARSERS  # each probe's row names its parser
 
-    return {
-        "nvidia-smi": nvidia_smi.parse,
-        "nvidia-smi-query": nvidia_smi.parse,
-        "proc-driver-nvidia-version": nvidia_driver_files.parse,
-        "sys-module-nvidia-version": nvidia_driver_files.parse,
-        "rocminfo": rocminfo.parse,
-        "rocminfo-no-override": rocminfo.parse,
-        "rocm-smi": rocm_smi.parse,
-        "rocm-smi-json": rocm_smi.parse,
-        "amd-smi": amd_smi.parse,
-        "amd-smi-list": amd_smi.parse,
-        "amd-smi-version": amd_smi.parse,
-        "hipconfig": hipconfig.parse,
-        "rocm-version": rocm_version.parse,
-        "kfd-topology": kfd.parse,
-        "drm": drm.parse,
-        "lspci": lspci.parse,
-        "proc-version": os_files.parse_kernel,
-        "uname": os_files.parse_kernel,
-        "os-release": os_files.parse_os_release,
-        "device-nodes": os_files.parse_device_nodes,
-        "win32-videocontroller": win32.parse,
-        "win-registry-video": win32.parse_registry,
-        "system-profiler": system_profiler.parse,
-        "host": host.parse_host,
-        "env": host.parse_env,
-    }
+    return PARSERS
 
 
 def parser_for(name: str) -> Callable[[str], Findings] | None:

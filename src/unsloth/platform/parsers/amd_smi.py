@@ -23,6 +23,8 @@ def parse(text: str) -> Findings:
         found.facts["os"] = "linux"  # the amdgpu kernel driver: Linux
     for index, block in enumerate(_json_blocks(text) or blocks(text, _GPU_BLOCK)):
         found.gpus.append(_gpu(index, block))
+    if found.gpus or "rocm_version" in found.facts:
+        found.facts["os"] = "linux"  # amd-smi ships with Linux ROCm only
     return found
 
 

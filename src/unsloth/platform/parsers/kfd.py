@@ -29,6 +29,8 @@ def parse(text: str) -> Findings:
             continue  # a CPU-only node
         found.facts["os"] = "linux"
         gpu = Gpu(vendor="amd", arch=gfx_from_target_version(props["gfx_target_version"]), index=len(found.gpus))
+        if node_id := re.search(r"/nodes/(\d+)/", node.splitlines()[0] if node else ""):
+            gpu.kfd_node = int(node_id.group(1))
         gpu.pci_id = pci_id(props.get("vendor_id"), props.get("device_id"))
         if "location_id" in props:
             location = props["location_id"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from unsloth.platform.facts import Gpu
-from unsloth.platform.parsers import Findings, bus_id, key_values, to_int
+from unsloth.platform.parsers import Findings, bus_id, key_values, to_int, vendor_from_name
 
 # The probe's query, so header-less csv in exactly this column order needs no guessing.
 QUERY_FIELDS = ("index", "name", "pci.bus_id", "pci.device_id", "memory.total", "compute_cap", "driver_version", "uuid")
@@ -16,7 +16,7 @@ _HEADER_DRIVER = re.compile(r"(?:Driver|KMD)\s+Version:\s*" + _VERSION)
 _HEADER_CUDA = re.compile(r"CUDA(?:\s+UMD)?\s+Version:\s*(\S+)")
 _TABLE_ROW = re.compile(
     r"^\|\s*(\d+)\s+(.+?)\s+(On|Off|WDDM|TCC|MCDM|N/A)\s*\|\s*"
-    r"([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])"
+    r"([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]|N/A)"  # Jetson: no PCI bus
 )
 _TABLE_MEMORY = re.compile(r"(\d+)\s*MiB\s*/\s*(\d+)\s*MiB")
 _LIST_ROW = re.compile(r"^GPU\s+(\d+):\s*(.+?)\s*(?:\(UUID:\s*(GPU-[^)\s]+)\s*\))?\s*$")
@@ -95,11 +95,14 @@ def _parse_query_log(text: str) -> Findings:
     if cuda is not None:
         found.facts["cuda_driver"] = cuda if re.fullmatch(r"\d+\.\d+(\.\d+)?", cuda) else None
     sections = re.split(r"^(?=GPU\s+[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]\s*$)", text, flags=re.M)[1:]
+    # `-q -i N` details one GPU but still counts them all: the others exist, unknown but for that.
+    attached = to_int(top.get("attached gpus"))
+    attached = attached if attached is not None and len(sections) < attached <= 64 else None
     for index, section in enumerate(sections):
         values = key_values(section)
         gpu = Gpu(
             vendor="nvidia",
-            index=index,
+            index=None if attached else index,  # which ordinal a filtered section is, -q does not say
             name=values.get("product name"),
             bus_id=bus_id(section.splitlines()[0]),
             uuid=values.get("gpu uuid"),
@@ -119,26 +122,61 @@ def _parse_query_log(text: str) -> Findings:
                 found.facts.update(os="linux", wsl=True)
             else:
                 found.facts.update(os="windows", wsl=False)
-        elif model and persistence in ("Enabled", "Disabled"):
-            found.facts["os"] = "linux"
+        elif persistence in ("Enabled", "Disabled"):
+            found.facts["os"] = "linux"  # a persistence mode exists only on Linux
+    found.gpus += [Gpu(vendor="nvidia") for _ in range((attached or 0) - len(sections))]
     return found
 
 
+# Field names nvidia-smi prints in a csv header (`nvidia-smi --help-query-gpu`); any of them
+# marks a header row, whose other cells must look like field names too.
+QUERY_HEADER_FIELDS = frozenset(
+    {*QUERY_FIELDS, "count", "gpu_name", "gpu_bus_id", "gpu_uuid", "serial", "memory.used", "memory.free",
+     "memory.reserved", "pci.sub_device_id", "pci.domain", "pci.bus", "pci.device", "vbios_version",
+     "temperature.gpu", "utilization.gpu", "utilization.memory", "power.draw", "power.limit", "pstate",
+     "persistence_mode", "driver_model.current", "clocks.max.sm", "clocks.sm", "compute_mode", "display_mode"}
+)
+_FIELD = re.compile(r"[a-z][a-z0-9_]*(?:\.[a-z0-9_]+)*")
+_UNIT = re.compile(r"\s*\[[^\]]*\]\s*$")  # 'memory.total [MiB]'
+_MISSING = re.compile(r"\[?(N/A|Not Supported|Unknown Error|Insufficient Permissions|Requested functionality has been deprecated)\]?")
+
+
+_ALIASES = {"gpu_name": "name", "gpu_bus_id": "pci.bus_id", "gpu_uuid": "uuid"}
+
+
+def _header(line: str) -> list[str] | None:
+    names = [_UNIT.sub("", cell.strip()) for cell in line.split(",")]
+    if all(_FIELD.fullmatch(name) for name in names) and QUERY_HEADER_FIELDS & set(names):
+        return [_ALIASES.get(name, name) for name in names]
+    return None
+
+
+def _cells(line: str) -> list[str]:
+    return ["" if _MISSING.fullmatch(cell.strip()) else cell.strip() for cell in line.split(",")]
+
+
 def _parse_csv(text: str) -> Findings:
+    """--query-gpu csv: under a header row, columns by name (units in the header or the values);
+    without one, the probe's own column order, or columns named by what each value looks like
+    when every value looks like something and the row carries an NVIDIA name or id. Anything
+    else is not nvidia-smi output and gives nothing."""
     found = Findings()
-    lines = [line for line in text.splitlines() if line.count(",") >= 1]
-    if not lines:
-        return found
-    header = [cell.strip().split(" ")[0] for cell in lines[0].split(",")]
-    columns: list[str] | None = header if {"name", "index", "pci.bus_id", "uuid"} & set(header) else None
-    if columns:
-        lines = lines[1:]
-    for line in lines:
-        cells = [cell.strip() for cell in line.split(",")]
-        names = columns or (list(QUERY_FIELDS) if len(cells) == len(QUERY_FIELDS) else _classify(cells))
-        row = dict(zip(names, cells, strict=False))
-        gpu = _gpu_from_row(row)
-        if gpu:
+    columns: list[str] | None = None
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        if (header := _header(line)) is not None:
+            columns = header
+            continue
+        cells = _cells(line)
+        if columns is not None and len(cells) == len(columns) and _fits(cells, columns):
+            row = dict(zip(columns, cells, strict=True))
+        else:
+            columns = None  # the table under a header ends at the first line that does not fit it
+            row = _headerless_row(cells)
+            if row is None:
+                continue
+        if gpu := _gpu_from_row(row):
             found.gpus.append(gpu)
         driver = row.get("driver_version", "")
         if re.fullmatch(_VERSION, driver):
@@ -146,13 +184,41 @@ def _parse_csv(text: str) -> Findings:
     return found
 
 
+def _headerless_row(cells: list[str]) -> dict[str, str] | None:
+    if len(cells) == len(QUERY_FIELDS) and _fits(cells, QUERY_FIELDS):
+        return dict(zip(QUERY_FIELDS, cells, strict=True))
+    kinds = _classify(cells)
+    if not kinds or "" in kinds or len(set(kinds)) != len(kinds):
+        return None
+    row = dict(zip(kinds, cells, strict=True))
+    named = vendor_from_name(row.get("name")) == "nvidia"
+    if not (named or row.get("uuid") or row.get("pci.bus_id") or row.get("pci.device_id")):
+        return None
+    return row
+
+
+def _fits(cells: list[str], columns: list[str] | tuple[str, ...]) -> bool:
+    """Every non-empty value has the form its column's values have (columns we do not read: any)."""
+    for cell, kind, column in zip(cells, _classify(cells), columns, strict=True):
+        if not cell or column not in _FORMS:
+            continue
+        if kind != column and {kind, column} != {"index", "memory.total"}:  # both can be bare numbers
+            return False
+    return True
+
+
+_FORMS = ("uuid", "pci.bus_id", "pci.device_id", "memory.total", "compute_cap", "driver_version", "index", "name")
+
+
 def _classify(cells: list[str]) -> list[str]:
-    """Name the columns of header-less csv from what each value looks like."""
+    """Name the columns of header-less csv from what each value looks like ('' where nothing fits)."""
     names = []
     for position, cell in enumerate(cells):
-        if cell.startswith("GPU-"):
+        if not cell:
+            names.append("")
+        elif re.fullmatch(r"GPU-[0-9a-fA-F-]+", cell):
             names.append("uuid")
-        elif bus_id(cell) and ":" in cell:
+        elif re.fullmatch(r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]", cell):
             names.append("pci.bus_id")
         elif re.fullmatch(r"0x[0-9A-Fa-f]{8}", cell):
             names.append("pci.device_id")
@@ -164,7 +230,7 @@ def _classify(cells: list[str]) -> list[str]:
             names.append("driver_version")
         elif re.fullmatch(r"\d+", cell):
             names.append("index" if position == 0 else "memory.total")
-        elif re.search(r"[A-Za-z]", cell):
+        elif re.fullmatch(r"[A-Za-z][\w .()/+-]{1,60}", cell):
             names.append("name")
         else:
             names.append("")
@@ -173,7 +239,7 @@ def _classify(cells: list[str]) -> list[str]:
 
 def _gpu_from_row(row: dict[str, str]) -> Gpu | None:
     name = row.get("name") or None
-    if not name and not row.get("pci.bus_id") and not row.get("uuid"):
+    if not any(row.get(column) for column in ("name", "pci.bus_id", "uuid", "pci.device_id", "compute_cap")):
         return None
     gpu = Gpu(
         vendor="nvidia",
@@ -183,7 +249,8 @@ def _gpu_from_row(row: dict[str, str]) -> Gpu | None:
     )
     if (index := row.get("index", "")).isdigit():
         gpu.index = int(index)
-    if (device := to_int(row.get("pci.device_id"))) is not None and device > 0xFFFF:
+    # pci.device_id is 0xDDDDVVVV: the device id in the high 16 bits, NVIDIA's 10DE below.
+    if (device := to_int(row.get("pci.device_id"))) is not None and device & 0xFFFF == 0x10DE:
         gpu.pci_id = f"10de:{device >> 16:04x}"
     if memory := re.fullmatch(r"(\d+)(?:\s*MiB)?", row.get("memory.total", "")):
         gpu.vram_bytes = int(memory.group(1)) * _MIB

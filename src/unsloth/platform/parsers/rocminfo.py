@@ -24,6 +24,8 @@ def parse(text: str) -> Findings:
         if gpu := _gpu(agent):
             gpu.index = len(found.gpus)
             found.gpus.append(gpu)
+    if found.gpus:
+        found.facts["os"] = "linux"
     return found
 
 
@@ -40,6 +42,7 @@ def _gpu(agent: str) -> Gpu | None:
     if uuid := values.get("uuid"):
         gpu.uuid = uuid if uuid.startswith("GPU-") and uuid != "GPU-XX" else None
     gpu.pci_id = pci_id(0x1002, to_int(values.get("chip id")))
+    gpu.kfd_node = to_int(values.get("node"))
     if (bdf := to_int(values.get("bdfid"))) is not None:
         domain = to_int(values.get("domain")) or 0
         gpu.bus_id = f"{domain:04x}:{bdf >> 8:02x}:{(bdf >> 3) & 0x1F:02x}.{bdf & 0x7}"

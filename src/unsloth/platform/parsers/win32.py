@@ -19,7 +19,7 @@ _KNOWN = {"name", "caption", "description", "videoprocessor", "pnpdeviceid", "ad
 
 def parse(text: str) -> Findings:
     found = Findings()
-    records = _list_records(text) or _table_records(text)
+    records = _list_records(text) or _table_records(text) or _bare_names(text)
     if records:
         found.facts.update(os="windows", wsl=False)
     for record in records:
@@ -67,6 +67,28 @@ def _list_records(text: str) -> list[dict[str, str]]:
     return [r for r in records if _KNOWN & set(r)]
 
 
+_PROMPT = re.compile(r"^\s*(PS )?[A-Za-z]:\\[^>]*>")  # 'PS C:\Users\me> ...', 'C:\>'
+_BANNER = re.compile(r"(Windows )?PowerShell( \d[\d.]*)?$|Copyright \(C\) Microsoft|Install the latest PowerShell|"
+                     r"https://aka\.ms/")  # the lines a new PowerShell window opens with
+_SOFTWARE_ADAPTER = re.compile(r"Basic (Display|Render)|Remote Display|Virtual Display|Parsec|DisplayLink|Idd|Hyper-V|"
+                               r"VMware|VirtualBox|Citrix|Meta Virtual|Spacedesk|Mirage", re.I)
+
+
+def _bare_names(text: str) -> list[dict[str, str]]:
+    """`(Get-WmiObject Win32_VideoController).Name`: one adapter name a line, between prompts.
+    Only when every other line is a prompt or a 'Name' heading, and each name names a GPU vendor
+    or a software adapter: anything else is not this output."""
+    names = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped or _PROMPT.match(line) or re.fullmatch(r"Name|-+", stripped) or _BANNER.match(stripped):
+            continue
+        if not (vendor_from_name(stripped) or _SOFTWARE_ADAPTER.search(stripped)) or len(stripped) > 80:
+            return []
+        names.append({"name": stripped})
+    return names if any(vendor_from_name(n["name"]) for n in names) else []
+
+
 def _table_records(text: str) -> list[dict[str, str]]:
     lines = text.splitlines()
     for number, line in enumerate(lines):
@@ -96,7 +118,7 @@ def _table_records(text: str) -> list[dict[str, str]]:
 def _gpu(record: dict[str, str]) -> Gpu | None:
     name = record.get("name") or record.get("caption") or record.get("description") or None
     pnp = record.get("pnpdeviceid", "")
-    if re.match(r"(ROOT|SWD)\\", pnp, re.I):
+    if re.match(r"(ROOT|SWD)\\", pnp, re.I) or (not pnp and _SOFTWARE_ADAPTER.search(name or "")):
         return None  # a software display adapter (Basic Display, remote/virtual displays)
     ids = re.search(r"VEN_([0-9A-Fa-f]{4})&DEV_([0-9A-Fa-f]{4})", pnp)
     vendor_id = int(ids.group(1), 16) if ids else None

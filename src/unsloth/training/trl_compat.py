@@ -1,0 +1,371 @@
+"""TRL's trainers and configs as notebooks written for Unsloth call them, on current TRL and transformers.
+
+After ``install()`` (run when the notebook facade is first used), ``from trl import SFTTrainer,
+SFTConfig, GRPOTrainer, GRPOConfig, DPOTrainer, ...`` give subclasses of TRL's own classes that:
+
+- map the legacy keywords onto the current API: ``tokenizer`` -> ``processing_class``, a config
+  field given to the trainer (``dataset_text_field``, ``max_seq_length``, ``packing``, ...) -> the
+  config, ``max_seq_length`` -> ``max_length``, ``evaluation_strategy`` -> ``eval_strategy``,
+  ``warmup_ratio`` -> a fractional ``warmup_steps``;
+- promote a plain ``TrainingArguments`` to the trainer's config class;
+- drop the arguments TRL and transformers retired that change nothing, with one warning naming them,
+  and refuse the ones whose meaning is lost, naming the replacement;
+- choose bf16 / fp16 from the hardware when the notebook does not say, and fall back (with a
+  warning) when it asks for a precision the machine cannot run, so a CPU or a T4 starts;
+- raise GRPO's generation batch to a multiple of ``num_generations``;
+- keep our fused cross-entropy as SFT's loss (TRL's own chunked LM head otherwise replaces it).
+
+Every mapping is decided by looking at the installed classes (their fields and signatures), so an
+older TRL that still has a field receives it as it is. TRL's files are not changed: the module
+attributes ``trl.SFTTrainer`` etc. are pointed at the subclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import logging
+import math
+
+from unsloth.errors import UnslothError
+
+log = logging.getLogger("unsloth")
+
+# Trainer name -> its config class name, for the trainers notebooks use.
+TRAINERS = {"SFTTrainer": "SFTConfig", "GRPOTrainer": "GRPOConfig", "DPOTrainer": "DPOConfig",
+            "KTOTrainer": "KTOConfig", "ORPOTrainer": "ORPOConfig", "RewardTrainer": "RewardConfig"}
+
+# Old name -> current name; applied only when the class lacks the old one and has the new one.
+RENAMED = {"max_seq_length": "max_length", "evaluation_strategy": "eval_strategy", "no_cuda": "use_cpu",
+           "vllm_guided_decoding_regex": "vllm_structured_outputs_regex", "tokenizer": "processing_class"}
+# Retired arguments that change nothing on a current install: dropped, with one warning.
+RETIRED = {
+    "overwrite_output_dir": "outputs are overwritten anyway",
+    "logging_dir": "the trackers choose their own folders",
+    "push_to_hub_token": "use hub_token", "push_to_hub_model_id": "use hub_model_id",
+    "push_to_hub_organization": "use hub_model_id",
+    "dataset_batch_size": "tokenization batches are the datasets library's",
+    "num_of_sequences": "packing sizes rows from max_length", "chars_per_token": "packing counts tokens",
+    "max_prompt_length": "prompts are no longer truncated by GRPO/DPO; truncate the dataset instead",
+    "vllm_device": "vLLM runs where the trainer does", "vllm_dtype": "vLLM uses the model's dtype",
+    "use_mps_device": "MPS is chosen automatically", "tpu_num_cores": "set by the launcher",
+    "past_index": "no model uses it", "ray_scope": "set by Ray Tune", "jit_mode_eval": "removed",
+    "use_ipex": "removed", "fp16_backend": "removed", "half_precision_backend": "removed",
+}
+# Arguments whose meaning is gone: refused with the replacement, never dropped silently.
+REFUSED = {
+    "dataset_kwargs.add_special_tokens": "write the special tokens into the text (or rely on the chat template)",
+    "model_init_kwargs": "the model is already loaded; pass its options to FastLanguageModel.from_pretrained",
+}
+
+
+class CompatError(UnslothError, TypeError):
+    """A keyword a notebook passed that cannot be honoured: which, and what to write instead."""
+
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+def _parameters(cls) -> set[str]:
+    return set(inspect.signature(cls.__init__).parameters) - {"self", "args", "kwargs"}
+
+
+def _rename(key: str, known: set[str]) -> str:
+    new = RENAMED.get(key)
+    return new if new and key not in known and new in known else key
+
+
+def _unknown(key: str, known: set[str], where: str) -> CompatError:
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"see the fields of {where}"
+    return CompatError(f"{where} got an unexpected keyword argument {key!r}", fix=hint)
+
+
+def normalize_config_kwargs(cls, kwargs: dict, where: str | None = None) -> dict:
+    """`kwargs` for config class `cls`: renamed, retired ones dropped (one warning), unknown ones refused."""
+    where = where or cls.__name__
+    known = set(_fields(cls))
+    out, dropped = {}, []
+    for key, value in kwargs.items():
+        key_now = _rename(key, known)
+        if key == "warmup_ratio" and "warmup_ratio" not in known and "warmup_steps" in known:
+            if value and "warmup_steps" in kwargs and kwargs["warmup_steps"]:
+                raise CompatError(f"{where}: warmup_ratio and warmup_steps are both set",
+                                  fix="keep one: warmup_steps takes a fraction of the run (0.1) or a step count")
+            if value:
+                out["warmup_steps"] = float(value)  # transformers 5: a warmup_steps below 1 is a ratio
+            continue
+        if key_now in known:
+            if key_now in out and key_now != key:
+                raise CompatError(f"{where}: {key!r} and {key_now!r} are the same setting, given twice",
+                                  fix=f"keep {key_now!r}")
+            if key_now == "warmup_steps" and key_now in out:
+                continue  # warmup_ratio already set it
+            out[key_now] = value
+        elif key in REFUSED and key not in known:
+            raise CompatError(f"{where}: {key!r} is no longer supported", fix=REFUSED[key])
+        elif key in RETIRED:
+            dropped.append(key)
+        else:
+            raise _unknown(key, known, where)
+    if dropped:
+        log.warning("unsloth: %s: ignoring retired arguments that change nothing here: %s", where,
+                    "; ".join(f"{k} ({RETIRED[k]})" for k in dropped))
+    return out
+
+
+# --- precision -----------------------------------------------------------------------------------
+
+def hardware_precision() -> tuple[bool, bool]:
+    """(bf16, fp16) mixed precision the machine runs: bf16 where supported, fp16 on older GPUs, none on a CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        bf16 = torch.cuda.is_bf16_supported()
+        return bf16, not bf16
+    return False, False
+
+
+def choose_precision(kwargs: dict, where: str) -> dict:
+    """bf16 / fp16 from the hardware unless given; a precision the machine cannot run falls back, with a warning."""
+    bf16_ok, fp16_ok = hardware_precision()
+    bf16, fp16 = kwargs.get("bf16"), kwargs.get("fp16")
+    if bf16 is None and fp16 is None:
+        return {**kwargs, "bf16": bf16_ok, "fp16": fp16_ok}
+    if bf16 is None:
+        bf16 = bf16_ok and not fp16
+    if fp16 is None:
+        fp16 = False
+    if (bf16 and not bf16_ok) or (fp16 and not (fp16_ok or bf16_ok)):
+        asked = "bf16" if bf16 else "fp16"
+        fallback = "fp16" if fp16_ok else "bf16" if bf16_ok else "float32"
+        log.warning("unsloth: %s: %s=True asks for a mixed precision this machine cannot run (%s); "
+                    "training in %s instead", where, asked, _machine(), fallback)
+        bf16, fp16 = fallback == "bf16", fallback == "fp16"
+    return {**kwargs, "bf16": bool(bf16), "fp16": bool(fp16)}
+
+
+def _machine() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    return f"{torch.cuda.get_device_name()} has no bfloat16"
+
+
+# --- GRPO ----------------------------------------------------------------------------------------
+
+def grpo_batch(kwargs: dict, fields: dict) -> dict:
+    """Raise the generation batch to a multiple of num_generations, as Unsloth does (TRL refuses otherwise)."""
+    if kwargs.get("generation_batch_size") is not None or kwargs.get("steps_per_generation") is not None:
+        return kwargs
+    value = lambda k: kwargs.get(k, fields[k].default)  # noqa: E731
+    per_step = value("per_device_train_batch_size") * value("gradient_accumulation_steps")
+    generations = value("num_generations")
+    if not generations or per_step % generations == 0:
+        return kwargs
+    raised = math.lcm(per_step, generations)
+    log.warning("unsloth: GRPOConfig: a batch of %d completions does not hold whole groups of num_generations=%d; "
+                "generating %d per step (generation_batch_size)", per_step, generations, raised)
+    return {**kwargs, "generation_batch_size": raised}
+
+
+# --- configs -------------------------------------------------------------------------------------
+
+def compat_config(base):
+    """A subclass of TRL config class `base` whose constructor accepts what the notebooks pass."""
+    name = base.__name__
+
+    def __init__(self, *args, **kwargs):
+        if args:  # output_dir, positionally
+            kwargs = {"output_dir": args[0], **kwargs}
+        kwargs = normalize_config_kwargs(base, kwargs, name)
+        kwargs = choose_precision(kwargs, name)
+        if "num_generations" in _fields(base):
+            kwargs = grpo_batch(kwargs, _fields(base))
+        kwargs.setdefault("report_to", "none")  # notebooks say so; a missing tracker must not stop the run
+        base.__init__(self, **kwargs)
+
+    return type(name, (base,), {"__init__": __init__, "__module__": __name__, "__qualname__": name,
+                                "__doc__": base.__doc__})
+
+
+def promote(args, config_cls, extra: dict):
+    """`args` as an instance of `config_cls`, with `extra` (fields given to the trainer) applied."""
+    if isinstance(args, config_cls):
+        for key, value in extra.items():
+            setattr(args, key, value)
+        return args
+    values = {k: getattr(args, k) for k in _fields(type(args)) if k in _fields(config_cls)}
+    values["hub_token"] = getattr(args, "hub_token", None)
+    # A plain TrainingArguments said nothing about the TRL-only fields: their defaults apply, except
+    # gradient checkpointing (TrainingArguments' default off is what the notebook ran with).
+    values.update(extra)
+    return config_cls(**values)
+
+
+# --- trainers ------------------------------------------------------------------------------------
+
+def normalize_trainer_kwargs(trainer_cls, config_cls, args, kwargs: dict) -> dict:
+    """Trainer kwargs on the current API: renamed, config fields moved into `args`, `args` promoted."""
+    where = trainer_cls.__name__
+    accepted = _parameters(trainer_cls)
+    config_fields = set(_fields(config_cls))
+    out, moved = {}, {}
+    for key, value in kwargs.items():
+        key_now = _rename(key, accepted | config_fields)
+        if key_now in accepted:
+            if key_now in out or (key_now in kwargs and key_now != key):
+                raise CompatError(f"{where}: {key!r} and {key_now!r} are the same argument, given twice",
+                                  fix=f"keep {key_now!r}")
+            out[key_now] = value
+        elif key in config_fields or key_now in config_fields or key in RETIRED or key in REFUSED:
+            moved[key] = value
+        else:
+            raise _unknown(key, accepted | config_fields, where)
+    moved = normalize_config_kwargs(config_cls, moved, f"{where} (trainer-level options)") if moved else {}
+    if args is None:
+        args = config_cls(**{"output_dir": "outputs", **moved})
+    else:
+        args = promote(args, config_cls, moved)
+    out["args"] = args
+    return out
+
+
+def _ours_patched(model) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return bool(getattr(base, "_unsloth_fused_loss", False))
+
+
+def _checkpointing_is_ours(model, args) -> None:
+    """Our per-layer checkpointing is already on: the Trainer's would recompute every layer twice."""
+    if getattr(model, "_unsloth_checkpointing", None) and getattr(args, "gradient_checkpointing", False):
+        args.gradient_checkpointing = False
+
+
+def _one_bos(dataset, tokenizer, text_field: str):
+    """Texts rendered by a chat template start with BOS, and tokenizing adds another: drop the written one."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if not bos or text_field not in getattr(dataset, "column_names", ()) or len(dataset) == 0:
+        return dataset
+    first = dataset[0][text_field]
+    if not isinstance(first, str) or not first.startswith(bos):
+        return dataset
+    ids = tokenizer("a")["input_ids"]
+    if not ids or ids[0] != tokenizer.bos_token_id:
+        return dataset  # this tokenizer adds no BOS: the written one is the only one
+    return dataset.map(lambda row: {text_field: row[text_field][len(bos):] if row[text_field].startswith(bos)
+                                    else row[text_field]})
+
+
+_CHAT_COLUMNS = ("messages", "conversations", "prompt", "completion")
+
+
+def _text_field_first(dataset, text_field: str, formatting_func):
+    """The text field the notebook names wins over chat columns left in the dataset (TRL would read those)."""
+    columns = getattr(dataset, "column_names", None) or []
+    if formatting_func is not None or text_field not in columns:
+        return dataset
+    chat = [c for c in _CHAT_COLUMNS if c in columns]
+    return dataset.remove_columns(chat) if chat else dataset
+
+
+def compat_trainer(base, config_cls):
+    """A subclass of TRL trainer `base` that accepts the notebooks' keywords (and, for SFT, keeps our loss)."""
+    name = base.__name__
+    is_sft = name == "SFTTrainer"
+
+    def __init__(self, *args, **kwargs):
+        if args:  # model, positionally
+            kwargs = {"model": args[0], **kwargs}
+        trainer_args = kwargs.pop("args", None)
+        kwargs = normalize_trainer_kwargs(base, config_cls, trainer_args, kwargs)
+        if "model" in kwargs:
+            _checkpointing_is_ours(kwargs["model"], kwargs["args"])
+        if is_sft and kwargs.get("train_dataset") is not None:
+            field = kwargs["args"].dataset_text_field
+            data = _text_field_first(kwargs["train_dataset"], field, kwargs.get("formatting_func"))
+            tokenizer = kwargs.get("processing_class")
+            if tokenizer is not None:
+                data = _one_bos(data, getattr(tokenizer, "tokenizer", tokenizer), field)
+            kwargs["train_dataset"] = data
+        base.__init__(self, **kwargs)
+
+    namespace = {"__init__": __init__, "__module__": __name__, "__qualname__": name, "__doc__": base.__doc__}
+    if is_sft:
+        namespace["compute_loss"] = _sft_compute_loss(base)
+    return type(name, (base,), namespace)
+
+
+def _sft_compute_loss(base):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Our fused cross-entropy (the patched forward with labels) in place of TRL's chunked LM head.
+
+        Only where nothing else needs TRL's per-token outputs: the plain "nll" loss, no custom loss
+        function, no label smoothing, and a model whose fused loss passed its probe.
+        """
+        args = self.args
+        if (return_outputs or args.loss_type != "nll" or self.compute_loss_func is not None
+                or self.label_smoother is not None or getattr(self, "aux_loss_enabled", False)
+                or not _ours_patched(model)):
+            return base.compute_loss(self, model, inputs, return_outputs=return_outputs,
+                                     num_items_in_batch=num_items_in_batch)
+        inputs = {**inputs, "use_cache": False}
+        loss = model(**inputs, num_items_in_batch=num_items_in_batch).loss
+        if args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        if self.model.training:
+            mask = inputs.get("attention_mask")
+            count = mask.sum() if mask is not None else inputs["input_ids"].numel()
+            self._total_train_tokens += int(self.accelerator.gather_for_metrics(
+                count.reshape(1) if hasattr(count, "reshape") else count).sum()) // getattr(self, "_tp_size", 1)
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return loss
+
+    return compute_loss
+
+
+# --- installing ----------------------------------------------------------------------------------
+
+_INSTALLED: dict[str, type] = {}
+
+
+def install() -> dict[str, type]:
+    """Point trl's trainer and config names at the compatible subclasses (once). Returns them by name."""
+    if _INSTALLED:
+        return _INSTALLED
+    try:
+        import trl
+    except ImportError:
+        return _INSTALLED
+    for trainer_name, config_name in TRAINERS.items():
+        trainer, config = _trl_class(trl, trainer_name), _trl_class(trl, config_name)
+        if trainer is None or config is None:
+            continue
+        compat_cfg = compat_config(config)
+        compat_tr = compat_trainer(trainer, compat_cfg)
+        for name, cls in ((config_name, compat_cfg), (trainer_name, compat_tr)):
+            _INSTALLED[name] = cls
+            globals()[name] = cls  # so pickles of a config (training_args.bin) find the class
+            setattr(trl, name, cls)
+    return _INSTALLED
+
+
+def _trl_class(trl, name: str):
+    """trl.NAME, or where TRL moved it (ORPO lives in trl.experimental.orpo since TRL 0.26)."""
+    import importlib
+    import warnings
+
+    try:
+        return getattr(trl, name)
+    except (AttributeError, ImportError):
+        pass
+    module = "trl.experimental." + name.removesuffix("Trainer").removesuffix("Config").lower()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TRL's "experimental API" notice: the notebook asked for trl.NAME
+            return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None

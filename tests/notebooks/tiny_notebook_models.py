@@ -1,0 +1,79 @@
+"""Tiny random models of the notebook families, saved as local folders with a tokenizer that has the
+family's special tokens (byte-level BPE, so the GGUF export reads it), and datasets with the columns
+the notebooks' datasets have (Alpaca, ShareGPT "conversations", GSM8K-style prompts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# family -> (bos, eos, pad, chat specials, whether encoding adds BOS)
+SPECIALS = {
+    "llama": ("<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>",
+              ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], True),
+    "qwen2": (None, "<|endoftext|>", "<|endoftext|>", ["<|im_start|>", "<|im_end|>"], False),
+    "qwen3": (None, "<|endoftext|>", "<|endoftext|>", ["<|im_start|>", "<|im_end|>", "<think>", "</think>"], False),
+    "gemma3_text": ("<bos>", "<eos>", "<pad>", ["<start_of_turn>", "<end_of_turn>"], True),
+    "mistral": ("<s>", "</s>", "<unk>", ["[INST]", "[/INST]"], True),
+}
+CORPUS = [
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
+    "### Instruction:\nName the capital of France.\n\n### Input:\n\n### Response:\nParis is the capital.",
+    "Continue the fibonacci sequence: 1, 1, 2, 3, 5, 8, 13, 21, 34, 55 and 89.",
+    "user assistant system model human gpt The quick brown fox jumps over the lazy dog.",
+    "What is 2 + 2? <reasoning>two and two</reasoning><answer>4</answer> Think step by step.",
+    "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\nYou are Qwen, created by Alibaba Cloud.",
+]
+QA = [("Name the capital of France.", "Paris."), ("What is 2 + 2?", "4."), ("Name a color.", "Blue."),
+      ("Continue 1, 1, 2, 3, 5", "8, 13, 21."), ("Say hello.", "Hello!"), ("Name a fruit.", "An apple."),
+      ("What is 3 + 4?", "7."), ("Name the capital of Peru.", "Lima.")]
+
+
+def make_tokenizer(family: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bos, eos, pad, chat, adds_bos = SPECIALS[family]
+    specials = [t for t in dict.fromkeys([bos, eos, pad, *chat]) if t]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 10, trainer)
+    if adds_bos:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, tok.token_to_id(bos))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
+                                   additional_special_tokens=[t for t in chat])
+
+
+def write_model(directory: Path, family: str, dtype="float32") -> str:
+    """A tiny random model of `family` and its tokenizer in `directory` (a local "hub id" for from_pretrained)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tiny_families import family_config
+
+    tokenizer = make_tokenizer(family)
+    config = family_config(family)
+    config.vocab_size = len(tokenizer)
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)  # spread logits: greedy tokens are not coin tosses
+    model.to(getattr(torch, dtype)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def alpaca_rows(n: int = 16):
+    return [{"instruction": q, "input": "" if i % 2 else "Answer briefly.", "output": a}
+            for i, (q, a) in enumerate((QA * 4)[:n])]
+
+
+def sharegpt_rows(n: int = 16):
+    return [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}], "source": "tiny",
+             "score": 1.0} for q, a in (QA * 4)[:n]]
