@@ -2,7 +2,7 @@
 # Everything measured on the lent H200, in one call per section, beside the anchors.
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
-# sections: machine, tests, kernels, trainer, profile, ab, host, families; all = machine tests kernels trainer)
+# sections: machine, tests, kernels, trainer, profile, ab, host, moe, families; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
 set -u
 OUT=${OUT:-/tmp/h200-out}
@@ -88,6 +88,24 @@ host() {  # where the host's time goes in our QLoRA step (host-paced at batch 2)
   timeout 200 python3 bench/profile_trainer.py --harness .anchors/anchor_lora.py --impl unsloth --four-bit --batch 2 --host 2>&1 | tee "$OUT/host-qlora.txt"
 }
 
+moe() {  # MoE: the experts alone (ours vs torch._grouped_mm + LoRA matmuls), then training steps of
+  # ours, transformers + peft and Unsloth. One (shape, bits) pair fits a call: MOE_SHAPES=gpt-oss-20b
+  # MOE_BITS=bf16 (or qlora); MOE_KERNEL=0 skips the kernel part, MOE_IMPLS picks the step impls.
+  [ "${MOE_KERNEL:-1}" = 0 ] || timeout 150 python3 bench/bench_moe.py --part kernel 2>&1 | tee -a "$OUT/moe.jsonl"
+  for shape in ${MOE_SHAPES:-gpt-oss-20b}; do
+    for bits in ${MOE_BITS:-bf16}; do
+      case $bits in bf16) four="" ;; qlora) four="--four-bit" ;; *) echo "MOE_BITS: bf16 or qlora" >&2; exit 2 ;; esac
+      for impl in ${MOE_IMPLS:-ours hf unsloth}; do
+        path="$PYTHONPATH"
+        # the public Unsloth: the anchors' site first, without our source (bench_moe imports nothing of ours then)
+        [ "$impl" = unsloth ] && path="/tmp/site:$ROOT/.anchors/site"
+        # shellcheck disable=SC2086
+        PYTHONPATH="$path" timeout 100 python3 bench/bench_moe.py --part step --impl "$impl" --shape "$shape" $four 2>&1 | tail -1 | tee -a "$OUT/moe.jsonl"
+      done
+    done
+  done
+}
+
 families() {  # today's families (bench/bench_families.py): ours, ours with family patches off, Unsloth, HF
   # FAMILIES="qwen3_5 gemma4 phi3", SHAPES="qlora bf16", FAMILY_IMPLS: pick fewer to fit one call
   for family in ${FAMILIES:-qwen3_5 gemma4 phi3}; do
@@ -111,7 +129,7 @@ families() {  # today's families (bench/bench_families.py): ours, ours with fami
 [ $# -gt 0 ] || set -- all
 for section in "$@"; do
   case $section in
-    machine|tests|kernels|trainer|profile|ab|host|families) $section ;;
+    machine|tests|kernels|trainer|profile|ab|host|moe|families) $section ;;
     all) machine; tests; kernels; trainer ;;
     *) echo "unknown section: $section" >&2; exit 2 ;;
   esac

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from unsloth.envs import manager, state
 from unsloth.envs.build import request_hash, source_identity
-from unsloth.envs.receipt import hardware_fingerprint, write_receipt
+from unsloth.envs.receipt import Receipt, hardware_fingerprint, write_receipt
 from unsloth.envs.steps import Request
 from unsloth.matrix import load_matrix
 from unsloth.plan import resolve
@@ -37,7 +37,7 @@ def active(tmp_path, monkeypatch):
     (env / "bin" / "python").chmod(0o755)
     (env / "unsloth-pins.txt").write_text("torch==2.13.0\n")
     wanted = request_hash(request, plan.to_json(), source_identity(request.source), hardware_fingerprint(platform.to_json()))
-    write_receipt(env, {"name": "a", "request_hash": wanted, "python": {"version": "3.11.7"}, "packages": {}})
+    write_receipt(env, Receipt("a", request_hash=wanted, python={"version": "3.11.7"}))
     state.switch(root, "a")
     uv = tmp_path / "uv"
     uv.write_text(FAKE_UV)
