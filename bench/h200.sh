@@ -2,7 +2,7 @@
 # Everything measured on the lent H200, in one call per section, beside the anchors.
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
-# sections: machine, tests, kernels, trainer, profile, ab, host, moe, notebook; all = machine tests kernels trainer)
+# sections: machine, tests, kernels, trainer, profile, ab, host, moe, notebook, families; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
 set -u
 OUT=${OUT:-/tmp/h200-out}
@@ -112,10 +112,30 @@ moe() {  # MoE: the experts alone (ours vs torch._grouped_mm + LoRA matmuls), th
   done
 }
 
+families() {  # today's families (bench/bench_families.py): ours, ours with family patches off, Unsloth, HF
+  # FAMILIES="qwen3_5 gemma4 phi3", SHAPES="qlora bf16", FAMILY_IMPLS: pick fewer to fit one call
+  for family in ${FAMILIES:-qwen3_5 gemma4 phi3}; do
+    timeout 200 python3 bench/bench_families.py --family "$family" --impl make 2>&1 | tail -1 | tee -a "$OUT/families.jsonl"
+    for shape in ${SHAPES:-qlora bf16}; do
+      for impl in ${FAMILY_IMPLS:-ours generic unsloth hf}; do
+        case $impl in
+          ours) set -- --impl ours ;;
+          generic) set -- --impl ours --generic ;;
+          *) set -- --impl "$impl" ;;
+        esac
+        path=$PYTHONPATH  # ours: our source first; the public packages: the anchors' site alone
+        [ "$impl" = unsloth ] || [ "$impl" = hf ] && path="/tmp/site:$ROOT/.anchors/site"
+        PYTHONPATH=$path timeout 150 python3 bench/bench_families.py --family "$family" --shape "$shape" "$@" 2>&1 \
+          | tail -1 | tee -a "$OUT/families.jsonl"
+      done
+    done
+  done
+}
+
 [ $# -gt 0 ] || set -- all
 for section in "$@"; do
   case $section in
-    machine|tests|kernels|trainer|profile|ab|host|moe|notebook) $section ;;
+    machine|tests|kernels|trainer|profile|ab|host|moe|notebook|families) $section ;;
     all) machine; tests; kernels; trainer ;;
     *) echo "unknown section: $section" >&2; exit 2 ;;
   esac

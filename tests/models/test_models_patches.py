@@ -11,7 +11,18 @@ from tiny_families import VOCAB, tiny_model
 from unsloth.models.patches import FAMILIES, patch_model, patch_peft_model
 from unsloth.models.checkpointing import apply_gradient_checkpointing
 
-FAMILY_NAMES = sorted(FAMILIES)
+FAMILY_NAMES = sorted(f for f in FAMILIES if f not in ("qwen3_5", "gemma4"))  # multimodal: as their text models
+
+
+def _attention_layers(config) -> int:
+    """Layers with softmax attention (q, k, v, o): Qwen3.5's others are Gated DeltaNet."""
+    types = getattr(config, "layer_types", None) or []
+    return sum(t != "linear_attention" for t in types) or config.num_hidden_layers
+
+
+def _rope_layers(config) -> int:
+    # Gemma 4 rotates q and k in separate calls (another signature), so its RoPE stays stock
+    return 0 if config.model_type == "gemma4_text" else _attention_layers(config)
 
 
 def _batch(seed=1, batch=2, seq=12):
@@ -60,7 +71,7 @@ def test_patched_matches_unpatched(family, checkpointing, monkeypatch):
     layers = reference.config.num_hidden_layers
     assert report.skipped is None
     assert report.rms_norm >= 2 * layers + 1  # two per layer and the final norm (more with q/k norms)
-    assert report.rope == layers
+    assert report.rope == _rope_layers(reference.config)
     assert report.mlp == layers
     assert report.loss
 
@@ -70,8 +81,10 @@ def test_patched_matches_unpatched(family, checkpointing, monkeypatch):
                                    rtol=1e-4, atol=1e-4)
 
     reference, patched = _with_lora(reference), _with_lora(patched)
-    # every LoRA layer on a fused path: one MLP (gate, up, down) and q, k, v, o per layer
-    assert patch_peft_model(patched).lora == {"MLP": layers, "linear": 4 * layers}
+    # every LoRA layer on a fused path: one MLP (gate, up, down) per layer and q, k, v, o per attention
+    attention = _attention_layers(reference.config)
+    lora = {kind: n for kind, n in patch_peft_model(patched).lora.items() if n}  # dense Gemma 4: no experts
+    assert lora == {"MLP": layers, "linear": 4 * attention}
     if checkpointing:
         assert apply_gradient_checkpointing(patched.get_base_model(), checkpointing) == layers
     for model in (reference, patched):
@@ -91,7 +104,7 @@ def test_patched_matches_unpatched(family, checkpointing, monkeypatch):
         # grows through the layers' backward to ~1e-5 relative (1e-5 fails for some families): 1e-4.
         torch.testing.assert_close(fast_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     # q, k, v and o of every layer were replayed, not recomputed
-    assert sum(replayed) == (4 * layers if checkpointing else 0)
+    assert sum(replayed) == (4 * attention if checkpointing else 0)
 
 
 def test_without_kernels_a_model_trains_unpatched_and_says_so(caplog, monkeypatch):

@@ -106,6 +106,40 @@ def _quantization_config(load_in_4bit: bool, load_in_8bit: bool, dtype: torch.dt
                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=storage)
 
 
+# attn_implementation -> the class attribute by which a transformers model says it supports it
+_ATTENTION_SUPPORT = {
+    "sdpa": "_supports_sdpa",
+    "flash_attention_2": "_supports_flash_attn",
+    "flash_attention_3": "_supports_flash_attn",
+    "flex_attention": "_supports_flex_attn",
+}
+
+
+def choose_attention(model_class, requested: str | None) -> tuple[str | None, str | None]:
+    """The attention implementation to load `model_class` with, and why it is not `requested` (or None).
+
+    A model that does not support the requested one (gpt-oss has no SDPA path) gets SDPA where it
+    has it, else eager, instead of failing to load. Unknown classes (remote code) and requests we do
+    not know are passed to transformers as they are.
+    """
+    flag = _ATTENTION_SUPPORT.get(requested)
+    if model_class is None or flag is None or getattr(model_class, flag, True):
+        return requested, None
+    fallback = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+    why = f"{model_class.__name__} does not support attn_implementation={requested!r}, so it loads with {fallback!r}"
+    return fallback, why
+
+
+def _causal_lm_class(model_name: str, **options):
+    """The transformers class AutoModelForCausalLM would build for `model_name`, or None if it is not a built-in one."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(model_name, **options))]
+    except Exception:  # remote code, or a name transformers does not map: it decides itself
+        return None
+
+
 def checkpoint_quant_method(model_name: str, **hub) -> str | None:
     """The quantization a checkpoint was published in (its config's quant_method), or None."""
     from transformers import AutoConfig
@@ -190,8 +224,12 @@ def load_pretrained(
         # peft writes this name into adapter_config.json as the base model; a relative path would
         # later resolve against whatever directory the export runs from.
         model_name = str(Path(model_name).expanduser().resolve())
-    published = _published_quantization(model_name, dtype, token=token, revision=revision,
-                                        trust_remote_code=trust_remote_code)
+    hub_options = dict(token=token, revision=revision, trust_remote_code=trust_remote_code,
+                       **{k: v for k, v in kwargs.items() if k in ("local_files_only", "cache_dir")})
+    attn_implementation, why = choose_attention(_causal_lm_class(model_name, **hub_options), attn_implementation)
+    if why:
+        log.warning("unsloth: %s.", why)
+    published = _published_quantization(model_name, dtype, **hub_options)
     model = AutoModelForCausalLM.from_pretrained(
         model_name,
         dtype=dtype,
@@ -203,10 +241,7 @@ def load_pretrained(
         attn_implementation=attn_implementation,
         **kwargs,
     )
-    tokenizer = AutoTokenizer.from_pretrained(
-        tokenizer_name or model_name, token=token, revision=revision, trust_remote_code=trust_remote_code,
-        **{k: v for k, v in kwargs.items() if k in ("local_files_only", "cache_dir")},
-    )
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or model_name, **hub_options)
     model.max_seq_length = max_seq_length
     if auto_dtype:  # the checkpoint's own dtype, for saves: float32 on a CPU is a compute choice, not the model's
         model._unsloth_source_dtype = _checkpoint_dtype(model_name, token, revision, trust_remote_code)

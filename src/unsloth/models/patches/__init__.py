@@ -7,7 +7,8 @@ matching simply stays unpatched.
 Any causal LM transformers loads gets the generic fast path first: the fused linear cross-entropy
 on its LM head (here) and the LoRA fast path on every adapted nn.Linear (`patch_peft_model`);
 the loader adds our offloaded gradient checkpointing on its decoder layers and the input-embedding
-offload. Families in FAMILIES also get their norms, RoPE and gated MLP through our kernels.
+offload. Families in FAMILIES (and MOE_FAMILIES) also get their norms, RoPE and gated MLP (and
+experts) through our kernels.
 UNSLOTH_FAMILY_PATCHES=0 keeps a model on the generic path (to compare, or to rule patches out).
 """
 
@@ -39,6 +40,15 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "gemma": ALL,
     "gemma2": ALL,
     "gemma3_text": ALL,
+    # Qwen3.5: norms, MLPs and the full-attention layers' projections through ours; its Gated DeltaNet
+    # layers run transformers' own path, which uses flash-linear-attention and causal-conv1d where
+    # installed (the gated RMSNorm inside them takes a gate, so the norm patch leaves it alone).
+    "qwen3_5_text": ALL,
+    "qwen3_5": ALL,
+    # Gemma 4: norms and MLPs (its RoPE is applied to q and k in separate calls: stock); per-layer
+    # input embeddings go through our checkpoint as layer arguments, softcapping into the fused loss.
+    "gemma4_text": ALL,
+    "gemma4": ALL,
 }
 
 # Mixture-of-experts families: their packed experts also run as our grouped GEMMs ("moe"); the
@@ -62,7 +72,13 @@ MOE_FAMILIES: dict[str, tuple[str, ...]] = {
 # Families whose decoder layer adds the MLP's output straight to the residual stream, with no norm
 # after it (Gemma 2 and 3 have one): a checkpoint's recompute pass never reads that output, so the
 # fused MLP skips its down projection there. tests/models checks each family's gradients with it.
-MLP_FEEDS_RESIDUAL = {"llama", "mistral", "qwen2", "qwen3", "gemma"}
+MLP_FEEDS_RESIDUAL = {"llama", "mistral", "qwen2", "qwen3", "gemma", "qwen3_5_text", "qwen3_5"}
+
+
+def family_patches(family: str) -> tuple[str, ...] | None:
+    """The family patches `family` gets (the MoE registry's first: a superset, e.g. Gemma 4's MoE
+    variant shares gemma4_text with the dense one, whose MLPs have no packed experts to find)."""
+    return MOE_FAMILIES.get(family) or FAMILIES.get(family)
 
 
 def family_patches_enabled() -> bool:
@@ -133,7 +149,7 @@ def patch_model(model: nn.Module) -> PatchReport:
     """Put our kernels into a loaded causal LM (before LoRA); returns what was done."""
     family = getattr(model.config, "model_type", type(model).__name__)
     report = PatchReport(family)
-    wanted = FAMILIES.get(family) or MOE_FAMILIES.get(family)
+    wanted = family_patches(family)
     device, dtype = module_device_dtype(model)
     if unavailable_reason(device) is not None:
         report.skipped = f"kernels off: {unavailable_reason(device)}"
@@ -170,7 +186,7 @@ def patch_peft_model(model) -> PatchReport | None:
         return report
     feeds_residual = report.generic_only is None and report.family in MLP_FEEDS_RESIDUAL
     report.lora = patch_lora(model, mlp_feeds_residual=feeds_residual)
-    wanted = (FAMILIES.get(report.family) or MOE_FAMILIES.get(report.family, ())) if report.generic_only is None else ()
+    wanted = (family_patches(report.family) or ()) if report.generic_only is None else ()
     if "moe" in wanted:
         report.lora["MoE experts"] = patch_moe_lora(model)
     return report
