@@ -38,6 +38,15 @@ def test_grpo_trains_with_a_toy_reward(tmp_path, monkeypatch):
     assert len(rewards) == 2
     changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert changed, "GRPO updated no LoRA weight"
+    # the rollouts went through the fast path (its static caches exist only where it generated) ...
+    caches = model.get_base_model()._unsloth_fast_generation
+    assert [rows for rows, _ in caches] == [4]
+    # ... which decodes with the LoRA weights just trained, not a copy taken before
+    ids = tokenizer(["What is the capital of Peru?"], return_tensors="pt")
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    fast = model.generate(**ids, **options)
+    FastLanguageModel.for_training(model)
+    assert torch.equal(fast, model.generate(**ids, **options))
 
 
 def test_completion_logprobs_match_full_logits_without_building_them(tmp_path):
