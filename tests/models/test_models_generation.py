@@ -40,22 +40,19 @@ def _greedy(model, ids, mask, new=6):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("adapters", [False, True], ids=["base", "lora"])
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_greedy_tokens_match_transformers(family, adapters):
+def test_greedy_tokens_match_transformers(family):
     model = tiny_model(family)
     patch_model(model)
-    if adapters:
-        model = _with_lora(model)
     ids, mask = _prompts()
-    expected = _greedy(model, ids, mask)
-    generation.enable(model)
-    assert generation.enabled(model)
-    assert torch.equal(_greedy(model, ids, mask), expected)
-    longer, longer_mask = _prompts(batch=3, seq=11, seed=2)  # a new batch and prompt length
-    fast = _greedy(model, longer, longer_mask, new=9)
-    generation.disable(model)
-    assert torch.equal(fast, _greedy(model, longer, longer_mask, new=9))
+    for adapters in (False, True):
+        if adapters:
+            model = _with_lora(model)
+        expected = _greedy(model, ids, mask)
+        generation.enable(model)
+        assert generation.enabled(model)
+        assert torch.equal(_greedy(model, ids, mask), expected), f"adapters={adapters}"
+        generation.disable(model)
 
 
 def test_the_cache_is_kept_per_batch_and_bucket_and_reused():
@@ -70,10 +67,12 @@ def test_the_cache_is_kept_per_batch_and_bucket_and_reused():
     _greedy(model, ids2, mask2, new=3)
     assert caches[(2, generation.BUCKET)] is cache and len(caches) == 1
     assert torch.equal(_greedy(model, ids, mask, new=4), first)  # a reused cache leaves nothing behind
-    _greedy(model, *_prompts(batch=1), new=2)
+    single, single_mask = _prompts(batch=1, seq=12, seed=5)  # another batch size: its own cache
+    fast = _greedy(model, single, single_mask, new=5)
     assert set(caches) == {(2, generation.BUCKET), (1, generation.BUCKET)}
     generation.disable(model)
     assert not generation.enabled(model) and "generate" not in model.__dict__
+    assert torch.equal(fast, _greedy(model, single, single_mask, new=5))
 
 
 def test_cache_lengths_round_up_to_the_bucket():
