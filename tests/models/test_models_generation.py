@@ -155,3 +155,27 @@ def test_for_inference_and_back_leaves_training_unchanged():
         assert torch.equal(again, loss)
         assert again_grads.keys() == grads.keys()
         assert all(torch.equal(again_grads[n], g) for n, g in grads.items())
+
+
+def test_a_decode_step_that_cannot_compile_falls_back_to_eager_once(caplog):
+    from torch._dynamo.exc import Unsupported
+
+    model = tiny_model("llama")
+    ids, mask = _prompts()
+    expected = _greedy(model, ids, mask, new=3)
+    real, compiled_tries = model.generate, []
+
+    def generate_failing_to_compile(*args, generation_config, **kwargs):  # as generate does with a layer dynamo refuses
+        if not generation_config.disable_compile:
+            compiled_tries.append(1)
+            raise Unsupported("a layer dynamo cannot trace")
+        return real(*args, generation_config=generation_config, **kwargs)
+
+    model.generate = generate_failing_to_compile
+    generation.enable(model)
+    with caplog.at_level("WARNING", logger="unsloth"):
+        assert torch.equal(_greedy(model, ids, mask, new=3), expected)
+        assert torch.equal(_greedy(model, ids, mask, new=3), expected)
+    assert len(compiled_tries) == 1 and "could not be compiled" in caplog.text
+    generation.disable(model)
+    assert model.generate is generate_failing_to_compile

@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from collections.abc import Mapping
 
 import torch
+import torch._dynamo
+
+log = logging.getLogger("unsloth")
 
 __all__ = ["BUCKET", "cache_length", "disable", "enable", "enabled"]
 
@@ -62,6 +66,7 @@ def disable(model):
     """Undo `enable`: caches freed, plain `generate` back (the mode is the caller's to set)."""
     backbone = _backbone(model)
     backbone.__dict__.pop("_unsloth_fast_generation", None)
+    backbone.__dict__.pop("_unsloth_eager_decode", None)
     if getattr(backbone.generate, "_unsloth_fast", False):
         plain = backbone.generate._unsloth_plain
         # the plain one was the class's method unless someone had put an instance attribute there
@@ -117,9 +122,20 @@ def fast_generate(backbone, plain, *args, **kwargs):
     cache.reset()
     config.cache_implementation = None  # the cache is ours; generate refuses both
     config.disable_compile = False  # TRL turns compilation off for its dynamic-cache rollouts
+    config.disable_compile = backbone.__dict__.get("_unsloth_eager_decode", False)
     was_training = backbone.training
     backbone.eval()  # no dropout in rollouts, as with vLLM; the caller's mode comes back after
     try:
+        return plain(*args, generation_config=config, **{ALL_CACHE_NAMES[0]: cache}, **rest)
+    except torch._dynamo.exc.TorchDynamoException as error:
+        if config.disable_compile:
+            raise
+        # a layer torch.compile cannot take: keep the static cache, decode without graphs from now on
+        log.warning("unsloth: the decode step could not be compiled (%s: %s); generating without CUDA graphs",
+                    type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        backbone._unsloth_eager_decode = True
+        cache.reset()
+        config.disable_compile = True
         return plain(*args, generation_config=config, **{ALL_CACHE_NAMES[0]: cache}, **rest)
     finally:
         backbone.train(was_training)
