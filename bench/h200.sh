@@ -2,7 +2,7 @@
 # Everything measured on the lent H200, in one call per section, beside the anchors.
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
-# sections: machine, tests, kernels, trainer, profile, ab, host, generation; all = machine tests kernels trainer)
+# sections: machine, tests, kernels, trainer, profile, ab, host, moe, generation; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
 set -u
 OUT=${OUT:-/tmp/h200-out}
@@ -88,6 +88,24 @@ host() {  # where the host's time goes in our QLoRA step (host-paced at batch 2)
   timeout 200 python3 bench/profile_trainer.py --harness .anchors/anchor_lora.py --impl unsloth --four-bit --batch 2 --host 2>&1 | tee "$OUT/host-qlora.txt"
 }
 
+moe() {  # MoE: the experts alone (ours vs torch._grouped_mm + LoRA matmuls), then training steps of
+  # ours, transformers + peft and Unsloth. One (shape, bits) pair fits a call: MOE_SHAPES=gpt-oss-20b
+  # MOE_BITS=bf16 (or qlora); MOE_KERNEL=0 skips the kernel part, MOE_IMPLS picks the step impls.
+  [ "${MOE_KERNEL:-1}" = 0 ] || timeout 150 python3 bench/bench_moe.py --part kernel 2>&1 | tee -a "$OUT/moe.jsonl"
+  for shape in ${MOE_SHAPES:-gpt-oss-20b}; do
+    for bits in ${MOE_BITS:-bf16}; do
+      case $bits in bf16) four="" ;; qlora) four="--four-bit" ;; *) echo "MOE_BITS: bf16 or qlora" >&2; exit 2 ;; esac
+      for impl in ${MOE_IMPLS:-ours hf unsloth}; do
+        path="$PYTHONPATH"
+        # the public Unsloth: the anchors' site first, without our source (bench_moe imports nothing of ours then)
+        [ "$impl" = unsloth ] && path="/tmp/site:$ROOT/.anchors/site"
+        # shellcheck disable=SC2086
+        PYTHONPATH="$path" timeout 100 python3 bench/bench_moe.py --part step --impl "$impl" --shape "$shape" $four 2>&1 | tail -1 | tee -a "$OUT/moe.jsonl"
+      done
+    done
+  done
+}
+
 generation() {  # decoding after for_inference, LoRA attached, batch 1 and 8; GEN_ARGS="--four-bit" for 4-bit
   [ -f /tmp/llama8b/config.json ] || python3 .anchors/anchor_lora.py --impl make >/dev/null
   # shellcheck disable=SC2086
@@ -101,7 +119,7 @@ generation() {  # decoding after for_inference, LoRA attached, batch 1 and 8; GE
 [ $# -gt 0 ] || set -- all
 for section in "$@"; do
   case $section in
-    machine|tests|kernels|trainer|profile|ab|host|generation) $section ;;
+    machine|tests|kernels|trainer|profile|ab|host|moe|generation) $section ;;
     all) machine; tests; kernels; trainer ;;
     *) echo "unknown section: $section" >&2; exit 2 ;;
   esac

@@ -480,7 +480,13 @@ def _grouped_mm_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.is_cuda and (a.dtype != torch.bfloat16 or torch.cuda.get_device_capability(a.device) < (8, 0)):
         return False
     size = a.element_size()
-    return all(t.data_ptr() % 16 == 0 and all(s == 1 or s * size % 16 == 0 for s in t.stride()) for t in (a, b))
+
+    def fits(t):  # row- or column-major matrices, the other stride (and the address) 16-byte aligned
+        rows, cols = t.stride()[-2:]
+        lead = rows if cols == 1 else cols if rows == 1 else None
+        return t.data_ptr() % 16 == 0 and lead is not None and lead * size % 16 == 0
+
+    return fits(a) and fits(b)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, expert_end: torch.Tensor) -> torch.Tensor:
@@ -500,8 +506,9 @@ def _torch_project(x, routing, p: ExpertWeights, dtype):
     if p.bias is not None:
         y = y + p.bias.to(dtype)[routing.experts]
     if p.A is not None:  # the LoRA term as two more grouped GEMMs, as peft on grouped_mm would do
+        # (peft's B is (E, out, r) with the expert stride 1: a small copy makes it a plain stack)
         xa = grouped_mm(x, p.A.to(dtype).transpose(1, 2), routing.expert_end)
-        y = y + p.scaling * grouped_mm(xa, p.B.to(dtype).transpose(1, 2), routing.expert_end)
+        y = y + p.scaling * grouped_mm(xa, p.B.to(dtype).transpose(1, 2).contiguous(), routing.expert_end)
     return y
 
 

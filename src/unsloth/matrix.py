@@ -31,7 +31,7 @@ OSES = ("linux", "wsl", "windows", "macos")  # the columns plan.os_cell produces
 REQUIRED_FAMILIES = ("CPU", "Apple")
 LEVELS = ("full", "limited", "unsupported")
 VENDORS = ("nvidia", "amd", "intel", "apple", "none")
-BACKENDS = ("cuda", "rocm", "mps", "cpu", "vulkan")
+BACKENDS = ("cuda", "rocm", "mps", "cpu", "vulkan", "xpu")
 LLAMA_BACKENDS = ("cuda", "hip", "vulkan", "metal", "cpu")
 REQUIRED_URLS = ("pytorch", "pypi", "amd", "llama_cpp_wheels", "rocm_install", "rocm_wsl", "nvidia_driver")
 ENV_VAR = "UNSLOTH_MATRIX"
@@ -139,6 +139,7 @@ class Matrix:
     attention: dict[str, str]  # torch backend -> attn_implementation
     fits: Fits
     sources: dict[str, str]  # section -> citation, for sections without rows
+    xpu_torch: str | None = None  # torch specifier for PyTorch's XPU index (Intel Arc); None: no XPU builds
 
     def family_of(self, arch: str) -> Family | None:
         for family in self.families.values():
@@ -195,6 +196,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
     archs = {arch: family.name for family in families.values() for arch in family.archs}
     amd_entry = _table(data, "amd_wheels", path, "torch", "source")
     attention_entry = _table(data, "attention", path, *BACKENDS, "source")
+    xpu_entry = _table(data, "xpu_wheels", path, "torch", "source") if "xpu_wheels" in data else None
     return Matrix(
         path=path,
         oses=oses,
@@ -212,7 +214,9 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
         amd_torch=amd_entry.specifier("torch"),
         attention={key: attention_entry.text(key) for key in attention_entry.data if key != "source"},
         fits=_fits(data, path),
-        sources={"urls": urls_entry.source(), "amd_wheels": amd_entry.source(), "attention": attention_entry.source()},
+        sources={"urls": urls_entry.source(), "amd_wheels": amd_entry.source(), "attention": attention_entry.source(),
+                 **({"xpu_wheels": xpu_entry.source()} if xpu_entry else {})},
+        xpu_torch=xpu_entry.specifier("torch") if xpu_entry else None,
     )
 
 

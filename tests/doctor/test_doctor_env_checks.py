@@ -17,7 +17,7 @@ import pytest
 from unsloth.doctor.env_checks import EnvTarget, check_env
 from unsloth.envs.receipt import Receipt, hardware_fingerprint
 from unsloth.plan import BitsAndBytes
-from unsloth.platform.facts import Platform
+from unsloth.platform.facts import Gpu, Platform
 from unsloth.selftest.judge import probe_findings
 from unsloth.selftest.parse import parse_probe_output
 from unsloth.selftest.run import ProbeRun, run_env_probe
@@ -62,6 +62,16 @@ def test_a_cpu_torch_where_the_plan_wants_cuda(make_plan, rtx4090):
     assert finding.fails
     assert finding.message == "torch 2.13.0+cpu (cpu build), but the plan needs a cuda build (cu130)"
     assert finding.fix == "unsloth install --force"  # a plain install keeps an unchanged request
+
+
+def test_a_cpu_torch_where_the_plan_wants_intels_xpu_build(make_plan):
+    arc = Gpu("intel", name="Intel Arc B580", family="Arc", integrated=False)
+    run = healthy_gpu_run()
+    run.results["torch"] = line("torch", True, "torch 2.11.0+cpu (cpu build)", backend="cpu")
+    finding = by_id(probe_findings(run, Platform(gpus=[arc]), make_plan("xpu", "xpu", arc)))["env-torch"]
+    assert finding.fails and finding.message.endswith("but the plan needs a xpu build (xpu)")
+    run.results["torch"] = line("torch", True, "torch 2.11.0+xpu (xpu build)", backend="xpu")
+    assert by_id(probe_findings(run, Platform(gpus=[arc]), make_plan("xpu", "xpu", arc)))["env-torch"].status == "ok"
 
 
 def test_torch_that_sees_no_gpu_fails_and_one_that_sees_another_arch_warns(make_plan, rx7800):

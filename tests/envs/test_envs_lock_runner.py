@@ -85,6 +85,15 @@ def test_likely_fix_names_the_cause(output, words):
     assert words in likely_fix(output)
 
 
+def test_a_dead_download_is_reported_with_the_timeout_it_ran_under(tmp_path):
+    script = "import sys; print('error: Failed to fetch torch-2.13.0.whl: operation timed out'); sys.exit(2)"
+    step = Step("torch", "PyTorch", [sys.executable, "-c", script], env={"UV_HTTP_TIMEOUT": "180"})
+    with pytest.raises(StepFailed) as failed:
+        run_step(step, tmp_path / "logs", Console(file=open(tmp_path / "screen", "w")), 2)
+    assert "given up after 180 s" in failed.value.fix and "PIP_DEFAULT_TIMEOUT" in failed.value.fix
+    assert "default network timeout (30 s for uv" in likely_fix("Read timed out.")
+
+
 def test_redact_hides_index_credentials_only():
     assert redact("--index-url https://me:tok@corp.example/simple x") == "--index-url https://***@corp.example/simple x"
     assert redact("https://download.pytorch.org/whl/cpu") == "https://download.pytorch.org/whl/cpu"

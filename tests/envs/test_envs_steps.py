@@ -81,6 +81,7 @@ def test_llama_cpp_source_build_gets_the_plans_cmake_args():
     step = llama_cpp_step(TOOL, Request(source="/s"), PINS, EXPORT_REQUIRES, plan)
     assert step.env == {"CMAKE_ARGS": "-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1151"}
     assert flag_values(step.argv, "--no-binary") == ["llama-cpp-python"]
+    assert "--verbose" in step.argv  # the build's own progress reaches the log and the screen
     assert llama_cpp_step(TOOL, Request(source="/s", without=("llama-cpp",)), PINS, EXPORT_REQUIRES, plan) is None
 
 

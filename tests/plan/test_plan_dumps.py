@@ -39,7 +39,7 @@ OURS = {
     "nvidia-smi__windows_driver_model__rtx4070": ("full", "cuda", "cu128", {}, None),
     "nvidia-smi__truncated_name": ("limited", "cpu", "cpu", {}, "470.182.03 is too old"),
     "lspci__nnk_nvidia_audio_amd_igpu": ("full", "cuda", "cu130", {}, "No NVIDIA driver"),
-    "lspci__intel_arc_and_uhd": ("unsupported", "cpu", "cpu", {}, None),
+    "lspci__intel_arc_and_uhd": ("limited", "xpu", "xpu", {}, None),  # the A770 (8086:56a0), not the UHD 770
     "macos__apple_m2": ("limited", "mps", None, {}, None),
     "rocminfo__rock_not_loaded": ("limited", "cpu", "cpu", {}, None),
 }

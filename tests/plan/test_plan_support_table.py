@@ -37,7 +37,8 @@ REPRESENTATIVE = {
     "RDNA3": amd("gfx1100", name="Radeon RX 7900 XTX"),
     "RDNA3.5": amd("gfx1151", name="Radeon 8060S", integrated=True),
     "RDNA4": amd("gfx1201", name="Radeon RX 9070 XT"),
-    "Intel": Gpu("intel", name="Intel Arc A770", integrated=False),
+    "Intel": Gpu("intel", name="Intel UHD Graphics 770", integrated=True),
+    "Arc": Gpu("intel", name="Intel Arc B580", family="Arc", integrated=False),
     "Apple": Gpu("apple", name="Apple M3 Max", integrated=True),
     "CPU": None,
 }
@@ -60,6 +61,9 @@ for os_name in ("wsl", "windows"):
         EXPECTED[(family, os_name)] = ("unsupported", "cpu", "cpu", NO_ENV, "none", "vulkan")
 EXPECTED.update(
     {
+        ("Arc", "linux"): ("limited", "xpu", "xpu", NO_ENV, "none", "vulkan"),
+        ("Arc", "windows"): ("limited", "xpu", "xpu", NO_ENV, "none", "vulkan"),
+        ("Arc", "wsl"): ("unsupported", "cpu", "cpu", NO_ENV, "none", "vulkan"),
         ("CDNA1", "linux"): ("limited", "rocm", "rocm7.2", NO_ENV, "none", "hip"),
         ("CDNA2", "linux"): ("full", "rocm", "rocm7.2", NO_ENV, "pypi", "hip"),
         ("CDNA3", "linux"): ("full", "rocm", "rocm7.2", NO_ENV, "pypi", "hip"),

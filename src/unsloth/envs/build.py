@@ -18,13 +18,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from packaging.requirements import Requirement
 from rich.console import Console
 from rich.markup import escape
 
 from unsloth import __version__
 from unsloth.envs import steps as plan_steps
 from unsloth.envs.paths import build_caches, env_python, env_scripts, envs_dir, home
-from unsloth.envs.receipt import Receipt, digest, hardware_fingerprint, utc_now, write_receipt
+from unsloth.envs.receipt import Receipt, digest, hardware_fingerprint, read_receipt, utc_now, write_receipt
 from unsloth.envs.runner import Step, StepFailed, run_step
 from unsloth.envs.sources import TORCH_FAMILY, local_listings, torch_source
 from unsloth.envs.steps import Request, Tool
@@ -192,11 +193,7 @@ def _build(
     pins = env / "unsloth-pins.txt"
     pins.write_text(plan_steps.pins_text(installed_versions(python), TORCH_FAMILY), encoding="utf-8")
     run(plan_steps.packages_step(tool, request, pins, plan.bitsandbytes))
-    export_requires = _json_from(
-        python,
-        "import importlib.metadata as m, json; "
-        f"print(json.dumps([r for r in (m.requires({plan_steps.DIST_NAME!r}) or []) if 'extra == \"export\"' in r]))",
-    )
+    export_requires = _export_requires(python)
     export = plan_steps.export_step(tool, request, pins, export_requires)
     if export:
         run(export)
@@ -289,6 +286,79 @@ def _doctor_checks(python: Path, plan, platform, request: Request, logs: Path, c
     console.print(f"[green]✓[/] Doctor's environment checks [dim]({run.seconds:.1f}s)[/]")
 
 
+def _requires(python: Path) -> list[str]:
+    """This package's requirements (all extras, with their markers), as installed in ``python``'s environment."""
+    return _json_from(
+        python, f"import importlib.metadata as m, json; print(json.dumps(m.requires({plan_steps.DIST_NAME!r}) or []))")
+
+
+def _export_requires(python: Path) -> list[str]:
+    """The ``export`` extra's requirements, read from the package installed in ``python``'s environment."""
+    return [r for r in _requires(python) if 'extra == "export"' in r]
+
+
+def _own_requirements(requires: list[str], request: Request) -> list[str]:
+    """What installing this package (with ``train`` unless left out) asks for, without the package itself."""
+    extras = set() if "train" in request.without else {"train"}
+    wanted = []
+    for text in requires:
+        req = Requirement(text)
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            wanted.append(text)
+        elif any(req.marker.evaluate({"extra": extra}) for extra in extras):
+            req.marker = None
+            wanted.append(str(req))
+    return wanted
+
+
+NEWER_CHECK_TIMEOUT_S = 600
+
+
+def has_newer(env: Path, request: Request, plan) -> bool | None:
+    """Would building now install anything ``env`` does not have? Asked of uv without building
+    anything: each install step against ``env`` itself, with ``--dry-run --upgrade``. None when it
+    cannot tell (no uv, a query that failed): then the caller builds and compares, as before."""
+    uv, python, pins = find_uv(), env_python(env), env / "unsloth-pins.txt"
+    receipt = read_receipt(env)
+    version = ((receipt.python if receipt else {}).get("version") or "").split(".")
+    if uv is None or not python.exists() or not pins.is_file() or len(version) < 2:
+        return None
+    tool = Tool.uv(uv, python)
+    try:
+        requires = _requires(python)
+    except BuildFailed:
+        return None
+    export_requires = [r for r in requires if 'extra == "export"' in r]
+    torch = torch_source(plan.torch, request.sources, f"cp{version[0]}{version[1]}",
+                         local_listings(request.sources.find_links), request.torch_index_url)
+    steps = [plan_steps.torch_step(tool, torch, request.sources, plan.torch.backend),
+             plan_steps.packages_step(tool, request, pins, plan.bitsandbytes),
+             plan_steps.export_step(tool, request, pins, export_requires),
+             plan_steps.llama_cpp_step(tool, request, pins, export_requires, plan.llama_cpp)]
+    for step in filter(None, steps):
+        argv = [arg for arg in step.argv if arg != "--verbose"]
+        if step.name == "packages":
+            # Our own package is in the request hash (its source's content); uv would always reinstall a
+            # local one under --upgrade, so ask about what it requires instead.
+            if "--reinstall-package" in argv:
+                at = argv.index("--reinstall-package")
+                del argv[at:at + 2]
+            argv = [arg for arg in argv if not arg.startswith(plan_steps.DIST_NAME)]
+            argv += _own_requirements(requires, request)
+        environ = {**os.environ, **build_caches(env.parent.parent), **request.sources.env(os.environ), **step.env}
+        try:
+            done = subprocess.run([*argv, "--dry-run", "--upgrade"], capture_output=True, text=True,
+                                  timeout=NEWER_CHECK_TIMEOUT_S, stdin=subprocess.DEVNULL,
+                                  env={k: v for k, v in environ.items() if v is not None})
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if done.returncode != 0:
+            return None
+        if "Would make no changes" not in done.stdout + done.stderr:
+            return True
+    return False
+
+
 def _tool_version(tool: Tool) -> str:
     argv = [tool.install[0], "--version"] if tool.name == "uv" else [tool.install[0], "-m", "pip", "--version"]
     try:
@@ -297,4 +367,4 @@ def _tool_version(tool: Tool) -> str:
         return "?"
 
 
-__all__ = ["BuildFailed", "StepFailed", "build", "find_uv", "request_hash", "source_identity"]
+__all__ = ["BuildFailed", "StepFailed", "build", "find_uv", "has_newer", "request_hash", "source_identity"]

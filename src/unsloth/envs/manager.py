@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from unsloth.envs import launcher, state
-from unsloth.envs.build import BuildFailed, build, default_python, request_hash, source_identity
+from unsloth.envs.build import BuildFailed, build, default_python, has_newer, request_hash, source_identity
 from unsloth.envs.lock import InstallLock
 from unsloth.envs.paths import CACHE, CURRENT, LOCK_NAME, PREVIOUS, active_env, bin_dir, is_windows
 from unsloth.envs.receipt import hardware_fingerprint, read_receipt
@@ -121,6 +121,13 @@ def install(options: Options, plan, platform, console: Console, confirm: Callabl
             _expose(options, console)
             console.print(f"[green]Up to date[/]: {current.name} already matches this plan ({plan.torch.backend}). Nothing to do.")
             return 0
+        if options.upgrade and receipt and receipt.request_hash == wanted and not options.force:
+            with console.status("Checking the package indexes for newer versions"):
+                newer = has_newer(current, request, plan)
+            if newer is False:  # decided before anything is built
+                _expose(options, console)
+                console.print(f"[green]Up to date[/]: {current.name} already has the newest versions for this plan.")
+                return 0
         if confirm is not None and not confirm():
             console.print("Nothing changed.")
             return 1

@@ -45,6 +45,12 @@ def redact(text: str) -> str:
 _FIXES = (
     (r"No space left on device", "Free some disk space (the log says where), then run the same command again."),
     (
+        r"timed out|Timeout was reached|operation timed out|ReadTimeout",
+        "A download stopped answering and was given up after {timeout}. Check the network or proxy, or allow "
+        "longer (pip's `timeout` setting or `PIP_DEFAULT_TIMEOUT`, which uv gets too); behind a mirror set "
+        "UNSLOTH_INDEX_URL; offline, pass --find-links <wheelhouse>.",
+    ),
+    (
         r"dns error|Name or service not known|Could not resolve|Connection refused|timed out|Failed to fetch|"
         r"Network is unreachable|ConnectError",
         "A package index could not be reached. Check the network or proxy; behind a mirror set "
@@ -65,10 +71,12 @@ _FIXES = (
 )
 
 
-def likely_fix(output: str) -> str:
+def likely_fix(output: str, timeout: str | None = None) -> str:
+    """``timeout``: the network timeout the step ran with (seconds), when one was configured."""
+    waited = f"{timeout} s" if timeout else "uv's or pip's default network timeout (30 s for uv, 15 s for pip)"
     for pattern, fix in _FIXES:
         if re.search(pattern, output):
-            return fix
+            return fix.format(timeout=waited)
     return "Read the log for the first error; `unsloth install` again retries from a clean state."
 
 
@@ -137,7 +145,7 @@ def run_step(step: Step, log_dir: Path, console: Console, index: int) -> str:
             pidfile.unlink(missing_ok=True)
     output = "".join(lines)
     if code != 0:
-        raise StepFailed(step, log, "\n".join(tail), likely_fix(output))
+        raise StepFailed(step, log, "\n".join(tail), likely_fix(output, step.env.get("UV_HTTP_TIMEOUT")))
     console.print(f"[green]✓[/] {escape(step.title)} [dim]({clock(time.monotonic() - started)})[/]")
     return output
 

@@ -129,7 +129,10 @@ def llama_cpp_step(tool: Tool, request: Request, pins: Path, export_requires: li
                 "--constraint", str(pins), str(req)]
         return Step("llama-cpp", f"llama-cpp-python ({backend}, prebuilt) from {plan_llama.index_url}", argv)
     env = {"CMAKE_ARGS": plan_llama.cmake_args}
-    argv = [*tool.install, *request.sources.args(), "--no-binary", "llama-cpp-python", "--constraint", str(pins), str(req)]
+    # --verbose: the build backend's output (cmake's "[ 42%] Building ...") reaches the log and the
+    # progress line, instead of minutes of silence.
+    argv = [*tool.install, "--verbose", *request.sources.args(), "--no-binary", "llama-cpp-python", "--constraint",
+            str(pins), str(req)]
     return Step("llama-cpp", f"llama-cpp-python ({backend}), built from source (minutes)", argv, env=env)
 
 

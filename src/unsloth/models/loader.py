@@ -70,6 +70,30 @@ def _quantization_config(load_in_4bit: bool, load_in_8bit: bool, dtype: torch.dt
                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=storage)
 
 
+def checkpoint_quant_method(model_name: str, **hub) -> str | None:
+    """The quantization a checkpoint was published in (its config's quant_method), or None."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_name, **hub)
+    except (OSError, ValueError):  # not readable here: from_pretrained will say why
+        return None
+    quant = getattr(config, "quantization_config", None)
+    return quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+
+
+def _published_quantization(model_name: str, dtype: torch.dtype, **hub):
+    """A loading config for checkpoints published quantized, or None. MXFP4 (gpt-oss) has no
+    backward: its experts are dequantized on load with transformers' own path, and LoRA trains on them."""
+    if checkpoint_quant_method(model_name, **hub) != "mxfp4":
+        return None
+    from transformers import Mxfp4Config
+
+    log.info("unsloth: %s is MXFP4; its experts are dequantized to %s on load (MXFP4 cannot be trained).",
+             model_name, dtype)
+    return Mxfp4Config(dequantize=True)
+
+
 def _prepare_tokenizer(tokenizer, max_seq_length: int):
     tokenizer.model_max_length = max_seq_length
     if tokenizer.pad_token is None:  # batches need one; eos is the usual stand-in
@@ -128,11 +152,13 @@ def load_pretrained(
         # peft writes this name into adapter_config.json as the base model; a relative path would
         # later resolve against whatever directory the export runs from.
         model_name = str(Path(model_name).expanduser().resolve())
+    published = _published_quantization(model_name, dtype, token=token, revision=revision,
+                                        trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         model_name,
         dtype=dtype,
         device_map=device_map,
-        quantization_config=_quantization_config(load_in_4bit, load_in_8bit, dtype),
+        quantization_config=published or _quantization_config(load_in_4bit, load_in_8bit, dtype),
         token=token,
         revision=revision,
         trust_remote_code=trust_remote_code,

@@ -7,7 +7,8 @@ from unsloth.plan.model import NO_NOTES, BitsAndBytes, Inputs, LlamaCpp, Notes, 
 from unsloth.plan.versions import compute_capability
 from unsloth.platform.facts import Gpu
 
-LLAMA_BACKEND = {"cuda": "cuda", "rocm": "hip", "mps": "metal", "cpu": "cpu"}
+# llama-cpp-python has no XPU (SYCL) wheel: Intel Arc runs GGUF through Vulkan.
+LLAMA_BACKEND = {"cuda": "cuda", "rocm": "hip", "mps": "metal", "cpu": "cpu", "xpu": "vulkan"}
 
 
 def bitsandbytes_choice(inputs: Inputs, torch: TorchChoice, device: Gpu | None,

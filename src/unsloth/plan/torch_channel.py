@@ -1,5 +1,6 @@
 """Step 2: where PyTorch comes from for the chosen device: a CUDA build, a ROCm build, AMD's own
-wheels (Windows, and gfx targets PyTorch's ROCm builds do not ship), or CPU / MPS; then the user's pin."""
+wheels (Windows, and gfx targets PyTorch's ROCm builds do not ship), PyTorch's XPU build (Intel
+Arc), or CPU / MPS; then the user's pin."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def torch_for_device(inputs: Inputs, chosen: Candidate) -> tuple[TorchStep | Non
         return (TorchStep(torch) if torch else None), notes
     if chosen.family and chosen.family.vendor == "amd":
         return amd_choice(inputs, chosen.gpu, chosen.family)
+    if chosen.family and chosen.family.vendor == "intel" and inputs.matrix.xpu_torch:
+        torch = TorchChoice("xpu", "xpu", f"{inputs.pytorch}/xpu", torch_spec(inputs.matrix.xpu_torch))
+        return TorchStep(torch), NO_NOTES.cite(inputs.matrix.sources["xpu_wheels"])
     if chosen.family and chosen.family.vendor == "apple":
         torch, notes = host_torch(inputs, chosen.family)
         return TorchStep(torch), notes

@@ -229,8 +229,10 @@ def _identify(gpu: Gpu, platform: Platform) -> None:
         if gpu.integrated is None:
             branded = re.search(r"GeForce|Quadro|Tesla|TITAN|\bRTX\b|NVIDIA [A-Z]\d", gpu.name or "")
             gpu.integrated = by_name.get("integrated", False) if (by_name or branded) else None
-    elif gpu.vendor == "intel" and gpu.integrated is None:
-        gpu.integrated = ident.integrated_by_name("intel", gpu.name)
+    elif gpu.vendor == "intel":
+        gpu.family = gpu.family or ident.intel_family(gpu.pci_id, gpu.name)
+        if gpu.integrated is None:
+            gpu.integrated = ident.integrated_by_name("intel", gpu.name)
     elif gpu.vendor == "apple":
         gpu.integrated = True
     if gpu.integrated:

@@ -85,6 +85,16 @@ def nvidia_cc_by_pci(pci_id: str | None) -> str | None:
     return tables()["nvidia"]["pci"].get(pci_id.lower()[5:])
 
 
+def intel_family(pci_id: str | None, name: str | None) -> str | None:
+    """'Arc' for the Intel GPUs PyTorch's XPU build supports, by PCI id first, then by name; else None."""
+    intel = tables()["intel"]
+    if pci_id and pci_id.lower().startswith("8086:"):
+        return "Arc" if pci_id.lower()[5:] in intel["arc_pci"] else None
+    if name and any(re.search(p, name, re.I) for p in intel["arc_names"]):
+        return "Arc"
+    return None
+
+
 def integrated_by_name(vendor: str, name: str | None) -> bool | None:
     """True/False when the name is one the vendor's table marks integrated/discrete, else None."""
     table = tables().get(vendor)

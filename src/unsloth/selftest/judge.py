@@ -106,7 +106,8 @@ def _could_not_run(result: dict[str, Any]) -> Verdict | None:
 def _judge_torch(result: dict[str, Any], context: _Context) -> Verdict:
     if not result["ok"]:
         return "error", f"torch does not import: {result['message']}", REINSTALL, True
-    if context.gpu_plan and result.get("backend") != context.backend:
+    # An Intel Arc (xpu) plan needs the XPU build too, though the GPU checks below only know CUDA/ROCm.
+    if (context.gpu_plan or context.backend == "xpu") and result.get("backend") != context.backend:
         return ("error", f"{result['message']}, but the plan needs a {context.backend} build "
                 f"({context.plan.torch.variant})", REINSTALL, True)
     return "ok", result["message"], None, True

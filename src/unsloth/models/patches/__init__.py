@@ -56,7 +56,7 @@ MOE_FAMILIES: dict[str, tuple[str, ...]] = {
     "olmoe": MOE,
     "deepseek_v3": MOE,
     "glm4_moe": MOE,
-    "gemma4_text": MOE,
+    "gemma4_text": MOE_NO_ROPE,  # its RoPE patch fails on a tiny model: apply_rotary_pos_emb differs
 }
 
 # Families whose decoder layer adds the MLP's output straight to the residual stream, with no norm
