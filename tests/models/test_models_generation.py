@@ -179,3 +179,24 @@ def test_a_decode_step_that_cannot_compile_falls_back_to_eager_once(caplog):
     assert len(compiled_tries) == 1 and "could not be compiled" in caplog.text
     generation.disable(model)
     assert model.generate is generate_failing_to_compile
+
+
+@pytest.mark.slow
+def test_greedy_tokens_match_transformers_in_4bit_with_adapters(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from tiny_families import save_tiny
+    from unsloth.models.loader import add_lora, load_pretrained
+
+    model, _ = load_pretrained(str(save_tiny("llama", tmp_path / "llama")), max_seq_length=64, dtype="float32",
+                               load_in_4bit=True)
+    model = add_lora(model, r=4, lora_alpha=8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    assert type(model.get_base_model().model.layers[0].mlp.gate_proj.base_layer).__name__ == "Linear4bit"
+    model.eval()
+    ids, mask = _prompts()
+    expected = _greedy(model, ids, mask)
+    generation.enable(model)
+    assert torch.equal(_greedy(model, ids, mask), expected)
