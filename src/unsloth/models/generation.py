@@ -98,6 +98,7 @@ def _unsupported(config, kwargs) -> str | None:
 
 def fast_generate(backbone, plain, *args, **kwargs):
     """`generate` on a static cache kept between calls (compiled decode step on a GPU)."""
+    from transformers import CompileConfig
     from transformers.generation.utils import ALL_CACHE_NAMES
 
     caches = getattr(backbone, "_unsloth_fast_generation", None)
@@ -115,14 +116,19 @@ def fast_generate(backbone, plain, *args, **kwargs):
     new = config.max_new_tokens if config.max_new_tokens is not None else (config.max_length or 20) - prompt
     rows = batch * (config.num_return_sequences or 1)
     length = cache_length(prompt + max(new, 1))
-    cache = caches.pop((rows, length), None) or _new_cache(backbone, length)
+    cache = caches.pop((rows, length), None)
+    if cache is None:
+        cache = _new_cache(backbone, length)
     caches[(rows, length)] = cache  # most recently used last
     while len(caches) > _MAX_CACHES:
         caches.pop(next(iter(caches)))
     cache.reset()
     config.cache_implementation = None  # the cache is ours; generate refuses both
-    config.disable_compile = False  # TRL turns compilation off for its dynamic-cache rollouts
+    # TRL turns compilation off for its rollouts (made for a dynamic cache); we compile unless it failed
     config.disable_compile = backbone.__dict__.get("_unsloth_eager_decode", False)
+    if config.compile_config is None and backbone.device.type == "cuda":
+        # shapes specialized: one graph per (batch, bucket), none of them symbolic
+        config.compile_config = CompileConfig(dynamic=False)
     was_training = backbone.training
     backbone.eval()  # no dropout in rollouts, as with vLLM; the caller's mode comes back after
     try:
