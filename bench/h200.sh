@@ -2,7 +2,7 @@
 # Everything measured on the lent H200, in one call per section, beside the anchors.
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
-# sections: machine, tests, kernels, trainer, profile, ab, host, moe, generation; all = machine tests kernels trainer)
+# sections: machine, tests, kernels, trainer, profile, ab, host, moe, notebook, generation; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
 set -u
 OUT=${OUT:-/tmp/h200-out}
@@ -88,6 +88,12 @@ host() {  # where the host's time goes in our QLoRA step (host-paced at batch 2)
   timeout 200 python3 bench/profile_trainer.py --harness .anchors/anchor_lora.py --impl unsloth --four-bit --batch 2 --host 2>&1 | tee "$OUT/host-qlora.txt"
 }
 
+notebook() {  # a TRL SFTTrainer run in the notebooks' style (QLoRA 2 x 4, adamw_8bit, 2048): ours, then Unsloth
+  python3 .anchors/anchor_lora.py --impl make >/dev/null
+  timeout 200 python3 bench/bench_notebook_sft.py --impl ours 2>&1 | tail -1 | tee -a "$OUT/notebook.jsonl"
+  PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 200 python3 bench/bench_notebook_sft.py --impl unsloth 2>&1 | tail -1 | tee -a "$OUT/notebook.jsonl"
+}
+
 moe() {  # MoE: the experts alone (ours vs torch._grouped_mm + LoRA matmuls), then training steps of
   # ours, transformers + peft and Unsloth. One (shape, bits) pair fits a call: MOE_SHAPES=gpt-oss-20b
   # MOE_BITS=bf16 (or qlora); MOE_KERNEL=0 skips the kernel part, MOE_IMPLS picks the step impls.
@@ -119,7 +125,7 @@ generation() {  # decoding after for_inference, LoRA attached, batch 1 and 8; GE
 [ $# -gt 0 ] || set -- all
 for section in "$@"; do
   case $section in
-    machine|tests|kernels|trainer|profile|ab|host|moe|generation) $section ;;
+    machine|tests|kernels|trainer|profile|ab|host|moe|notebook|generation) $section ;;
     all) machine; tests; kernels; trainer ;;
     *) echo "unknown section: $section" >&2; exit 2 ;;
   esac

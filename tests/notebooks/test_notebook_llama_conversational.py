@@ -49,7 +49,7 @@ def notebook(tmp_path_factory):
     trainer = SFTTrainer(
         model=model, tokenizer=tokenizer, train_dataset=dataset, dataset_text_field="text", max_seq_length=128,
         data_collator=DataCollatorForSeq2Seq(tokenizer=tokenizer), packing=False,
-        args=SFTConfig(per_device_train_batch_size=2, gradient_accumulation_steps=2, warmup_steps=1, max_steps=6,
+        args=SFTConfig(per_device_train_batch_size=2, gradient_accumulation_steps=2, warmup_steps=1, max_steps=4,
                        learning_rate=2e-2, logging_steps=1, optim="adamw_torch", weight_decay=0.001,
                        lr_scheduler_type="linear", seed=3407, output_dir=str(root / "outputs"), report_to="none"))
     from unsloth.chat_templates import train_on_responses_only
@@ -85,7 +85,7 @@ def test_trains_with_our_fused_loss_and_generates_with_a_streamer(notebook, monk
     assert trainer.args.bf16 is False and trainer.args.fp16 is False  # the CPU starts
     stats = trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(calls) == 6 * 2, "SFTTrainer did not run our fused cross-entropy"
+    assert len(calls) == 4 * 2, "SFTTrainer did not run our fused cross-entropy"
     assert losses[-1] < losses[0]
     assert stats.metrics["train_runtime"] > 0
 

@@ -14,10 +14,11 @@ def _tokenizer():
 
 
 def test_named_templates_render_the_family_format():
-    tok = get_chat_template(_tokenizer(), "chatml")
+    # map_eos_token=False: this vocabulary has no <|im_end|> token, which would otherwise become EOS
+    tok = get_chat_template(_tokenizer(), "chatml", map_eos_token=False)
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
     assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    tok = get_chat_template(tok, "llama-3.1")
+    tok = get_chat_template(tok, "llama-3.1", map_eos_token=False)
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
     assert text.endswith("<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>")
     with pytest.raises(ValueError, match="unknown chat template 'llama-9'"):

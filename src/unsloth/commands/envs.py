@@ -23,9 +23,21 @@ def register(subparsers) -> None:
 
 
 def _active_or_explain():
-    from unsloth.envs.paths import active_env, home
+    from unsloth.envs import state
+    from unsloth.envs.lock import InstallLock
+    from unsloth.envs.paths import LOCK_NAME, active_env, home, pointer_problem
+    from unsloth.errors import UnslothError
 
-    env = active_env()
+    root = home()
+    problem = pointer_problem(root)
+    if problem and any(receipt for _, receipt in state.list_envs(root)):  # under the lock: no install is switching now
+        with InstallLock(root / LOCK_NAME):
+            repaired = state.repair_current(root)
+        print(f"unsloth env: {problem}; repaired: it names {repaired} again", file=sys.stderr)
+    elif problem:
+        raise UnslothError(problem, "run `unsloth install` (or install.sh): it builds an environment and "
+                           "writes the pointer again", kept="no environment was touched")
+    env = active_env(root)
     if env is None:
         print(f"unsloth env: no environment is installed under {home()}; run `unsloth install` "
               "(or install.sh) first.", file=sys.stderr)

@@ -67,7 +67,7 @@ def env_python(env: Path) -> Path:
 def _pointed(root: Path, pointer: str) -> Path | None:
     try:
         name = (root / pointer).read_text(encoding="utf-8").strip()
-    except OSError:
+    except (OSError, UnicodeDecodeError):  # missing, or garbage: no environment (pointer_problem says which)
         return None
     env = envs_dir(root) / name
     if not name or os.sep in name or "/" in name or not (env / RECEIPT_NAME).is_file():
@@ -83,3 +83,17 @@ def active_env(root: Path | None = None) -> Path | None:
 def previous_env(root: Path | None = None) -> Path | None:
     """The environment ``unsloth rollback`` returns to, or None."""
     return _pointed(root or home(), PREVIOUS)
+
+
+def pointer_problem(root: Path | None = None) -> str | None:
+    """What is wrong with a ``current`` pointer that exists but names no finished environment; None otherwise."""
+    root = root or home()
+    pointer = root / CURRENT
+    if not pointer.is_file() or active_env(root) is not None:
+        return None
+    try:
+        text = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return f"{pointer} is damaged (not a line of text)"
+    shown = text[:60] + ("…" if len(text) > 60 else "")
+    return f"{pointer} is damaged: it names {shown!r}, which is no finished environment in {envs_dir(root)}"

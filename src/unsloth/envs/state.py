@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 from unsloth.envs.fsio import write_atomic
-from unsloth.envs.paths import CURRENT, PREVIOUS, active_env, envs_dir, previous_env
+from unsloth.envs.paths import CURRENT, PREVIOUS, active_env, envs_dir, pointer_problem, previous_env
 from unsloth.envs.processes import PIDFILE, reap
 from unsloth.envs.receipt import Receipt, read_receipt
 
@@ -58,3 +58,16 @@ def sweep(root: Path, keep_finished: bool = True) -> list[str]:
         if remove_env(env):
             removed.append(env.name)
     return removed
+
+
+def repair_current(root: Path) -> str | None:
+    """Point a damaged ``current`` at the previous environment, else the newest finished one. Returns
+    the name it now names, or None when nothing needed repair or nothing is installed."""
+    if pointer_problem(root) is None:
+        return None
+    finished = [(receipt.get("finished", ""), env) for env, receipt in list_envs(root) if receipt is not None]
+    chosen = previous_env(root) or max(finished, default=(None, None))[1]
+    if chosen is None:
+        return None
+    write_atomic(root / CURRENT, chosen.name + "\n")
+    return chosen.name

@@ -63,13 +63,14 @@ def scratch_file(path: Path) -> Iterator[Path]:
 
 
 # errno -> what happened, for the faults a user can fix (the disk, a limit, permissions).
+_FULL = "the disk filled up"
 _WRITE_FAULTS = {
-    errno.ENOSPC: "the disk filled up",
-    errno.EDQUOT: "the disk quota ran out",
-    errno.EFBIG: "the file grew past the file-size limit (ulimit -f)",
-    errno.EROFS: "the file system is read-only",
-    errno.EACCES: "permission was denied",
-    errno.EPERM: "permission was denied",
+    errno.ENOSPC: (_FULL, ""),
+    errno.EDQUOT: (_FULL, " (the disk quota ran out)"),
+    errno.EFBIG: (_FULL, " (or rather, the file reached the file-size limit: ulimit -f)"),
+    errno.EROFS: ("the file system is read-only", ""),
+    errno.EACCES: ("permission was denied", ""),
+    errno.EPERM: ("permission was denied", ""),
 }
 
 
@@ -78,17 +79,15 @@ def write_error(path: Path, exc: OSError) -> OSError | ExportError:
 
     numpy's short writes (a full disk, a file-size limit) carry no errno: "44032 requested and 38976 written".
     """
-    what = _WRITE_FAULTS.get(exc.errno)
+    what, note = _WRITE_FAULTS.get(exc.errno, (None, ""))
     if what is None and exc.errno is None and "requested and" in str(exc) and "written" in str(exc):
-        what = "the disk filled up, or the file reached a size limit"
+        what, note = _FULL, " (or the file reached a size limit)"
     if what is None:
         return exc  # not a fault of the disk: a bug, shown as such
-    return ExportError(
-        f"{what} while writing {path.name} in {path.parent}", kept=f"the partial file was removed and nothing was written under {path.name}",
-        fix=f"free space on the disk holding {path.parent}, or choose another output directory (--out DIR)"
-        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM) else
-        "choose an output directory you can write to (--out DIR)",
-    )
+    fix = (f"free space on the disk holding {path.parent}, or choose another output directory (--out DIR)"
+           if what == _FULL else "choose an output directory you can write to (--out DIR)")
+    return ExportError(f"{what} while writing {path.name} in {path.parent}{note}", fix,
+                       kept=f"the partial file was removed and nothing was written under {path.name}")
 
 
 def _existing(directory: Path) -> Path:

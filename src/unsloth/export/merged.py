@@ -54,11 +54,39 @@ def save_pretrained_merged(self, save_directory: str, tokenizer=None, save_metho
         config.save_pretrained(save_directory)
         if getattr(base, "generation_config", None) is not None:
             base.generation_config.save_pretrained(save_directory)
+    elif save_method in ("merged_4bit", "merged_4bit_forced"):
+        _save_merged_4bit(self, save_directory, max_shard_size)
     else:
-        raise ValueError(f"save_method must be 'merged_16bit' or 'lora', got {save_method!r}")
+        raise ValueError(f"save_method must be 'merged_16bit', 'merged_4bit' or 'lora', got {save_method!r}")
     if tokenizer is not None:
         tokenizer.save_pretrained(save_directory)
     return save_directory
+
+
+def _save_merged_4bit(model, save_directory: str, max_shard_size: str) -> None:
+    """Merged weights quantized to bitsandbytes NF4 (what `load_in_4bit` loads); written whole or not at all."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ValueError("save_method='merged_4bit' needs bitsandbytes (pip install bitsandbytes); "
+                         "save_method='merged_16bit' needs nothing more") from None
+    with tempfile.TemporaryDirectory(prefix="unsloth-merged-") as staging:
+        save_pretrained_merged(model, staging, save_method="merged_16bit", max_shard_size=max_shard_size)
+        dtype = _save_dtype(base_model(model))
+        quantized = AutoModelForCausalLM.from_pretrained(
+            staging, dtype=dtype, quantization_config=BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=dtype))
+        out = os.path.join(staging, "4bit")
+        quantized.save_pretrained(out, max_shard_size=max_shard_size)
+        os.makedirs(save_directory, exist_ok=True)
+        for name in os.listdir(out):
+            shutil.move(os.path.join(out, name), os.path.join(save_directory, name))
 
 
 def _save_dtype(base: nn.Module) -> torch.dtype:
@@ -66,7 +94,9 @@ def _save_dtype(base: nn.Module) -> torch.dtype:
     compute = getattr(quant, "bnb_4bit_compute_dtype", None) if quant is not None else None
     if isinstance(compute, torch.dtype):
         return compute
-    for p in base.parameters():
-        if p.is_floating_point() and p.element_size() >= 2:
-            return p.dtype
-    return torch.float16
+    loaded = next((p.dtype for p in base.parameters() if p.is_floating_point() and p.element_size() >= 2),
+                  torch.float16)
+    source = getattr(base, "_unsloth_source_dtype", None)  # set when the loader chose the dtype itself
+    if loaded == torch.float32 and source in (torch.bfloat16, torch.float16):
+        return source
+    return loaded

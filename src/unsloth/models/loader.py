@@ -50,6 +50,42 @@ def _resolve_dtype(dtype) -> torch.dtype:
     return dtype
 
 
+_PREQUANTIZED = ("-unsloth-bnb-4bit", "-bnb-4bit")
+
+
+def resolve_model_name(model_name: str, load_in_4bit: bool) -> str:
+    """A hub `...-bnb-4bit` name (a prequantized 4-bit checkpoint) loads as it is when 4-bit is wanted
+    and bitsandbytes is there; otherwise its base model's name, with a note. Local folders are kept."""
+    import importlib.util
+
+    if Path(model_name).expanduser().exists():
+        return model_name
+    suffix = next((s for s in _PREQUANTIZED if model_name.lower().endswith(s)), None)
+    if suffix is None:
+        return model_name
+    if load_in_4bit and importlib.util.find_spec("bitsandbytes") is not None:
+        return model_name
+    base = model_name[: -len(suffix)]
+    why = "load_in_4bit=False" if not load_in_4bit else "bitsandbytes is not installed"
+    log.warning("unsloth: %s is prequantized to 4 bits and %s: loading its base model %s", model_name, why, base)
+    return base
+
+
+def _checkpoint_dtype(model_name: str, token, revision, trust_remote_code) -> torch.dtype | None:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_name, token=token, revision=revision,
+                                            trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
 def _quantization_config(load_in_4bit: bool, load_in_8bit: bool, dtype: torch.dtype):
     if not (load_in_4bit or load_in_8bit):
         return None
@@ -136,6 +172,7 @@ def load_pretrained(
     if ignored:
         log.info("unsloth: ignoring options that change nothing here: %s", ", ".join(ignored))
     torch.manual_seed(random_state)
+    auto_dtype = dtype is None or dtype == "auto"
     dtype = _resolve_dtype(dtype)
     if full_finetuning and (load_in_4bit or load_in_8bit):
         log.info("unsloth: full fine-tuning trains every weight, so they load in %s, not quantized.", dtype)
@@ -148,6 +185,7 @@ def load_pretrained(
             log.info("unsloth: rank on GPU %d runs on its NUMA node's CPUs (%d of them)", device_map[""], len(cpus))
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
+    model_name = resolve_model_name(model_name, load_in_4bit)
     if Path(model_name).expanduser().is_dir():
         # peft writes this name into adapter_config.json as the base model; a relative path would
         # later resolve against whatever directory the export runs from.
@@ -170,6 +208,8 @@ def load_pretrained(
         **{k: v for k, v in kwargs.items() if k in ("local_files_only", "cache_dir")},
     )
     model.max_seq_length = max_seq_length
+    if auto_dtype:  # the checkpoint's own dtype, for saves: float32 on a CPU is a compute choice, not the model's
+        model._unsloth_source_dtype = _checkpoint_dtype(model_name, token, revision, trust_remote_code)
     model._unsloth_offload_embedding = offload_embedding
     patch_model(model)
     if full_finetuning:

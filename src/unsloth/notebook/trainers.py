@@ -3,18 +3,10 @@ pretraining notebooks train embed_tokens and lm_head through `modules_to_save`),
 
 from __future__ import annotations
 
-import dataclasses
-
 from unsloth.training import trl_compat
 
 _compat = trl_compat.install()
 _SFTConfig, _SFTTrainer = _compat["SFTConfig"], _compat["SFTTrainer"]
-
-
-@dataclasses.dataclass
-class _EmbeddingRate:
-    embedding_learning_rate: float | None = dataclasses.field(
-        default=None, metadata={"help": "learning rate for embed_tokens / lm_head (None: learning_rate)"})
 
 
 class UnslothTrainingArguments(_SFTConfig):

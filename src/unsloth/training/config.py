@@ -92,7 +92,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
 def read_file(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{path}: no such config file (write one, or try `unsloth train --demo`)")
+        raise ConfigError(f"{path}: no such config file", "write one (docs/training.md), or try `unsloth train --demo`")
     text = path.read_text()
     try:
         if path.suffix == ".toml":
@@ -100,13 +100,14 @@ def read_file(path: str | Path) -> dict:
         elif path.suffix in (".yaml", ".yml"):
             data = _yaml_load(text) or {}
         else:
-            raise ConfigError(f"{path}: config files are .toml, .yaml or .yml")
+            raise ConfigError(f"{path}: config files are .toml, .yaml or .yml", "rename it, e.g. train.toml")
     except ConfigError:
         raise
     except Exception as exc:  # tomllib / yaml syntax errors carry line and column
-        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {exc}") from None
+        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {exc}",
+                          "correct the file at the line and column named") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a table of settings")
+        raise ConfigError(f"{path}: the top level must be a table of settings", "start with [model] name = \"...\"")
     return data
 
 
@@ -141,13 +142,13 @@ def apply_override(raw: dict, item: str) -> None:
     """Set `a.b.c=value` in a raw config mapping."""
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"override {item!r}: write it as key.path=value, e.g. training.learning_rate=1e-4")
+        raise ConfigError(f"override {item!r} has no value", "write it as key.path=value, e.g. training.learning_rate=1e-4")
     *parents, leaf = key.strip().split(".")
     node = raw
     for part in parents:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override {item!r}: {part!r} is a value, not a table")
+            raise ConfigError(f"override {item!r}: {part!r} is a value, not a table", f"set {part} itself: --set {part}=...")
     node[leaf] = parse_value(value)
 
 
@@ -162,7 +163,8 @@ def from_dict(raw: dict) -> TrainConfig:
         raise ConfigError(f"gradient_checkpointing: {config.gradient_checkpointing!r} is not one of "
                           "true, false, \"unsloth\"")
     if config.model.max_seq_length <= 0:
-        raise ConfigError("model.max_seq_length: must be a positive number of tokens")
+        raise ConfigError(f"model.max_seq_length = {config.model.max_seq_length}: must be a positive number of tokens",
+                          "set model.max_seq_length = 2048 (the longest example you train on, in tokens)")
     check_ranges(config)
     return config
 
@@ -215,7 +217,8 @@ def _build(cls, raw: Any, where: str):
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else f"; known keys: {', '.join(fields)}"
-            raise ConfigError(f"{_join(where, key)}: unknown key{hint}")
+            raise ConfigError(f"{_join(where, key)}: unknown key{hint}",
+                              f"rename it to {close[0]!r}" if close else "remove it")
     values = {}
     for name, f in fields.items():
         path = _join(where, name)
@@ -229,6 +232,14 @@ def _build(cls, raw: Any, where: str):
 
 def check_value(hint, value, path: str):
     """`value` checked against the type hint `hint` (ints widen to float); a ConfigError names `path`."""
+    try:
+        return _check_value(hint, value, path)
+    except ConfigError as exc:
+        exc.fix = exc.fix or f"correct {path} in the config (or --set {path}=VALUE); {_example(path)}"
+        raise
+
+
+def _check_value(hint, value, path: str):
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         options = typing.get_args(hint)
@@ -239,7 +250,7 @@ def check_value(hint, value, path: str):
             if option is type(None):
                 continue
             try:
-                return check_value(option, value, path)
+                return _check_value(option, value, path)
             except ConfigError as exc:
                 errors.append(str(exc))
         raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} does not fit {_name(hint)}")
@@ -249,7 +260,7 @@ def check_value(hint, value, path: str):
         if not isinstance(value, list):
             raise ConfigError(f"{path}: expected a list, got {value!r}")
         (item,) = typing.get_args(hint)
-        return [check_value(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [_check_value(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a table, got {value!r}")

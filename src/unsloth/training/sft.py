@@ -42,8 +42,9 @@ def load_dataset_from(config: DatasetConfig):
     path = Path(config.name).expanduser()
     if path.suffix.lower() in _BUILDERS or path.exists():
         if not path.exists():
-            raise ConfigError(f"dataset.name: {path} does not exist (a local .jsonl/.json/.parquet/.csv file, "
-                              "or a Hugging Face dataset name such as 'trl-lib/Capybara')")
+            raise ConfigError(f"dataset.name: {path} does not exist",
+                              "a local .jsonl/.json/.parquet/.csv file, or a Hugging Face dataset name such as "
+                              "'trl-lib/Capybara'", kept=KEPT)
         if path.is_dir():
             check_data_folder(path)
             data = _load_local(path, lambda: load_dataset(str(path), split=config.split))

@@ -100,11 +100,14 @@ def normalize_config_kwargs(cls, kwargs: dict, where: str | None = None) -> dict
                 out["warmup_steps"] = float(value)  # transformers 5: a warmup_steps below 1 is a ratio
             continue
         if key_now in known:
-            if key_now in out and key_now != key:
+            if key_now in out and key_now != "warmup_steps":
                 raise CompatError(f"{where}: {key!r} and {key_now!r} are the same setting, given twice",
                                   fix=f"keep {key_now!r}")
             if key_now == "warmup_steps" and key_now in out:
-                continue  # warmup_ratio already set it
+                if not value:
+                    continue  # warmup_ratio set it; a zero warmup_steps beside it says nothing
+                raise CompatError(f"{where}: warmup_ratio and warmup_steps are both set",
+                                  fix="keep one: warmup_steps takes a fraction of the run (0.1) or a step count")
             out[key_now] = value
         elif key in REFUSED and key not in known:
             raise CompatError(f"{where}: {key!r} is no longer supported", fix=REFUSED[key])
@@ -201,9 +204,8 @@ def promote(args, config_cls, extra: dict):
             setattr(args, key, value)
         return args
     values = {k: getattr(args, k) for k in _fields(type(args)) if k in _fields(config_cls)}
-    values["hub_token"] = getattr(args, "hub_token", None)
-    # A plain TrainingArguments said nothing about the TRL-only fields: their defaults apply, except
-    # gradient checkpointing (TrainingArguments' default off is what the notebook ran with).
+    values["hub_token"] = getattr(args, "hub_token", None)  # TrainingArguments hides it from to_dict
+    # A plain TrainingArguments said nothing about the TRL-only fields: their defaults apply.
     values.update(extra)
     return config_cls(**values)
 
