@@ -129,7 +129,7 @@ def test_a_streamer_sees_the_tokens_of_the_fast_path():
 
 @pytest.mark.slow
 def test_for_inference_and_back_leaves_training_unchanged():
-    from unsloth.notebook import FastLanguageModel
+    from unsloth import FastLanguageModel
 
     model = tiny_model("llama")
     patch_model(model)
