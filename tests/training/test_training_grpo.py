@@ -38,6 +38,35 @@ def test_grpo_trains_with_a_toy_reward(tmp_path, monkeypatch):
     assert len(rewards) == 2
     changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert changed, "GRPO updated no LoRA weight"
+    # the rollouts went through the fast path (its static caches exist only where it generated) ...
+    caches = model.get_base_model()._unsloth_fast_generation
+    assert [rows for rows, _ in caches] == [4]
+    # ... which decodes with the LoRA weights just trained, not a copy taken before
+    ids = tokenizer(["What is the capital of Peru?"], return_tensors="pt")
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    fast = model.generate(**ids, **options)
+    FastLanguageModel.for_training(model)
+    assert torch.equal(fast, model.generate(**ids, **options))
+
+
+@pytest.mark.slow
+def test_trls_own_grpo_trainer_rolls_out_through_the_fast_path(tmp_path):
+    from datasets import Dataset
+
+    from unsloth import FastLanguageModel
+    from unsloth.models import generation
+
+    model, tokenizer = FastLanguageModel.from_pretrained(write_tiny_model(tmp_path / "model"), max_seq_length=64,
+                                                         dtype="float32", load_in_4bit=False)
+    model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=16)
+    from trl import GRPOConfig, GRPOTrainer  # as notebooks import them, after unsloth
+
+    assert not generation.enabled(model)
+    GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+                args=GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=2,
+                                num_generations=2, report_to="none", use_vllm=False),
+                train_dataset=Dataset.from_list([{"prompt": "t5 t6"}] * 2), processing_class=tokenizer)
+    assert generation.enabled(model)
 
 
 def test_completion_logprobs_match_full_logits_without_building_them(tmp_path):

@@ -17,6 +17,7 @@ import types
 from collections.abc import Mapping
 
 from unsloth.export.merged import save_pretrained_merged
+from unsloth.models import generation
 from unsloth.models.loader import add_lora, is_bfloat16_supported, load_pretrained, model_config
 from unsloth.notebook import hub
 from unsloth.training import trl_compat
@@ -57,14 +58,15 @@ class FastLanguageModel:
 
     @staticmethod
     def for_inference(model):
-        """Evaluation mode with the KV cache on: for `model.generate`."""
+        """Evaluation mode and fast `model.generate`: a static KV cache, the decode step in CUDA graphs
+        on a GPU (``unsloth.models.generation``). LoRA adapters stay unmerged, so training can resume."""
         model.eval()
-        model_config(model).use_cache = True
-        return model
+        return generation.enable(model)
 
     @staticmethod
     def for_training(model, use_gradient_checkpointing: bool | str = True):
-        """Back to training mode (checkpointing stays as get_peft_model set it)."""
+        """Back to training mode and plain `generate` (checkpointing stays as get_peft_model set it)."""
+        generation.disable(model)
         model.train()
         model_config(model).use_cache = False
         return model

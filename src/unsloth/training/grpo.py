@@ -5,7 +5,9 @@
 
 A reward function is TRL's kind: `f(prompts, completions, **columns) -> list[float]`.
 Completions are generated through vLLM when it is installed and the model is on a GPU (TRL's
-colocate mode, sharing the GPU), else through transformers' `generate`. Log-probabilities of the
+colocate mode, sharing the GPU), else through our fast generation path (`unsloth.models.generation`:
+TRL's `generate` on a static KV cache, the decode step in CUDA graphs on a GPU), which reads the
+LoRA weights being trained in place: nothing is copied or merged per step. Log-probabilities of the
 completions are computed chunk by chunk from the hidden states (`completion_logprobs`), never
 as the full (tokens x vocab) logits; TRL releases with a fused LM head do the same in the trainer.
 """
@@ -16,6 +18,8 @@ import importlib.util
 from typing import Callable
 
 import torch
+
+from unsloth.models import generation
 
 
 def vllm_usable(model) -> bool:
@@ -41,6 +45,8 @@ def grpo_trainer(model, tokenizer, dataset, reward_funcs: list[Callable] | Calla
         "fp16": base.dtype == torch.float16,
     }
     config = GRPOConfig(**{**defaults, **arguments})
+    if not config.use_vllm:
+        generation.enable(model)  # TRL's rollouts call model.generate: through the fast path
     return GRPOTrainer(model=model, reward_funcs=reward_funcs, args=config, train_dataset=dataset,
                        processing_class=tokenizer, callbacks=list(callbacks))
 

@@ -12,7 +12,8 @@ SFTConfig, GRPOTrainer, GRPOConfig, DPOTrainer, ...`` give subclasses of TRL's o
   and refuse the ones whose meaning is lost, naming the replacement;
 - choose bf16 / fp16 from the hardware when the notebook does not say, and fall back (with a
   warning) when it asks for a precision the machine cannot run, so a CPU or a T4 starts;
-- raise GRPO's generation batch to a multiple of ``num_generations``;
+- raise GRPO's generation batch to a multiple of ``num_generations``, and (without vLLM) send its
+  rollouts through our fast generation path (``unsloth.models.generation``);
 - keep our fused cross-entropy as SFT's loss (TRL's own chunked LM head otherwise replaces it).
 
 Every mapping is decided by looking at the installed classes (their fields and signatures), so an
@@ -29,6 +30,7 @@ import logging
 import math
 
 from unsloth.errors import UnslothError
+from unsloth.models import generation
 
 log = logging.getLogger("unsloth")
 
@@ -286,6 +288,8 @@ def compat_trainer(base, config_cls):
         kwargs = normalize_trainer_kwargs(base, config_cls, trainer_args, kwargs)
         if "model" in kwargs:
             _checkpointing_is_ours(kwargs["model"], kwargs["args"])
+            if name == "GRPOTrainer" and _ours_patched(kwargs["model"]) and not kwargs["args"].use_vllm:
+                generation.enable(kwargs["model"])  # the rollouts' model.generate: our fast path
         if is_sft and kwargs.get("train_dataset") is not None:
             field = kwargs["args"].dataset_text_field
             data = _text_field_first(kwargs["train_dataset"], field, kwargs.get("formatting_func"))

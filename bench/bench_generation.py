@@ -1,0 +1,151 @@
+"""Decoding speed after training: LoRA adapters attached, `for_inference`, then greedy `generate`.
+
+One JSON line per batch size: {"impl", "batch", "prompt", "new", "four_bit", "tokens_per_s", ...}.
+`--impl ours|unsloth` both load through `from unsloth import FastLanguageModel`: which package
+answers is PYTHONPATH's choice (ours: src first; Unsloth: .anchors/site only), as bench/h200.sh
+runs them. `--impl hf` is transformers + PEFT, `model.eval()` and plain `generate`.
+
+On the H200 (Llama-3.1-8B shapes written by `.anchors/anchor_lora.py --impl make` to /tmp/llama8b):
+    python3 bench/bench_generation.py --impl ours [--four-bit]
+On the CPU, the same logic on a tiny random Llama:
+    python3 bench/bench_generation.py --impl ours --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import tempfile
+import time
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def arguments(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--impl", required=True, choices=["ours", "unsloth", "hf"])
+    p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "llama8b"))
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--warmup-new", type=int, default=16, help="tokens of the untimed call (compiles, captures)")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--four-bit", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="a tiny random Llama on the CPU (checks the logic)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.prompt, args.new, args.warmup_new = min(args.prompt, 24), min(args.new, 8), 2
+    return args
+
+
+def write_tiny(directory: str) -> str:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(300)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t1", pad_token="t2",
+                            unk_token="t0").save_pretrained(directory)
+    return directory
+
+
+def load(args, device: str):
+    """The model with LoRA adapters attached (B non-zero, so they change the tokens), ready to generate."""
+    import torch
+
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    if args.impl in ("ours", "unsloth"):
+        from unsloth import FastLanguageModel
+
+        model, _ = FastLanguageModel.from_pretrained(model_name=args.model_dir, max_seq_length=args.prompt + args.new,
+                                                     dtype=dtype, load_in_4bit=args.four_bit, local_files_only=True)
+        model = FastLanguageModel.get_peft_model(model, r=args.rank, lora_alpha=args.rank, lora_dropout=0,
+                                                 bias="none", target_modules=TARGETS,
+                                                 use_gradient_checkpointing="unsloth", random_state=0)
+        _nonzero_adapters(model)
+        FastLanguageModel.for_inference(model)
+        return model
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    kw = dict(dtype=dtype, attn_implementation="sdpa", device_map=device)
+    if args.four_bit:
+        from transformers import BitsAndBytesConfig
+
+        kw["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                       bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, **kw)
+    model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=args.rank, lora_dropout=0.0, bias="none",
+                                             target_modules=TARGETS, task_type="CAUSAL_LM"))
+    _nonzero_adapters(model)
+    return model.eval()
+
+
+def _nonzero_adapters(model):
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 1e-3)
+
+
+def measure(model, args, batch: int, device: str) -> dict:
+    import torch
+
+    ids = torch.randint(3, 250 if args.tiny else 128000, (batch, args.prompt),
+                        generator=torch.Generator().manual_seed(batch)).to(device)
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    # min_new_tokens: random weights may emit EOS early; every impl decodes exactly `new` tokens
+    options = dict(do_sample=False, pad_token_id=2 if args.tiny else 128004)
+
+    def generate(new):
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=new, min_new_tokens=new, **options)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out
+
+    start = time.perf_counter()
+    generate(args.warmup_new)
+    first_s = time.perf_counter() - start
+    start = time.perf_counter()
+    out = generate(args.new)
+    seconds = time.perf_counter() - start
+    new_tokens = out[:, args.prompt:]
+    assert new_tokens.shape[1] == args.new, new_tokens.shape
+    return {"impl": args.impl, "batch": batch, "prompt": args.prompt, "new": args.new, "four_bit": args.four_bit,
+            "tokens_per_s": round(batch * args.new / seconds, 2), "seconds": round(seconds, 3),
+            "first_call_s": round(first_s, 2),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
+            # greedy tokens of row 0, to compare impls (bf16 rounding may part them after a while)
+            "tokens_sha": hashlib.sha1(str(new_tokens[0].tolist()).encode()).hexdigest()[:12]}
+
+
+def main(argv=None):
+    args = arguments(argv)
+    if args.impl == "ours" or args.impl == "unsloth":
+        import unsloth  # noqa: F401  (before transformers, as notebooks do)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.tiny:
+            args.model_dir = write_tiny(tmp)
+        start = time.perf_counter()
+        model = load(args, device)
+        load_s = time.perf_counter() - start
+        for batch in args.batch:
+            print(json.dumps({**measure(model, args, batch, device), "load_s": round(load_s, 1)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Fast decoding after training: a static KV cache sized in buckets, the decode step in CUDA graphs.
+
+`enable(model)` (what `for_inference` calls) routes the model's `generate` through `fast_generate`:
+transformers' `generate` stays the driver (so every sampling option, stop string and streamer users
+pass keeps working through its logits processors and stopping criteria), but it is handed a
+`StaticCache` we keep between calls. On a GPU transformers then compiles the one-token decode step
+with `torch.compile(mode="reduce-overhead")`, i.e. captures it in CUDA graphs, because the cache is
+static; on the CPU the same path runs eagerly (and gives the same tokens as plain `generate`).
+
+The cache length is rounded up to a bucket and one cache is kept per (batch, bucket), so a new
+prompt length or `max_new_tokens` reuses the shapes (and graphs) already compiled instead of
+compiling every call. LoRA adapters stay unmerged: the graphs read the very parameters training
+updates in place, so generation always uses the current adapters, with no copy per step.
+`disable(model)` (what `for_training` calls) drops the caches and gives back plain `generate`.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from collections.abc import Mapping
+
+import torch
+import torch._dynamo
+
+log = logging.getLogger("unsloth")
+
+__all__ = ["BUCKET", "cache_length", "disable", "enable", "enabled"]
+
+BUCKET = 256  # cache lengths are multiples of this: few shapes to compile, at most BUCKET - 1 slots unused
+_MAX_CACHES = 4  # (batch, bucket) caches kept per model; the oldest is dropped first
+
+
+def cache_length(tokens: int, bucket: int = BUCKET) -> int:
+    """The static cache length serving a call that needs `tokens` positions: the bucket above."""
+    return -(-tokens // bucket) * bucket
+
+
+def _backbone(model):
+    """The transformers model whose `generate` runs (under peft's wrapper when there is one)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def enabled(model) -> bool:
+    return getattr(_backbone(model), "_unsloth_fast_generation", None) is not None
+
+
+def enable(model):
+    """Turn the fast path on (idempotent): KV cache on, `generate` through `fast_generate`.
+
+    The train/eval mode is the caller's: `fast_generate` itself decodes in eval mode."""
+    backbone = _backbone(model)
+    backbone.config.use_cache = True
+    if getattr(backbone, "_unsloth_fast_generation", None) is None:
+        backbone._unsloth_fast_generation = {}  # (batch, cache length) -> StaticCache
+    if not getattr(backbone.generate, "_unsloth_fast", False):
+        plain = backbone.generate
+        fast = functools.wraps(plain)(functools.partial(fast_generate, backbone, plain))
+        fast._unsloth_fast, fast._unsloth_plain = True, plain
+        backbone.generate = fast
+    return model
+
+
+def disable(model):
+    """Undo `enable`: caches freed, plain `generate` back (the mode is the caller's to set)."""
+    backbone = _backbone(model)
+    backbone.__dict__.pop("_unsloth_fast_generation", None)
+    backbone.__dict__.pop("_unsloth_eager_decode", None)
+    if getattr(backbone.generate, "_unsloth_fast", False):
+        plain = backbone.generate._unsloth_plain
+        # the plain one was the class's method unless someone had put an instance attribute there
+        if getattr(plain, "__self__", None) is backbone and plain.__func__ is type(backbone).generate:
+            del backbone.generate
+        else:
+            backbone.generate = plain
+    # compiled decode steps hold graphs sized for inference; training never uses them
+    backbone.__dict__.pop("_compiled_call", None)
+    return model
+
+
+def _unsupported(config, kwargs) -> str | None:
+    """Why this call goes to plain `generate`, or None when the static-cache path serves it."""
+    from transformers.generation.utils import ALL_CACHE_NAMES
+
+    if any(kwargs.get(name) is not None for name in ALL_CACHE_NAMES):
+        return "a cache was passed"
+    if (config.num_beams or 1) > 1 or kwargs.get("assistant_model") is not None or config.prompt_lookup_num_tokens:
+        return "beam search and assisted decoding keep their own caches"
+    if config.cache_implementation not in (None, "static"):
+        return f"cache_implementation={config.cache_implementation!r} was asked for"
+    if config.use_cache is False:
+        return "use_cache=False"
+    if kwargs.get("inputs_embeds") is not None:
+        return "inputs_embeds"
+    return None
+
+
+def fast_generate(backbone, plain, *args, **kwargs):
+    """`generate` on a static cache kept between calls (compiled decode step on a GPU)."""
+    from transformers import CompileConfig
+    from transformers.generation.utils import ALL_CACHE_NAMES
+
+    caches = getattr(backbone, "_unsloth_fast_generation", None)
+    if args and isinstance(args[0], Mapping) and "input_ids" in args[0]:  # a BatchEncoding, positionally
+        kwargs, args = {**dict(args[0]), **kwargs}, args[1:]
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if caches is None or not torch.is_tensor(input_ids) or input_ids.dim() != 2:
+        return plain(*args, **kwargs)
+    config = copy.deepcopy(kwargs.pop("generation_config", None) or backbone.generation_config)
+    rest = config.update(**kwargs)  # generation options in kwargs move into the config; model inputs stay
+    if _unsupported(config, rest) is not None:
+        return plain(*args, generation_config=config, **rest)
+    batch, prompt = input_ids.shape
+    # unset fields are None in newer transformers (their defaults are applied inside generate)
+    new = config.max_new_tokens if config.max_new_tokens is not None else (config.max_length or 20) - prompt
+    rows = batch * (config.num_return_sequences or 1)
+    length = cache_length(prompt + max(new, 1))
+    cache = caches.pop((rows, length), None)
+    if cache is None:
+        cache = _new_cache(backbone, length)
+    caches[(rows, length)] = cache  # most recently used last
+    while len(caches) > _MAX_CACHES:
+        caches.pop(next(iter(caches)))
+    cache.reset()
+    config.cache_implementation = None  # the cache is ours; generate refuses both
+    # TRL turns compilation off for its rollouts (made for a dynamic cache); we compile unless it failed
+    config.disable_compile = backbone.__dict__.get("_unsloth_eager_decode", False)
+    if config.compile_config is None and backbone.device.type == "cuda":
+        # shapes specialized: one graph per (batch, bucket), none of them symbolic
+        config.compile_config = CompileConfig(dynamic=False)
+    was_training = backbone.training
+    backbone.eval()  # no dropout in rollouts, as with vLLM; the caller's mode comes back after
+    try:
+        return plain(*args, generation_config=config, **{ALL_CACHE_NAMES[0]: cache}, **rest)
+    except torch._dynamo.exc.TorchDynamoException as error:
+        if config.disable_compile:
+            raise
+        # a layer torch.compile cannot take: keep the static cache, decode without graphs from now on
+        log.warning("unsloth: the decode step could not be compiled (%s: %s); generating without CUDA graphs",
+                    type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        backbone._unsloth_eager_decode = True
+        cache.reset()
+        config.disable_compile = True
+        return plain(*args, generation_config=config, **{ALL_CACHE_NAMES[0]: cache}, **rest)
+    finally:
+        backbone.train(was_training)
+
+
+def _new_cache(backbone, length: int):
+    from transformers import StaticCache
+
+    return StaticCache(config=backbone.config.get_text_config(decoder=True), max_cache_len=length)
