@@ -17,11 +17,13 @@ from unsloth.models.patches import family_patches, patch_model, patch_peft_model
 # checkpointed layer takes as an argument (gemma4_text), Gated DeltaNet layers (qwen3_5_text). The
 # last two have family patches, switched off here as `bench_families.py --generic` does.
 GENERIC = ["phi", "granite", "gpt_oss", "gemma4_text", "qwen3_5_text"]
+# On a GPU machine the kernels run for real there (the interpreter is set only without one).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _batch(seed=1, batch=2, seq=12):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g).to(DEVICE)
     labels = ids.clone()
     labels[:, :4] = -100
     return ids, labels
@@ -52,7 +54,7 @@ def assert_generic_path_matches(family: str, checkpointing="unsloth", layers_wit
     """Patched through the generic path (and checkpointed) against the untouched model: loss and grads."""
     from peft.tuners.lora import LoraLayer
 
-    reference = tiny_model(family)
+    reference = tiny_model(family).to(DEVICE)
     patched = copy.deepcopy(reference)
     report = patch_model(patched)
     assert report.skipped is None and report.loss
@@ -85,7 +87,7 @@ def test_any_family_trains_through_the_generic_path(family, monkeypatch):
 
 def test_family_patches_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("UNSLOTH_FAMILY_PATCHES", "0")
-    report = patch_model(tiny_model("llama"))
+    report = patch_model(tiny_model("llama").to(DEVICE))
     assert report.loss and (report.rms_norm, report.rope, report.mlp) == (0, 0, 0)
     assert "UNSLOTH_FAMILY_PATCHES=0" in report.summary()
 
