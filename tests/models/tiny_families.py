@@ -56,6 +56,14 @@ def family_config(family: str):
     raise KeyError(family)
 
 
+def has_tiny_config(family: str) -> bool:
+    try:
+        family_config(family)
+    except KeyError:
+        return False
+    return True
+
+
 def tiny_model(family: str, seed: int = 0, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
