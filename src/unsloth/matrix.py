@@ -152,8 +152,8 @@ class Matrix:
 
 
 def default_path() -> Path:
-    """The packaged matrix, src/unsloth/hardware_matrix.toml: the one copy (a real file, not a link, so a
-    checkout without symlinks, as on Windows, has it too)."""
+    """The packaged matrix, src/unsloth/hardware_matrix.toml (a real file, not a link, so a checkout
+    without symlinks, as on Windows, has it too; the repository root shows the same bytes)."""
     return Path(__file__).with_name("hardware_matrix.toml")
 
 

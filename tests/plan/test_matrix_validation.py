@@ -170,12 +170,15 @@ def test_environment_variable_points_at_the_matrix(tmp_path, monkeypatch):
     assert load_matrix(default_path()).cell("Pascal", "linux").level == "limited"  # an argument wins
 
 
-def test_the_packaged_matrix_is_the_one_real_file():
-    """A symlink breaks a Windows checkout without symlinks; a second copy at the root would drift."""
+def test_the_packaged_matrix_is_a_real_file_and_the_root_one_its_exact_copy():
+    """A symlink breaks a Windows checkout without symlinks. The repository shows the matrix at its
+    root, where users look; the package ships its copy, so the two must be the same bytes."""
     path = default_path()
     assert path.is_file() and not path.is_symlink()
     assert load_matrix(path).families
     root = path.parents[2]
-    assert not (root / "hardware_matrix.toml").exists()
+    top = root / "hardware_matrix.toml"
+    assert top.is_file() and not top.is_symlink()
+    assert top.read_bytes() == path.read_bytes(), "edit both: cp src/unsloth/hardware_matrix.toml hardware_matrix.toml"
     pyproject = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
     assert "hardware_matrix.toml" in pyproject["tool"]["setuptools"]["package-data"]["unsloth"]  # shipped in the wheel
