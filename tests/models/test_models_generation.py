@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_families import VOCAB, has_tiny_config, tiny_model
+from tiny_families import VOCAB, has_tiny_config, tiny_model, with_lora
 from unsloth.models import generation
 from unsloth.models.patches import FAMILIES, patch_model, patch_peft_model
 
@@ -21,16 +21,7 @@ def _prompts(batch=2, seq=7, seed=1):
 
 
 def _with_lora(model):
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
-    peft_model = get_peft_model(model, LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    with torch.no_grad():  # B starts at zero: make the adapters change the tokens
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.2)
+    peft_model = with_lora(model, b_std=0.2)  # large enough to change the greedy tokens
     patch_peft_model(peft_model)
     return peft_model
 

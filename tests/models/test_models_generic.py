@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from tiny_families import VOCAB, save_tiny, tiny_model
+from tiny_families import VOCAB, save_tiny, tiny_model, with_lora
 from unsloth.models.checkpointing import apply_gradient_checkpointing
 from unsloth.models.patches import family_patches, patch_model, patch_peft_model
 
@@ -30,16 +30,7 @@ def _batch(seed=1, batch=2, seq=12):
 
 
 def _with_lora(model):
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                                  target_modules="all-linear"))
-    with torch.no_grad():  # B starts at zero; make it non-zero so A's gradient is tested too
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.1)
-    return peft_model
+    return with_lora(model, target_modules="all-linear")
 
 
 def _loss_and_grads(model, ids, labels):

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from tiny_families import VOCAB, tiny_model
+from tiny_families import VOCAB, tiny_model, with_lora
 from unsloth.models.patches import FAMILIES, patch_model, patch_peft_model
 from unsloth.models.checkpointing import apply_gradient_checkpointing
 
@@ -31,20 +31,6 @@ def _batch(seed=1, batch=2, seq=12):
     labels = ids.clone()
     labels[:, :4] = -100  # a masked prompt, as SFT batches have
     return ids, labels
-
-
-def _with_lora(model):
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
-    peft_model = get_peft_model(model, LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    with torch.no_grad():  # B starts at zero; make it non-zero so A's gradient is tested too
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.1)
-    return peft_model
 
 
 @pytest.mark.slow
@@ -80,7 +66,7 @@ def test_patched_matches_unpatched(family, checkpointing, monkeypatch):
         torch.testing.assert_close(patched(input_ids=ids).logits, reference(input_ids=ids).logits,
                                    rtol=1e-4, atol=1e-4)
 
-    reference, patched = _with_lora(reference), _with_lora(patched)
+    reference, patched = with_lora(reference), with_lora(patched)
     # every LoRA layer on a fused path: one MLP (gate, up, down) per layer and q, k, v, o per attention
     attention = _attention_layers(reference.config)
     lora = {kind: n for kind, n in patch_peft_model(patched).lora.items() if n}  # dense Gemma 4: no experts
@@ -115,7 +101,7 @@ def test_without_kernels_a_model_trains_unpatched_and_says_so(caplog, monkeypatc
     assert report.skipped and "UNSLOTH_KERNELS=0" in report.skipped
     assert "phi: unpatched" in caplog.text and "transformers + peft" in caplog.text
     ids, labels = _batch()
-    model = _with_lora(model)
+    model = with_lora(model)
     assert patch_peft_model(model).lora == {}
     model.train()
     loss = model(input_ids=ids, labels=labels).loss
@@ -147,12 +133,12 @@ def test_lora_layers_take_the_fused_paths_and_fall_back_when_disabled():
     reference = tiny_model("llama")
     patched = copy.deepcopy(reference)
     patch_model(patched)
-    patched = _with_lora(patched)
+    patched = with_lora(patched)
     report = patch_peft_model(patched)
     layers = reference.config.num_hidden_layers
     assert report.lora == {"MLP": layers, "linear": 4 * layers}
     ids, _ = _batch()
-    reference = _with_lora(reference)
+    reference = with_lora(reference)
     with torch.no_grad():
         torch.testing.assert_close(patched(input_ids=ids).logits, reference(input_ids=ids).logits,
                                    rtol=1e-4, atol=1e-4)
@@ -166,7 +152,7 @@ def test_the_kernels_view_of_a_lora_layer_is_kept_until_the_layer_changes():
 
     from unsloth.models.patches.lora import lora_weights
 
-    model = _with_lora(tiny_model("llama"))
+    model = with_lora(tiny_model("llama"))
     layer = next(m for m in model.modules() if isinstance(m, LoraLayer))
     first = lora_weights(layer)
     assert first is not None and lora_weights(layer) is first  # unchanged: the same view

@@ -99,3 +99,21 @@ def save_tiny(family: str, directory):
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t1", unk_token="t0").save_pretrained(directory)
     return directory
+
+
+DECODER_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def with_lora(model, target_modules=DECODER_TARGETS, b_std: float = 0.1):
+    """peft LoRA (r=4) on `target_modules`, seeded, with B drawn non-zero (peft starts it at zero), so
+    the adapters change the output and A's gradient is tested too."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                  target_modules=target_modules))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, b_std)
+    return peft_model
