@@ -235,6 +235,8 @@ CASES = [
     Case("no-config", lambda tmp: ["train"], USAGE, ("no config file given", "unsloth train --demo")),
     Case("demo-max-steps-zero", lambda tmp: ["train", "--demo", "--max-steps", "0", "--output-dir", str(tmp / "o")],
          USAGE, ("--max-steps must be 1 or more",)),
+    Case("demo-unknown", lambda tmp: ["train", "--demo", "nonesuch", "--output-dir", str(tmp / "o")],
+         USAGE, ("no demo called 'nonesuch'", "capitals")),
     Case("generate-on-a-gguf-folder-without-one", lambda tmp: ["generate", str(tmp), "hi"], FAILED,
          ("holds no .gguf file", "unsloth export")),
     Case("generate-on-a-folder-with-two", lambda tmp: ["generate", str(tmp), "hi"], FAILED,

@@ -29,7 +29,8 @@ def register(subparsers) -> None:
         "`unsloth train --demo` trains a tiny model on a built-in task, on any machine.",
     )
     p.add_argument("config", nargs="?", help="a .toml, .yaml or .yml training config")
-    p.add_argument("--demo", action="store_true", help="the built-in demo: a tiny model learns capitals (CPU ok)")
+    p.add_argument("--demo", nargs="?", const="capitals", default=None, metavar="NAME",
+                   help="a built-in demo on a tiny model built here (CPU ok): capitals (the default)")
     p.add_argument("--model", help="model name or local folder (model.name)")
     p.add_argument("--dataset", help="hub dataset or local .jsonl/.parquet/.csv (dataset.name)")
     p.add_argument("--output-dir", dest="output_dir", help="where checkpoints and results go")
@@ -143,13 +144,18 @@ def _train(config) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from unsloth.training.demo import DEFAULT_OUTPUT, run_demo
+    from unsloth.training.demo import DEFAULT_OUTPUT, demos
 
-    kwargs = {"output_dir": args.output_dir or DEFAULT_OUTPUT}
+    runners = demos()
+    if args.demo not in runners:
+        raise UsageError(f"--demo: no demo called {args.demo!r}",
+                         "one of: " + ", ".join(sorted(runners)) + " (unsloth train --demo runs capitals)")
+    kwargs = {"output_dir": args.output_dir or (DEFAULT_OUTPUT if args.demo == "capitals"
+                                                else f"{DEFAULT_OUTPUT}-{args.demo}")}
     if args.max_steps is not None:
         if args.max_steps < 1:
             raise UsageError(f"--max-steps must be 1 or more (got {args.max_steps})", "--max-steps 150 (the default)",
                              kept="nothing was trained")
         kwargs["max_steps"] = args.max_steps
-    result = run_demo(**kwargs)
+    result = runners[args.demo](**kwargs)
     return 0 if result.losses[-1] < result.losses[0] else 1

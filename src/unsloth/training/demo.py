@@ -160,6 +160,12 @@ def run_demo(output_dir: str = DEFAULT_OUTPUT, max_steps: int = 150, show: int =
     return demo
 
 
+def demos() -> dict:
+    """The built-in demos by name (`unsloth train --demo NAME`): each takes output_dir and max_steps and
+    returns a result whose `losses` fell if it learnt."""
+    return {"capitals": run_demo}
+
+
 def _describe(base_dir: str) -> str:
     from transformers import AutoConfig
 
