@@ -138,8 +138,11 @@ def _train(config) -> int:
         return ExitCode.INTERRUPTED
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
-    print(f"done: adapters in {result.output_dir}/lora" + (f", merged model in {result.merged_dir}"
-                                                            if result.merged_dir else ""))
+    if config.model.full_finetuning:
+        print(f"done: the fine-tuned model in {result.output_dir}")
+    else:
+        print(f"done: adapters in {result.output_dir}/lora" + (f", merged model in {result.merged_dir}"
+                                                                if result.merged_dir else ""))
     return 0
 
 

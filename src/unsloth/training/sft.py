@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from unsloth.training.config import ConfigError, DatasetConfig, TrainConfig, check_value
 from unsloth.training.inputs import KEPT, check_data_file, check_data_folder, check_model
+from unsloth.training.optimizers import usable_optimizer
 
 # Known local data files -> the `datasets` builder that reads them.
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -139,6 +140,8 @@ def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool):
         "packing": config.packing,
     }
     arguments.update(config.training)
+    if "optim" in arguments:
+        arguments["optim"] = usable_optimizer(arguments["optim"], "training.optim")
     try:
         return SFTConfig(**arguments)
     except (TypeError, ValueError) as exc:  # a value of the wrong kind, or settings that do not go together

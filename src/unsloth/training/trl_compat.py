@@ -12,6 +12,8 @@ SFTConfig, GRPOTrainer, GRPOConfig, DPOTrainer, ...`` give subclasses of TRL's o
   and refuse the ones whose meaning is lost, naming the replacement;
 - choose bf16 / fp16 from the hardware when the notebook does not say, and fall back (with a
   warning) when it asks for a precision the machine cannot run, so a CPU or a T4 starts;
+- fall back from a bitsandbytes optimizer (``optim="adamw_8bit"``) to PyTorch's AdamW, with a
+  warning, where bitsandbytes cannot step it on this machine (``unsloth.training.optimizers``);
 - raise GRPO's generation batch to a multiple of ``num_generations``, and (without vLLM) send its
   rollouts through our fast generation path (``unsloth.models.generation``);
 - keep our fused cross-entropy as SFT's loss (TRL's own chunked LM head otherwise replaces it).
@@ -31,6 +33,7 @@ import math
 
 from unsloth.errors import UnslothError
 from unsloth.models import generation
+from unsloth.training.optimizers import usable_optimizer
 
 log = logging.getLogger("unsloth")
 
@@ -188,6 +191,8 @@ def compat_config(base):
             kwargs = {"output_dir": args[0], **kwargs}
         kwargs = normalize_config_kwargs(base, kwargs, name)
         kwargs = choose_precision(kwargs, name)
+        if "optim" in kwargs:
+            kwargs["optim"] = usable_optimizer(kwargs["optim"], name)
         if "num_generations" in _fields(base):
             kwargs = grpo_batch(kwargs, _fields(base))
         kwargs.setdefault("report_to", "none")  # notebooks say so; a missing tracker must not stop the run
