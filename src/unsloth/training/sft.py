@@ -231,7 +231,9 @@ def train(config: TrainConfig, echo: Callable[[str], None] = print, callbacks=()
         raise ConfigError(f"model {config.model.name}: its tokenizer has no chat template, and the dataset is "
                           "chat-shaped; set model.chat_template to a Jinja template")
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    compute = getattr(getattr(model.config, "quantization_config", None), "bnb_4bit_compute_dtype", None) or dtype
+    quantization = getattr(model.config, "quantization_config", None)
+    four_bit = getattr(quantization, "load_in_4bit", False)  # an 8-bit config's compute dtype is unused
+    compute = (getattr(quantization, "bnb_4bit_compute_dtype", None) if four_bit else None) or dtype
     args = sft_arguments(config, bf16=compute == torch.bfloat16, fp16=compute == torch.float16)
     losses: list[float] = []
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
