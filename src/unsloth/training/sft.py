@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from unsloth.training.config import ConfigError, DatasetConfig, TrainConfig, check_value
 from unsloth.training.inputs import KEPT, check_data_file, check_data_folder, check_model
+from unsloth.training.memory import check_before_training
 from unsloth.training.optimizers import usable_optimizer
 
 # Known local data files -> the `datasets` builder that reads them.
@@ -235,6 +236,10 @@ def train(config: TrainConfig, echo: Callable[[str], None] = print, callbacks=()
     four_bit = getattr(quantization, "load_in_4bit", False)  # an 8-bit config's compute dtype is unused
     compute = (getattr(quantization, "bnb_4bit_compute_dtype", None) if four_bit else None) or dtype
     args = sft_arguments(config, bf16=compute == torch.bfloat16, fp16=compute == torch.float16)
+    check_before_training(model, batch=args.per_device_train_batch_size, seq=config.model.max_seq_length,
+                          optim=args.optim, checkpointing=config.gradient_checkpointing,
+                          full_finetuning=config.model.full_finetuning, load_in_4bit=config.model.load_in_4bit,
+                          echo=echo)
     losses: list[float] = []
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                          callbacks=list(callbacks))
