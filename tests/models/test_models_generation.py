@@ -192,3 +192,28 @@ def test_greedy_tokens_match_transformers_in_4bit_with_adapters(tmp_path):
     expected = _greedy(model, ids, mask)
     generation.enable(model)
     assert torch.equal(_greedy(model, ids, mask), expected)
+
+
+def test_the_patched_decode_step_traces_as_one_graph_with_the_same_logits():
+    """Under torch.compile our patched forwards take their plain torch form: a decode step with LoRA on
+    a static cache is one graph (no break to pay eager host time for between CUDA graphs), same logits."""
+    from transformers import StaticCache
+
+    model = tiny_model("llama")
+    report = patch_model(model)
+    assert report.rms_norm and report.rope and report.mlp, report  # else the test would prove nothing
+    backbone = _with_lora(model).get_base_model()
+    ids, _ = _prompts(batch=1, seq=5)
+
+    def decode_step(forward):  # prefill eagerly on a fresh cache, then one token through `forward`
+        cache = StaticCache(config=backbone.config, max_cache_len=16)
+        backbone(input_ids=ids, past_key_values=cache, use_cache=True)
+        return forward(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True,
+                       cache_position=torch.tensor([5]), position_ids=torch.tensor([[5]])).logits
+
+    with torch.no_grad():
+        eager = decode_step(backbone)
+        torch._dynamo.reset()
+        # fullgraph=True: any graph break is an error
+        compiled = decode_step(torch.compile(backbone, backend="eager", fullgraph=True))
+    torch.testing.assert_close(compiled, eager)
