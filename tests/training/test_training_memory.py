@@ -87,6 +87,7 @@ def test_weights_are_what_the_checkpoint_holds(tmp_path):
         saved = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
     unsaved = sum(b.numel() * b.element_size() for b in model.buffers())  # RoPE's inv_freq is not persistent
     assert memory.weight_bytes(model) == saved + unsaved
+    assert memory.weight_bytes(model, "cuda") == 0  # counted where the model is
     half = memory.weight_bytes(tiny_model("llama", dtype=torch.bfloat16))
     assert half == (saved + unsaved) // 2 or abs(half - (saved + unsaved) / 2) <= unsaved
 

@@ -99,11 +99,12 @@ def _quantization_bytes(weight) -> int:
     return total
 
 
-def weight_bytes(model) -> int:
-    """Bytes of every parameter and buffer as stored (tied weights once), with quantization scales."""
+def weight_bytes(model, device_type: str | None = None) -> int:
+    """Bytes of every parameter and buffer as stored (tied weights once), with quantization scales;
+    only those on `device_type` when given (an input embedding offloaded to host memory is not)."""
     seen, total = set(), 0
     for t in (*model.parameters(), *model.buffers()):
-        if id(t) in seen:
+        if id(t) in seen or (device_type is not None and t.device.type != device_type):
             continue
         seen.add(id(t))
         total += _tensor_bytes(t) + _quantization_bytes(t)
@@ -190,8 +191,17 @@ def estimate(facts: ModelFacts, settings: RunSettings) -> MemoryEstimate:
                           activation_bytes(facts, settings), kind)
 
 
+def training_device(model):
+    """The accelerator the model trains on (some weights may sit in host memory), else the CPU."""
+    import torch
+
+    devices = {p.device for p in model.parameters()}
+    return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+
+
 def model_facts(model) -> ModelFacts:
-    """The facts of a loaded causal LM (a PeftModel's base config is read through it)."""
+    """The facts of a loaded causal LM (a PeftModel's base config is read through it); its weights
+    are counted where it trains."""
     config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
@@ -207,7 +217,8 @@ def model_facts(model) -> ModelFacts:
     return ModelFacts(
         hidden=text.hidden_size, intermediate=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
         layers=text.num_hidden_layers, q_width=heads * head_dim, kv_width=kv_heads * head_dim,
-        vocab=text.vocab_size, weight_bytes=weight_bytes(model), trainable=trainable_tensors(model),
+        vocab=text.vocab_size, weight_bytes=weight_bytes(model, training_device(model).type),
+        trainable=trainable_tensors(model),
         activation_bytes=activation, fused_loss=bool(getattr(base, "_unsloth_fused_loss", False)),
         head_trainable=head is not None and head.weight.requires_grad,
     )
@@ -283,7 +294,7 @@ def check_before_training(model, *, batch: int, seq: int, optim, checkpointing, 
 
     import torch
 
-    device = next(model.parameters()).device
+    device = training_device(model)
     if device.type != "cuda":
         return None
     facts = model_facts(model)
