@@ -137,3 +137,32 @@ def test_bitsandbytes_optimizer_names():
         assert optimizers.is_bitsandbytes_optimizer(name), name
     for name in ("adamw_torch", "adamw_torch_fused", "sgd", "adafactor", None):
         assert not optimizers.is_bitsandbytes_optimizer(name), name
+
+
+@pytest.mark.slow
+def test_a_notebook_trainer_checks_the_memory_before_its_first_step(tiny, tmp_path, monkeypatch):
+    from datasets import Dataset
+
+    from unsloth import FastLanguageModel  # installs the notebook trainers
+    from unsloth.training import memory
+
+    import trl
+
+    asked = []
+
+    def refuse(model, **settings):
+        asked.append(settings)
+        raise memory.NotEnoughMemory("this run needs about 9.00 GiB more GPU memory, and 1.00 GiB is free")
+
+    monkeypatch.setattr(memory, "check_before_training", refuse)
+    model, tokenizer = FastLanguageModel.from_pretrained(tiny[0], max_seq_length=32, dtype="float32",
+                                                         full_finetuning=True)
+    trainer = trl.SFTTrainer(model=model, tokenizer=tokenizer,
+                             train_dataset=Dataset.from_dict({"text": ["one two three four"] * 4}),
+                             args=trl.SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2,
+                                                max_seq_length=32, optim="adamw_torch"))
+    with pytest.raises(memory.NotEnoughMemory):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert asked == [{"batch": 2, "seq": 32, "optim": trainer.args.optim, "checkpointing": "unsloth",
+                      "full_finetuning": True, "load_in_4bit": False, "echo": asked[0]["echo"]}]

@@ -236,13 +236,14 @@ def train(config: TrainConfig, echo: Callable[[str], None] = print, callbacks=()
     four_bit = getattr(quantization, "load_in_4bit", False)  # an 8-bit config's compute dtype is unused
     compute = (getattr(quantization, "bnb_4bit_compute_dtype", None) if four_bit else None) or dtype
     args = sft_arguments(config, bf16=compute == torch.bfloat16, fp16=compute == torch.float16)
-    check_before_training(model, batch=args.per_device_train_batch_size, seq=config.model.max_seq_length,
-                          optim=args.optim, checkpointing=config.gradient_checkpointing,
-                          full_finetuning=config.model.full_finetuning, load_in_4bit=config.model.load_in_4bit,
-                          echo=echo)
     losses: list[float] = []
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                          callbacks=list(callbacks))
+    if not getattr(trainer, "checks_memory", False):  # the notebook trainers' train() checks it itself
+        check_before_training(model, batch=args.per_device_train_batch_size, seq=config.model.max_seq_length,
+                              optim=args.optim, checkpointing=config.gradient_checkpointing,
+                              full_finetuning=config.model.full_finetuning,
+                              load_in_4bit=config.model.load_in_4bit, echo=echo)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(_callbacks(config.output_dir, echo, losses))
     trainer.train(resume_from_checkpoint=resume_point(config, echo))

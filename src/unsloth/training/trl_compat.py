@@ -304,10 +304,33 @@ def compat_trainer(base, config_cls):
             kwargs["train_dataset"] = data
         base.__init__(self, **kwargs)
 
+    def train(self, *args, **kwargs):
+        check_memory(self)  # a run that cannot fit stops here, before the first step
+        return base.train(self, *args, **kwargs)
+
     namespace = {"__init__": __init__, "__module__": __name__, "__qualname__": name, "__doc__": base.__doc__}
     if is_sft:
         namespace["compute_loss"] = _sft_compute_loss(base)
+        namespace["train"] = train
+        namespace["checks_memory"] = True
     return type(name, (base,), namespace)
+
+
+def check_memory(trainer) -> None:
+    """The run's memory estimate against the GPU's free memory (unsloth.training.memory), for a model we loaded."""
+    from unsloth.training import memory
+
+    model, args = trainer.model, trainer.args
+    if not _ours_patched(model):
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    quantization = getattr(base.config, "quantization_config", None)
+    memory.check_before_training(
+        model, batch=args.per_device_train_batch_size,
+        seq=getattr(args, "max_length", None) or getattr(model, "max_seq_length", None) or 2048, optim=args.optim,
+        checkpointing=getattr(model, "_unsloth_checkpointing", False) or False,
+        full_finetuning=not hasattr(model, "peft_config"),
+        load_in_4bit=bool(getattr(quantization, "load_in_4bit", False)), echo=log.info)
 
 
 def _sft_compute_loss(base):
