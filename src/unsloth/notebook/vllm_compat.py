@@ -1,104 +1,200 @@
 """vLLM's generation calls as GRPO notebooks make them, answered by our generation path.
 
-``model.fast_generate(prompts, sampling_params=..., lora_request=model.load_lora(path))`` returns
-objects shaped like vLLM's RequestOutput (``[0].outputs[0].text``).
+    from unsloth import SamplingParams          # or vLLM's own, where it is installed
+    out = model.fast_generate([text], sampling_params=SamplingParams(temperature=0.8, max_tokens=256),
+                              lora_request=model.load_lora("grpo_saved_lora"))
+    out[0].outputs[0].text
+
+Every prompt of a call decodes in one left-padded batch through ``unsloth.models.generation`` (a
+static KV cache kept between calls, the decode step in CUDA graphs on a GPU). As with vLLM, a call
+without a LoRA request answers with the base model and one with a request answers with those saved
+adapters; the adapters being trained are put back afterwards, untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+import itertools
+import logging
+from pathlib import Path
+
+from unsloth.errors import UsageError
+from unsloth.models import generation
+from unsloth.models.sampling import SamplingParams, generate_options, sampling_fields, stop_strings
+
+__all__ = ["CompletionOutput", "LoRARequest", "RequestOutput", "SamplingParams", "fast_generate", "load_lora"]
+
+log = logging.getLogger("unsloth")
+
+_BATCH = 64  # prompts decoded together; a longer list runs in several batches
+_ids = itertools.count(1)
 
 
 class LoRARequest:
-    """What `load_lora` returns and `fast_generate(lora_request=...)` takes: adapters saved in a folder."""
+    """vLLM's LoRARequest (name, id, folder), holding the saved adapter tensors."""
 
-    def __init__(self, path: str, state: dict):
-        self.lora_path, self.state = path, state
+    def __init__(self, lora_name: str, lora_int_id: int, lora_path: str, state: dict | None = None):
+        self.lora_name, self.lora_int_id, self.lora_path = lora_name, lora_int_id, lora_path
+        self.state = state
 
     def __repr__(self) -> str:
-        return f"LoRARequest({self.lora_path!r})"
+        return f"LoRARequest({self.lora_name!r}, {self.lora_int_id}, {self.lora_path!r})"
 
 
-def load_lora(model, save_directory, load_tensors: bool = False):
-    from pathlib import Path
+class CompletionOutput:
+    """vLLM's CompletionOutput: one completion's text, token ids and why it ended."""
 
+    def __init__(self, index: int, text: str, token_ids: list[int], finish_reason: str, stop_reason=None):
+        self.index, self.text, self.token_ids = index, text, token_ids
+        self.finish_reason, self.stop_reason = finish_reason, stop_reason
+        self.cumulative_logprob = self.logprobs = None
+
+    def __repr__(self) -> str:
+        return f"CompletionOutput(index={self.index}, text={self.text!r}, finish_reason={self.finish_reason!r})"
+
+
+class RequestOutput:
+    """vLLM's RequestOutput: the prompt and its `n` completions (`outputs[0].text`)."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], outputs: list):
+        self.request_id, self.prompt, self.prompt_token_ids, self.outputs = request_id, prompt, prompt_token_ids, outputs
+        self.finished = True
+
+    def __repr__(self) -> str:
+        return f"RequestOutput(prompt={self.prompt!r}, outputs={self.outputs!r})"
+
+
+def _adapter_file(path: Path) -> Path:
+    weights = path / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise UsageError(f"load_lora: no adapter_model.safetensors in {path}",
+                         fix="save the adapters there first with model.save_lora(path)")
+    return weights
+
+
+def load_lora(model, save_directory, load_tensors: bool = False) -> LoRARequest:
+    """`model.load_lora(path)`: a request for the adapters saved in `path` (by save_lora / save_pretrained)."""
     from safetensors.torch import load_file
 
     path = Path(save_directory)
-    weights = path / "adapter_model.safetensors"
-    if not weights.is_file():
-        raise FileNotFoundError(f"load_lora: no adapter_model.safetensors in {path} (save it with model.save_lora)")
-    return LoRARequest(str(path), load_file(str(weights)))
+    state = load_file(str(_adapter_file(path)))
+    return LoRARequest(path.name, next(_ids), str(path), state)
 
 
-def _generation_kwargs(sampling_params, kwargs: dict) -> dict:
-    """vLLM's SamplingParams (or a dict of the same names) as `generate` keywords."""
-    if sampling_params is None:
-        params = {}
-    elif isinstance(sampling_params, Mapping):
-        params = dict(sampling_params)
-    else:
-        params = {k: getattr(sampling_params, k) for k in ("temperature", "top_p", "top_k", "max_tokens",
-                                                             "repetition_penalty", "min_p", "seed")
-                  if getattr(sampling_params, k, None) is not None}
-    out = {"max_new_tokens": params.pop("max_tokens", 16)}
-    temperature = params.pop("temperature", 1.0)
-    out["do_sample"] = temperature > 0
-    if temperature > 0:
-        out["temperature"] = temperature
-        for key in ("top_p", "min_p", "repetition_penalty"):
-            if key in params:
-                out[key] = params[key]
-        if params.get("top_k", -1) and params.get("top_k", -1) > 0:
-            out["top_k"] = params["top_k"]
-    return {**out, **kwargs}
+def _prompt_ids(tokenizer, prompt) -> tuple[str | None, list[int]]:
+    """vLLM's prompt forms: a string, {"prompt": str} or {"prompt_token_ids": [...]}."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        prompt = prompt.get("prompt")
+    if not isinstance(prompt, str):
+        raise UsageError(f"fast_generate: a prompt must be a string, {{'prompt': str}} or "
+                         f"{{'prompt_token_ids': [...]}}, not {type(prompt).__name__}",
+                         fix="pass the text the chat template rendered (apply_chat_template(..., tokenize=False))")
+    # the text already holds what the template wrote (BOS included), as vLLM reads it
+    return prompt, tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
-class _Completion:
-    def __init__(self, text: str, token_ids: list[int]):
-        self.text, self.token_ids = text, token_ids
+def fast_generate(model, prompts, sampling_params=None, lora_request=None, use_tqdm: bool = False, **kwargs):
+    """`model.fast_generate(prompts, sampling_params=..., lora_request=...)`: vLLM's `LLM.generate`.
 
-
-class _RequestOutput:
-    """The shape of vLLM's RequestOutput that notebooks read: `outputs[0].text`."""
-
-    def __init__(self, prompt: str, completion: _Completion):
-        self.prompt, self.outputs = prompt, [completion]
-
-
-def fast_generate(model, prompts, sampling_params=None, lora_request=None, use_tqdm=False, **kwargs):
-    """`model.fast_generate(texts, sampling_params=..., lora_request=...)`: vLLM's call, run by `generate`.
-
-    Without a LoRA request the base model answers (as with vLLM, where adapters are opt-in per request);
-    with one, those saved adapters do.
-    """
+    `sampling_params`: ours, vLLM's or a dict of its names (one for every prompt); keywords beyond
+    vLLM's are `generate` options passed through. Returns one RequestOutput per prompt, in order."""
     import torch
 
     tokenizer = model._unsloth_tokenizer
-    texts = [prompts] if isinstance(prompts, str) else list(prompts)
-    options = _generation_kwargs(sampling_params, kwargs)
-    options.setdefault("pad_token_id", tokenizer.pad_token_id)
-    peft = hasattr(model, "disable_adapter")
-    if lora_request is None and peft:
-        context = model.disable_adapter()
-    elif lora_request is not None:
-        context = _adapters(model, lora_request.state)
-    else:
-        context = contextlib.nullcontext()
+    single = isinstance(prompts, (str, dict))
+    requests = [_prompt_ids(tokenizer, p) for p in ([prompts] if single else list(prompts))]
+    fields = sampling_fields(sampling_params)
     results = []
-    was_training = model.training
+    with _answering_model(model, lora_request), torch.no_grad():
+        for start in range(0, len(requests), _BATCH):
+            results += _generate_batch(model, tokenizer, requests[start:start + _BATCH], fields, kwargs,
+                                       first_id=start)
+    return results
+
+
+def _generate_batch(model, tokenizer, requests, fields, extra: dict, first_id: int) -> list[RequestOutput]:
+    import torch
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    longest = max(len(ids) for _, ids in requests)
+    # left padding: every row's next token comes at the same position
+    input_ids = torch.tensor([[pad] * (longest - len(ids)) + ids for _, ids in requests])
+    attention_mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for _, ids in requests])
+    device = next(model.parameters()).device
+    room = getattr(model, "max_seq_length", None)
+    eos = model.generation_config.eos_token_id
+    options = generate_options(fields, eos_token_id=eos, max_new_tokens=None if room is None else room - longest)
+    n = options.pop("num_return_sequences")
+    if options["do_sample"]:
+        options["num_return_sequences"] = n  # greedy: one decode, repeated n times as vLLM would give
+    options = {"pad_token_id": pad, **options, **extra}
+    if "stop_strings" in options:
+        options["tokenizer"] = tokenizer
+    rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) if fields["seed"] is not None \
+        else contextlib.nullcontext()
+    with rng:
+        if fields["seed"] is not None:
+            torch.manual_seed(fields["seed"])
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **options)
+    out = out[:, longest:].tolist()
+    per_prompt = options.get("num_return_sequences", 1)
+    stops = set(options.get("eos_token_id") or ([eos] if isinstance(eos, int) else eos or []))
+    outputs = []
+    for i, (text, ids) in enumerate(requests):
+        rows = out[i * per_prompt:(i + 1) * per_prompt]
+        rows = rows if per_prompt == n else rows * n
+        completions = [_completion(k, row, stops, tokenizer, fields) for k, row in enumerate(rows)]
+        outputs.append(RequestOutput(str(first_id + i), text, ids, completions))
+    return outputs
+
+
+def _completion(index: int, row: list[int], stops: set, tokenizer, fields: dict) -> CompletionOutput:
+    """One completion as vLLM reports it: tokens up to and including a stop token (no padding after),
+    text cut before a stop string (kept when include_stop_str_in_output)."""
+    finish, reason = "length", None
+    for k, token in enumerate(row):
+        if token in stops and not fields["ignore_eos"]:
+            row, finish, reason = row[:k + 1], "stop", token
+            break
+    text = tokenizer.decode(row, skip_special_tokens=fields["skip_special_tokens"])
+    for stop in stop_strings(fields):
+        at = text.find(stop)
+        if at >= 0:
+            text = text[:at + len(stop)] if fields["include_stop_str_in_output"] else text[:at]
+            finish, reason = "stop", stop
+            break
+    return CompletionOutput(index, text, row, finish, reason)
+
+
+@contextlib.contextmanager
+def _answering_model(model, lora_request):
+    """The model in eval mode on the fast generation path, with the adapters the request names: none
+    (the base model) without a request, the saved ones with one. Everything is put back after."""
+    config = model.config
+    use_cache, was_training = config.use_cache, model.training
+    peft = hasattr(model, "disable_adapter")
+    if lora_request is None:
+        adapters = model.disable_adapter() if peft else contextlib.nullcontext()
+    elif not peft:
+        raise UsageError("fast_generate: a lora_request needs a model with LoRA adapters",
+                         fix="call FastLanguageModel.get_peft_model(model, ...) first, with the saved adapters' rank")
+    else:
+        state = getattr(lora_request, "state", None)
+        if state is None:  # vLLM's own LoRARequest names only the folder
+            from safetensors.torch import load_file
+
+            state = load_file(str(_adapter_file(Path(lora_request.lora_path))))
+        adapters = _adapters(model, state)
+    generation.enable(model)  # idempotent; its caches stay for the next call
     model.eval()
     try:
-        with context, torch.no_grad():
-            for text in texts:
-                batch = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(_device(model))
-                out = model.generate(**batch, **options)[0, batch["input_ids"].shape[1]:]
-                results.append(_RequestOutput(text, _Completion(tokenizer.decode(out, skip_special_tokens=True),
-                                                                out.tolist())))
+        with adapters:
+            yield
     finally:
         model.train(was_training)
-    return results
+        config.use_cache = use_cache
 
 
 @contextlib.contextmanager
@@ -112,7 +208,3 @@ def _adapters(model, state: dict):
         yield
     finally:
         set_peft_model_state_dict(model, saved)
-
-
-def _device(model):
-    return next(model.parameters()).device
