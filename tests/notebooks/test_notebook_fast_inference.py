@@ -152,9 +152,8 @@ def test_bad_requests_are_refused_naming_the_fix(loaded, tmp_path):
 
 
 def test_grpo_config_takes_vllm_sampling_params_onto_trls_fields():
+    from unsloth import FastLanguageModel, SamplingParams  # noqa: F401  (first, as in the notebooks)
     from trl import GRPOConfig
-
-    from unsloth import SamplingParams
 
     params = SamplingParams(min_p=0.1, top_p=1.0, top_k=-1, seed=3407, stop=["<|end_of_text|>"],
                             include_stop_str_in_output=True)
@@ -164,3 +163,16 @@ def test_grpo_config_takes_vllm_sampling_params_onto_trls_fields():
     assert config.temperature == 0.9  # the config's own setting wins
     assert config.generation_kwargs == {"stop_strings": ["<|end_of_text|>"]}  # no vLLM: transformers' name
     assert config._unsloth_use_vllm_given is False
+
+
+def test_a_fast_inference_models_grpo_uses_vllm_only_where_it_runs_and_the_config_did_not_choose(loaded,
+                                                                                                 monkeypatch):
+    from unsloth.training import trl_compat
+
+    model, _ = loaded
+    assert model._unsloth_fast_inference
+    for usable, given, expected in ((True, False, True), (False, False, False), (True, True, False)):
+        monkeypatch.setattr("unsloth.models.loader.vllm_usable", lambda m, usable=usable: usable)
+        args = types.SimpleNamespace(use_vllm=False, _unsloth_use_vllm_given=given)
+        trl_compat.grpo_rollouts(model, args)
+        assert args.use_vllm is expected, (usable, given)
