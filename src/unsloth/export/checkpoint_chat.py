@@ -30,12 +30,15 @@ class CheckpointChat:
     def close(self) -> None:
         self.model = None
 
-    def _prompt_ids(self, prompt: str | None, messages: list[dict] | None, raw: bool) -> list[int]:
-        if messages is None and (raw or not self.has_chat_template()):
-            return self.tokenizer(prompt)["input_ids"]
-        rendered = self.tokenizer.apply_chat_template(messages if messages is not None else messages_for(prompt),
-                                                      tokenize=False, add_generation_prompt=True)
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]  # the template wrote BOS
+
+    def _prompt_ids(self, prompt: str, raw: bool, system: str | None) -> list[int]:
+        """The chat template's rendering of one user turn, or (raw, or no template) the text as it is."""
+        if raw or not self.has_chat_template():
+            return self.tokenizer(prompt)["input_ids"]
+        return self._chat_ids(messages_for(prompt, system))
 
     def _options(self, prompt_tokens: int, max_tokens: int, temperature: float, top_p: float, seed: int) -> dict:
         from unsloth.models.sampling import SamplingParams, generate_options
@@ -77,20 +80,16 @@ class CheckpointChat:
     def generate(self, prompt: str, *, raw: bool, system: str | None = None, **sampling: Any) -> Generation:
         """One reply, to the end, with its token counts (as ``unsloth.export.chat.generate``)."""
         start = time.perf_counter()
-        ids = self._prompt_ids(prompt, None if raw or not self.has_chat_template() else messages_for(prompt, system),
-                               raw)
+        ids = self._prompt_ids(prompt, raw, system)
         new, finish = self._finish(self._run(ids, sampling), sampling["max_tokens"])
         return Generation(str(self.path), prompt, self.tokenizer.decode(new, skip_special_tokens=True), finish,
                           len(ids), len(new), round(time.perf_counter() - start, 3))
 
     def stream(self, prompt: str, *, raw: bool, system: str | None = None, **sampling: Any) -> Iterator[dict]:
-        if raw or not self.has_chat_template():
-            yield from self._stream(self._prompt_ids(prompt, None, True), sampling)
-        else:
-            yield from self.chat_stream(messages_for(prompt, system), **sampling)
+        yield from self._stream(self._prompt_ids(prompt, raw, system), sampling)
 
     def chat_stream(self, messages: list[dict[str, str]], **sampling: Any) -> Iterator[dict]:
-        yield from self._stream(self._prompt_ids(None, messages, False), sampling)
+        yield from self._stream(self._chat_ids(messages), sampling)
 
     def _stream(self, ids: list[int], sampling: dict) -> Iterator[dict]:
         """Text as it is decoded (generation runs in a thread); closing the iterator stops it."""

@@ -182,11 +182,13 @@ def grpo_sampling(kwargs: dict, fields: dict) -> dict:
     the rollout options it holds go to TRL's own fields (temperature, top_p, top_k, min_p,
     repetition_penalty) unless the config sets them itself; stop strings and min_tokens go into
     generation_kwargs, under vLLM's names when vLLM generates and transformers' otherwise."""
-    if "vllm_sampling_params" in fields or kwargs.get("vllm_sampling_params") is None:
-        return {k: v for k, v in kwargs.items() if k != "vllm_sampling_params" or k in fields}
+    if "vllm_sampling_params" in fields:  # a TRL (or Unsloth) that has the field takes it as it is
+        return kwargs
     from unsloth.models.sampling import sampling_fields, stop_strings
 
     out = {k: v for k, v in kwargs.items() if k != "vllm_sampling_params"}
+    if kwargs.get("vllm_sampling_params") is None:
+        return out
     params = sampling_fields(kwargs["vllm_sampling_params"])
     values = {"temperature": params["temperature"], "top_p": params["top_p"],
               "top_k": params["top_k"] if params["top_k"] and params["top_k"] > 0 else 0,
