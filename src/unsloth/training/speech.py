@@ -298,6 +298,9 @@ def generate_speech(model, tokenizer, codec, texts: str | Iterable[str], speaker
     texts = [texts] if isinstance(texts, str) else list(texts)
     options = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "repetition_penalty": 1.1,
                "eos_token_id": layout.end_of_speech, "pad_token_id": layout.pad, **generate_kwargs}
+    if not options["do_sample"]:  # greedy: the sampling settings would only draw a warning
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            options.pop(name, None)
     device = next(model.parameters()).device
     waveforms = []
     for text in texts:
