@@ -125,3 +125,20 @@ def test_a_bad_pooling_mode_is_refused_before_loading(tmp_path):
 
     with pytest.raises(ValueError, match="pooling_mode 'avg' is not one of mean"):
         FastSentenceTransformer.from_pretrained(str(tmp_path / "missing"), pooling_mode="avg")
+
+
+@pytest.mark.slow
+def test_lora_save_keeps_adapters_that_sentence_transformers_reloads(tmp_path):
+    from unsloth import FastSentenceTransformer
+
+    model = FastSentenceTransformer.from_pretrained(write_tiny_bert(tmp_path / "bert"), dtype=torch.float32)
+    model = FastSentenceTransformer.get_peft_model(model, r=4, init_lora_weights=False)  # adapters that change it
+    model.eval()
+    expected = model.encode(["a man plays guitar"], convert_to_numpy=True)
+    model.save_pretrained_merged(str(tmp_path / "lora"), save_method="lora")
+    assert (tmp_path / "lora" / "adapter_config.json").is_file() and (tmp_path / "lora" / "modules.json").is_file()
+    reloaded = st.SentenceTransformer(str(tmp_path / "lora"), device="cpu")
+    np.testing.assert_allclose(reloaded.encode(["a man plays guitar"], convert_to_numpy=True), expected,
+                               rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="'merged_16bit' or 'lora'"):
+        model.save_pretrained_merged(str(tmp_path / "gguf"), save_method="merged_4bit")
