@@ -7,8 +7,11 @@ or the CPU, and use the chat template stored in the file.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from unsloth.commands import render
+from unsloth.commands.results import Generated
+from unsloth.errors import ExitCode
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -48,7 +51,7 @@ def _sampling(args: argparse.Namespace) -> dict:
     return {"max_tokens": args.max_tokens, "temperature": temperature, "top_p": args.top_p, "seed": args.seed}
 
 
-def run_generate(args: argparse.Namespace) -> int:
+def run_generate(args: argparse.Namespace) -> Generated | int:
     from unsloth.export import ExportError
     from unsloth.export.chat import generate, open_model, stream
 
@@ -56,39 +59,37 @@ def run_generate(args: argparse.Namespace) -> int:
     llm, path = open_model(args.model, n_ctx=args.n_ctx, gpu=not args.cpu)  # a bad file: an ExportError
     try:
         if args.json:
-            result = generate(llm, path, prompt, raw=args.raw, system=args.system, **_sampling(args))
-            print(json.dumps({"ok": True, **result.to_json()}, ensure_ascii=False))
-        else:
-            for chunk in stream(llm, prompt, raw=args.raw, system=args.system, **_sampling(args)):
-                sys.stdout.write(chunk["text"])
-                sys.stdout.flush()
-            sys.stdout.write("\n")
+            return Generated(generate(llm, path, prompt, raw=args.raw, system=args.system, **_sampling(args)))
+        for chunk in stream(llm, prompt, raw=args.raw, system=args.system, **_sampling(args)):
+            render.echo(chunk["text"], end="")
+        render.echo()
     except ValueError as exc:  # llama-cpp-python: the prompt does not fit the context
         raise ExportError(str(exc), fix="shorten the prompt or --max-tokens, or raise --n-ctx "
                           "(at most the model's trained length)") from exc
     finally:
         llm.close()
-    return 0
+    return ExitCode.OK
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    """Interactive: each reply is streamed through the renderer's echo as it comes."""
     from unsloth.export.chat import chat_stream, has_chat_template, open_model
 
     llm, path = open_model(args.model, n_ctx=args.n_ctx, gpu=not args.cpu)  # a bad file: an ExportError
     if not has_chat_template(llm):
-        print(f"note: {path} has no chat template; llama-cpp-python falls back to a generic one", file=sys.stderr)
+        render.echo(f"note: {path} has no chat template; llama-cpp-python falls back to a generic one", err=True)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
-    print(f"chatting with {path} (/reset clears, /exit or Ctrl-D quits)", file=sys.stderr)
+    render.echo(f"chatting with {path} (/reset clears, /exit or Ctrl-D quits)", err=True)
     try:
         while True:
             try:
                 line = input("> ")
             except EOFError:
-                print(file=sys.stderr)
-                return 0
+                render.echo(err=True)
+                return ExitCode.OK
             if line.strip() in ("/exit", "/quit"):
-                return 0
+                return ExitCode.OK
             if line.strip() == "/reset":
                 messages = list(system)
                 continue
@@ -99,15 +100,14 @@ def run_chat(args: argparse.Namespace) -> int:
             try:
                 for chunk in chat_stream(llm, messages, **_sampling(args)):
                     reply.append(chunk["text"])
-                    sys.stdout.write(chunk["text"])
-                    sys.stdout.flush()
+                    render.echo(chunk["text"], end="")
             except ValueError as exc:  # llama-cpp-python: the conversation outgrew the context
                 messages.pop()
-                print(f"\n{exc}; /reset the conversation or restart with a larger --n-ctx", file=sys.stderr)
+                render.echo(f"\n{exc}; /reset the conversation or restart with a larger --n-ctx", err=True)
                 continue
             except KeyboardInterrupt:  # Ctrl-C stops this reply, not the chat (Ctrl-D or /exit quits)
-                print("\n(stopped)", file=sys.stderr)
-            sys.stdout.write("\n")
+                render.echo("\n(stopped)", err=True)
+            render.echo()
             messages.append({"role": "assistant", "content": "".join(reply)})
     finally:
         llm.close()
