@@ -105,15 +105,14 @@ def run_install(args: argparse.Namespace) -> int | PlanReport:
         raise UsageError("--json prints the plan", "add --dry-run")
     args.without = optional_parts(args.without)
     platform, plan = make_plan(args)  # an unreadable dump or matrix is a UsageError / MatrixError naming it
-    if args.dry_run:
-        return PlanReport(plan)
+    if args.dry_run:  # for a dump, this machine's pip configuration says nothing about that one's sources
+        return PlanReport(plan, None if args.from_dir is not None else _install_sources(args, plan))
     if args.from_dir is not None:
         raise UsageError("--from plans for another machine's dump", "add --dry-run to see that plan",
                          kept="nothing was installed")
 
     from unsloth.envs import manager
     from unsloth.envs.paths import home
-    from unsloth.envs.sources import Sources, with_overrides
     from unsloth.envs.steps import Request
 
     root = home()
@@ -126,11 +125,9 @@ def run_install(args: argparse.Namespace) -> int | PlanReport:
                          "pass --source PATH|URL (a checkout or a release archive)", kept="nothing was installed")
     if args.upgrade and not args.without:  # `update` keeps what the active environment left out
         args.without = manager.active_request(root).get("without", [])
-    base = Sources() if args.ignore_pip_config else manager.pip_config_sources(args.python)
-    sources = with_overrides(base, index_url=args.index_url, extra_index_urls=args.extra_index_url,
-                             find_links=args.find_links)
+    sources, _ = _package_sources(args)
     request = Request(source=source, sources=sources, without=tuple(sorted(set(args.without))), python=args.python,
-                      torch_index_url=args.torch_index_url or os.environ.get("UNSLOTH_TORCH_INDEX_URL") or None)
+                      torch_index_url=_torch_index_url(args))
     console = render.progress_console()
     render.plan_summary(console, plan)
     confirm = None
@@ -139,6 +136,37 @@ def run_install(args: argparse.Namespace) -> int | PlanReport:
     options = manager.Options(request=request, root=root, use_pip=args.pip, force=args.force,
                               modify_path=not args.no_modify_path, upgrade=args.upgrade)
     return manager.install(options, plan, platform, console, confirm)
+
+
+def _torch_index_url(args: argparse.Namespace) -> str | None:
+    return args.torch_index_url or os.environ.get("UNSLOTH_TORCH_INDEX_URL") or None
+
+
+def _package_sources(args: argparse.Namespace):
+    """(Sources, where they came from): pip's configuration unless ignored, with the flags on top."""
+    from unsloth.envs import manager
+    from unsloth.envs.sources import Sources, with_overrides
+
+    base = Sources() if args.ignore_pip_config else manager.pip_config_sources(args.python)
+    sources = with_overrides(base, index_url=args.index_url, extra_index_urls=args.extra_index_url,
+                             find_links=args.find_links)
+    said = [name for name, given in (("--index-url", args.index_url), ("--extra-index-url", args.extra_index_url),
+                                     ("--find-links", args.find_links)) if given]
+    origin = ["your pip configuration"] if base != Sources() else []
+    origin += [" ".join(said)] if said else []
+    if not origin:
+        origin = ["pip's configuration ignored" if args.ignore_pip_config else "no pip configuration: the default"]
+    return sources, " + ".join(origin)
+
+
+def _install_sources(args: argparse.Namespace, plan):
+    """Where the real install would take each part from on this machine (what the build steps will use)."""
+    from unsloth.envs import manager
+    from unsloth.envs.sources import install_sources, local_listings
+
+    sources, origin = _package_sources(args)
+    return install_sources(plan, sources, origin, manager.python_tag(args.python), local_listings(sources.find_links),
+                           _torch_index_url(args), tuple(args.without))
 
 
 def run_rollback(args: argparse.Namespace) -> int:

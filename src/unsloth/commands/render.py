@@ -81,6 +81,8 @@ def _(result: r.EnvListing) -> str:
 @json_text.register
 def _(result: r.PlanReport) -> str:
     data = result.plan.to_json()
+    if result.sources is not None:
+        data["install_sources"] = result.sources.to_json()  # "sources" is the plan's citations
     return json.dumps(data, indent=2)
 
 
@@ -222,7 +224,16 @@ def _(result: r.PlanReport) -> None:
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
     table.add_column()
-    for name, value in plan_rows(result.plan).items():
+    rows = plan_rows(result.plan)
+    sources = result.sources
+    if sources is not None:  # what this machine's install will really use
+        torch = result.plan.torch
+        rows = {**{k: v for k, v in rows.items() if k in ("support", "device")},
+                "packages": sources.packages_line(),
+                **rows,
+                "torch": f"{torch.backend} ({torch.variant}) {sources.torch_line()}",
+                "llama.cpp": sources.llama_cpp.line() if sources.llama_cpp else "left out (--without)"}
+    for name, value in rows.items():
         table.add_row(name, Text(value))
     console = Console(highlight=False)
     console.print(table)
