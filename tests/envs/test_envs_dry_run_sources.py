@@ -92,10 +92,11 @@ def test_llama_cpp_is_named_as_the_build_step_will_run_it(pip_config, capsys, tm
     request = Request(source=str(tmp_path), sources=sources)
     tool = Tool.uv("uv", tmp_path / "python")
     plan_llama = LlamaCpp.from_json(plan["llama_cpp"])
-    first = llama_cpp_step(tool, request, tmp_path / "pins", ["llama-cpp-python>=0.3"], plan_llama)
+    first = llama_cpp_step(tool, request, tmp_path / "pins", ["llama-cpp-python>=0.3"], plan_llama, cache=tmp_path)
     if llama["prebuilt_index"]:
         assert first.argv[first.argv.index("--index-url") + 1] == llama["prebuilt_index"] and "--no-deps" in first.argv
-    fallback = llama_cpp_step(tool, request, tmp_path / "pins", ["llama-cpp-python>=0.3"], plan_llama, prebuilt=False)
+    fallback = llama_cpp_step(tool, request, tmp_path / "pins", ["llama-cpp-python>=0.3"], plan_llama, cache=tmp_path,
+                              prebuilt=False)
     assert fallback.env["CMAKE_ARGS"] == llama["cmake_args"] and "https://mirror.example/simple" in fallback.argv
 
     assert main(["install", "--dry-run"]) == 0
