@@ -53,37 +53,49 @@ def without_video(processor_class):
     return type(processor_class.__name__, (processor_class, shim), {"__module__": processor_class.__module__})
 
 
+def _processor_class(model_name: str, **hub):
+    """The processor class a folder or hub name was saved with (its processor_config.json), else the
+    one transformers maps its model config to; None if neither says."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+    from transformers.processing_utils import ProcessorMixin
+
+    try:
+        saved = ProcessorMixin.get_processor_dict(model_name, **hub)[0].get("processor_class")
+    except (OSError, ValueError, TypeError):
+        saved = None
+    if saved and hasattr(transformers, saved):
+        return getattr(transformers, saved)
+    try:
+        return PROCESSOR_MAPPING[type(AutoConfig.from_pretrained(model_name, **hub))]
+    except (KeyError, OSError, ValueError):
+        return None
+
+
 def load_processor(model_name: str, **hub):
     """The model's processor; without torchvision, the same processor over its PIL image processor."""
-    from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoProcessor, AutoTokenizer
     from transformers.utils import is_torchvision_available
 
-    if is_torchvision_available():
+    processor_class = None if is_torchvision_available() else _processor_class(model_name, **hub)
+    if processor_class is None:
         return AutoProcessor.from_pretrained(model_name, **hub)
-    try:
-        processor_class = PROCESSOR_MAPPING[type(AutoConfig.from_pretrained(model_name, **hub))]
-    except KeyError:
-        return AutoProcessor.from_pretrained(model_name, **hub)
-    parts = {}
-    for name in without_video(processor_class).get_attributes():
-        if name == "tokenizer":
-            parts[name] = AutoTokenizer.from_pretrained(model_name, **hub)
-        elif name == "image_processor":
-            parts[name] = AutoImageProcessor.from_pretrained(model_name, **hub)
-        else:  # a feature extractor (audio): its own auto class
-            from transformers import AutoFeatureExtractor
-
-            parts[name] = AutoFeatureExtractor.from_pretrained(model_name, **hub)
+    loaders = {"tokenizer": AutoTokenizer, "image_processor": AutoImageProcessor,
+               "feature_extractor": AutoFeatureExtractor}
+    parts = {name: loaders[name].from_pretrained(model_name, **hub)
+             for name in without_video(processor_class).get_attributes()}
     options = {}
-    template = getattr(parts["tokenizer"], "chat_template", None)
-    try:
-        processor_dict, _ = processor_class.get_processor_dict(model_name, **hub)
-        options = {k: v for k, v in processor_dict.items()
-                   if k in inspect.signature(processor_class.__init__).parameters and k not in parts}
+    try:  # the processor's own settings (image_seq_length, ...) and its chat template
+        saved, _ = processor_class.get_processor_dict(model_name, **hub)
+        accepted = inspect.signature(processor_class.__init__).parameters
+        options = {k: v for k, v in saved.items() if k in accepted and k not in parts and k != "video_processor"}
     except (OSError, ValueError, TypeError):
         pass
-    options.setdefault("chat_template", template)
+    if not options.get("chat_template"):
+        options["chat_template"] = getattr(parts["tokenizer"], "chat_template", None)
+    if "video_processor" in processor_class.get_attributes():
+        parts["video_processor"] = None
     return without_video(processor_class)(**parts, **options)
 
 
