@@ -42,7 +42,7 @@ def test_a_few_steps_lower_the_loss(family, tmp_path, monkeypatch):
             args=SFTConfig(per_device_train_batch_size=2, max_steps=10, learning_rate=1e-2, logging_steps=1,
                            report_to="none", output_dir=str(tmp_path / "out"), remove_unused_columns=False,
                            dataset_text_field="", dataset_kwargs={"skip_prepare_dataset": True},
-                           max_length=512, save_strategy="no", seed=0))
+                           max_length=512, save_strategy="no", seed=0, bf16=False, fp16=False))
         trainer.train()
     finally:
         torch.set_num_threads(threads)
