@@ -18,10 +18,9 @@ pytest.importorskip("PIL")
 @pytest.mark.slow
 @pytest.mark.parametrize("family", VISION_FAMILIES)
 def test_a_few_steps_lower_the_loss(family, tmp_path, monkeypatch):
-    from trl import SFTConfig, SFTTrainer
-
-    from unsloth import FastVisionModel
+    from unsloth import FastVisionModel  # first, as in the notebooks: TRL's trainers then take their keywords
     from unsloth.trainer import UnslothVisionDataCollator
+    from trl import SFTConfig, SFTTrainer
 
     monkeypatch.setenv("UNSLOTH_KERNELS", "0")  # the kernels are checked in tests/models; this is the loop
     threads = torch.get_num_threads()

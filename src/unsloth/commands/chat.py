@@ -20,6 +20,18 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", help="a system message")
     p.add_argument("--n-ctx", type=int, default=4096, help="context length in tokens (default 4096, at most the trained length)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if llama.cpp was built for a GPU")
+    p.add_argument("--image", metavar="PATH", help="an image for a vision-language model (not supported yet)")
+
+
+def _refuse_image(args: argparse.Namespace) -> None:
+    """Images need a GGUF with llama.cpp's projector file (mmproj), which our export does not write yet."""
+    if getattr(args, "image", None):
+        from unsloth.export import ExportError
+
+        raise ExportError("chat with an image needs the vision model's GGUF projector file (mmproj), which "
+                          "`unsloth export` does not write yet; nothing was run",
+                          fix="chat with the merged model in Python: FastVisionModel.for_inference(model), then "
+                          "model.generate(**processor(image, text, return_tensors='pt'))")
 
 
 def register(subparsers) -> None:
@@ -52,6 +64,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from unsloth.export import ExportError
     from unsloth.export.chat import generate, open_model, stream
 
+    _refuse_image(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     llm, path = open_model(args.model, n_ctx=args.n_ctx, gpu=not args.cpu)  # a bad file: an ExportError
     try:
@@ -74,6 +87,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_chat(args: argparse.Namespace) -> int:
     from unsloth.export.chat import chat_stream, has_chat_template, open_model
 
+    _refuse_image(args)
     llm, path = open_model(args.model, n_ctx=args.n_ctx, gpu=not args.cpu)  # a bad file: an ExportError
     if not has_chat_template(llm):
         print(f"note: {path} has no chat template; llama-cpp-python falls back to a generic one", file=sys.stderr)
