@@ -171,6 +171,12 @@ def tiny_vision_model(family: str, seed: int = 0):
     config = vision_config(family, processor.tokenizer)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # Some towers start closed (Gemma 3's projection weight, mllama's cross-attention gates are zeros
+        # at init): random values, as a trained checkpoint has, so images reach the language model.
+        for name, p in model.named_parameters():
+            if not p.any() and "bias" not in name:
+                p.normal_(0.0, 0.5)
     return model.eval(), processor
 
 

@@ -208,7 +208,6 @@ def load_pretrained(
 
     auto_class = auto_class or AutoModelForCausalLM
     load_tokenizer = load_tokenizer or AutoTokenizer.from_pretrained
-
     ignored = sorted(set(kwargs) & _ACCEPTED_UNUSED)
     for name in ignored:
         kwargs.pop(name)
@@ -235,8 +234,8 @@ def load_pretrained(
         model_name = str(Path(model_name).expanduser().resolve())
     hub_options = dict(token=token, revision=revision, trust_remote_code=trust_remote_code,
                        **{k: v for k, v in kwargs.items() if k in ("local_files_only", "cache_dir")})
-    attn_implementation, why = choose_attention(_causal_lm_class(model_name, auto_class, **hub_options),
-                                           attn_implementation)
+    model_class = _causal_lm_class(model_name, auto_class, **hub_options)
+    attn_implementation, why = choose_attention(model_class, attn_implementation)
     if why:
         log.warning("unsloth: %s.", why)
     published = _published_quantization(model_name, dtype, **hub_options)

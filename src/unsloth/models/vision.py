@@ -139,7 +139,5 @@ def load_vision_pretrained(model_name: str, **options):
 
     from unsloth.models.loader import load_pretrained
 
-    model, processor = load_pretrained(model_name, auto_class=AutoModelForImageTextToText,
-                                       load_tokenizer=load_processor, **options)
-    model._unsloth_vision = True
-    return model, processor
+    return load_pretrained(model_name, auto_class=AutoModelForImageTextToText, load_tokenizer=load_processor,
+                           **options)

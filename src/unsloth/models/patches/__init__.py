@@ -50,8 +50,8 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "gemma4_text": ALL,
     "gemma4": ALL,
     # Vision-language models: the patches go into their language model only (`text_part`); the vision
-    # tower runs stock. Qwen2.5-VL / Qwen3-VL rotate by 3-D (multimodal) positions through a function of
-    # their own, which the RoPE probe leaves alone.
+    # tower runs stock. Qwen2.5-VL / Qwen3-VL build their 3-D (multimodal) cos/sin tables first and
+    # rotate with the plain apply_rotary_pos_emb, which our RoPE kernel takes.
     "qwen2_5_vl": ALL,
     "qwen3_vl": ALL,
     "gemma3": ALL,
