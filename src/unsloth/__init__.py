@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {
     **dict.fromkeys(("FastLanguageModel", "FastModel", "FastVisionModel", "is_bfloat16_supported"),
                     "unsloth.notebook.fast_model"),
+    **dict.fromkeys(("SamplingParams", "LoRARequest"), "unsloth.notebook.vllm_compat"),
     **dict.fromkeys(("UnslothTrainer", "UnslothTrainingArguments", "unsloth_train", "UnslothVisionDataCollator"),
                     "unsloth.notebook.trainers"),
     **dict.fromkeys(("get_chat_template", "standardize_sharegpt", "standardize_data_formats", "to_sharegpt",
