@@ -22,7 +22,9 @@ from unsloth.models.vision import load_vision_pretrained, lora_target_regex
 from unsloth.notebook import hub, vllm_compat
 from unsloth.training import trl_compat
 
-__all__ = ["FastLanguageModel", "FastModel", "FastVisionModel", "is_bfloat16_supported"]
+__all__ = ["FastLanguageModel", "FastModel", "FastVisionModel", "is_bfloat16_supported", "is_bf16_supported"]
+
+is_bf16_supported = is_bfloat16_supported  # the name the embedding notebooks import
 
 log = logging.getLogger("unsloth")
 
