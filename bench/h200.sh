@@ -2,7 +2,7 @@
 # Everything measured on the lent H200, in one call per section, beside the anchors.
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
-# sections: machine, tests, kernels, trainer, profile, ab, host, moe, notebook, families, generation, grpo, tts, fullft;
+# sections: machine, tests, kernels, trainer, profile, ab, host, moe, notebook, families, generation, grpo, tts, fullft, vision;
 # all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
 set -u
@@ -113,6 +113,16 @@ moe() {  # MoE: the experts alone (ours vs torch._grouped_mm + LoRA matmuls), th
   done
 }
 
+vision() {  # Qwen2.5-VL-7B-shaped vision QLoRA (bench/bench_vision.py): ours, then Unsloth's FastVisionModel
+  # VISION_LAYERS="8 8" (text, vision) to fit one call; the defaults of the real model are 28 and 32
+  # shellcheck disable=SC2086  # two numbers, split on purpose
+  set -- ${VISION_LAYERS:-8 8}
+  timeout 200 python3 bench/bench_vision.py --impl make --text-layers "$1" --vision-layers "$2" 2>&1 | tail -1 | tee -a "$OUT/vision.jsonl"
+  timeout 150 python3 bench/bench_vision.py --impl ours --text-layers "$1" --vision-layers "$2" 2>&1 | tail -1 | tee -a "$OUT/vision.jsonl"
+  PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 150 python3 bench/bench_vision.py --impl unsloth \
+    --text-layers "$1" --vision-layers "$2" 2>&1 | tail -1 | tee -a "$OUT/vision.jsonl"
+}
+
 families() {  # today's families (bench/bench_families.py): ours, ours with family patches off, Unsloth, HF
   # FAMILIES="qwen3_5 gemma4 phi3", SHAPES="qlora bf16", FAMILY_IMPLS: pick fewer to fit one call
   for family in ${FAMILIES:-qwen3_5 gemma4 phi3}; do
@@ -180,7 +190,7 @@ fullft() {  # full fine-tuning of a Llama-3.2-1B shape (bf16, 8 x 2048, adamw_8b
 [ $# -gt 0 ] || set -- all
 for section in "$@"; do
   case $section in
-    machine|tests|kernels|trainer|profile|ab|host|moe|notebook|families|generation|grpo|tts|fullft) $section ;;
+    machine|tests|kernels|trainer|profile|ab|host|moe|notebook|families|generation|grpo|tts|fullft|vision) $section ;;
     all) machine; tests; kernels; trainer ;;
     *) echo "unknown section: $section" >&2; exit 2 ;;
   esac

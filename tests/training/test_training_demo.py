@@ -77,3 +77,23 @@ def test_a_short_demo_still_logs_and_reports_its_loss(tmp_path):
     refused = subprocess.run([sys.executable, "-m", "unsloth.cli", "train", "--demo", "--max-steps", "0"],
                              capture_output=True, text=True, env=env, timeout=300)
     assert refused.returncode == 2 and "--max-steps must be 1 or more" in refused.stderr
+
+
+@pytest.mark.slow
+def test_vision_demo_learns_the_captions_and_saves_a_qwen2_5_vl_folder(tmp_path):
+    pytest.importorskip("PIL")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # a plain CPU machine: kernels off, stock torch path
+    out = tmp_path / "vision"
+    run = subprocess.run([sys.executable, "-m", "unsloth.cli", "train", "--demo", "vision", "--max-steps", "30",
+                          "--output-dir", str(out)], capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = run.stdout + run.stderr
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", text).groups())
+    assert last < 0.2 * first
+    right, shown = map(int, re.search(r"(\d+)/(\d+) captions right", text).groups())
+    assert shown == 12 and right >= 10
+    assert "[ok ] picture of a red circle -> a red circle" in text
+    merged = out / "merged"
+    config = json.loads((merged / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert (merged / "processor_config.json").is_file() and (merged / "model.safetensors").is_file()

@@ -28,6 +28,18 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is there")
     p.add_argument("--load-in-4bit", action="store_true", help="a checkpoint directory: load its weights in 4-bit "
                    "(NF4, bitsandbytes) to fit a smaller GPU")
+    p.add_argument("--image", metavar="PATH", help="an image for a vision-language model (not supported yet)")
+
+
+def _refuse_image(args: argparse.Namespace) -> None:
+    """Images need a GGUF with llama.cpp's projector file (mmproj), which our export does not write yet."""
+    if getattr(args, "image", None):
+        from unsloth.export import ExportError
+
+        raise ExportError("chat with an image needs the vision model's GGUF projector file (mmproj), which "
+                          "`unsloth export` does not write yet; nothing was run",
+                          fix="chat with the merged model in Python: FastVisionModel.for_inference(model), then "
+                          "model.generate(**processor(image, text, return_tensors='pt'))")
 
 
 def register(subparsers) -> None:
@@ -105,6 +117,7 @@ def run_generate(args: argparse.Namespace) -> Generated | int:
 
     from unsloth.export import ExportError
 
+    _refuse_image(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model = _open(args)
     try:
@@ -126,6 +139,7 @@ def run_chat(args: argparse.Namespace) -> int:
     """Interactive: each reply is streamed through the renderer's echo as it comes."""
     from contextlib import closing
 
+    _refuse_image(args)
     model = _open(args)
     path = model.path
     if not model.has_chat_template():

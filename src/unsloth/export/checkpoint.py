@@ -77,6 +77,14 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> tuple
     base = adapter_base(path)
     tokenizer_dir = path if (path / "tokenizer_config.json").is_file() or not base else base
     try:
+        from transformers import AutoConfig
+
+        from unsloth.export.architectures import refuse_vision_language
+
+        refuse_vision_language(AutoConfig.from_pretrained(base or path))
+    except (OSError, ValueError):  # unreadable here: from_pretrained below says why
+        pass
+    try:
         model = AutoModelForCausalLM.from_pretrained(base or path, dtype=dtype or "auto")
         if base:
             from peft import PeftModel

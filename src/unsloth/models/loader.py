@@ -161,12 +161,13 @@ def choose_attention(model_class, requested: str | None) -> tuple[str | None, st
     return fallback, why
 
 
-def _causal_lm_class(model_name: str, **options):
-    """The transformers class AutoModelForCausalLM would build for `model_name`, or None if it is not a built-in one."""
+def _causal_lm_class(model_name: str, auto_class=None, **options):
+    """The transformers class `auto_class` (AutoModelForCausalLM) would build for `model_name`, or None
+    if it is not a built-in one."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(model_name, **options))]
+        return (auto_class or AutoModelForCausalLM)._model_mapping[type(AutoConfig.from_pretrained(model_name, **options))]
     except Exception:  # remote code, or a name transformers does not map: it decides itself
         return None
 
@@ -201,12 +202,14 @@ def vllm_usable(model) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("vllm") is not None
 
 
-def _prepare_tokenizer(tokenizer, max_seq_length: int):
+def _prepare_tokenizer(processing, max_seq_length: int):
+    """The tokenizer (a processor's own, for vision models) set up for batches; returns `processing`."""
+    tokenizer = getattr(processing, "tokenizer", processing)
     tokenizer.model_max_length = max_seq_length
     if tokenizer.pad_token is None:  # batches need one; eos is the usual stand-in
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     tokenizer.padding_side = "right"
-    return tokenizer
+    return processing
 
 
 def load_pretrained(
@@ -227,6 +230,8 @@ def load_pretrained(
     rope_scaling=None,
     tokenizer_name: str | None = None,
     offload_embedding: bool | None = None,
+    auto_class=None,
+    load_tokenizer=None,
     **kwargs,
 ):
     """Load a causal LM and its tokenizer, with our kernels patched in. Returns (model, tokenizer).
@@ -237,10 +242,13 @@ def load_pretrained(
 
     `offload_embedding`: keep the (frozen) input embedding in pinned host memory during LoRA
     training (unsloth.models.embedding). None: whenever it can; False: never; True: also say why
-    when it cannot.
+    when it cannot. `auto_class` and `load_tokenizer` (name, **hub options) replace
+    AutoModelForCausalLM and AutoTokenizer.from_pretrained (the vision loader passes its own).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    auto_class = auto_class or AutoModelForCausalLM
+    load_tokenizer = load_tokenizer or AutoTokenizer.from_pretrained
     ignored = sorted(set(kwargs) & _ACCEPTED_UNUSED)
     for name in ignored:
         kwargs.pop(name)
@@ -267,11 +275,12 @@ def load_pretrained(
         model_name = str(Path(model_name).expanduser().resolve())
     hub_options = dict(token=token, revision=revision, trust_remote_code=trust_remote_code,
                        **{k: v for k, v in kwargs.items() if k in ("local_files_only", "cache_dir")})
-    attn_implementation, why = choose_attention(_causal_lm_class(model_name, **hub_options), attn_implementation)
+    model_class = _causal_lm_class(model_name, auto_class, **hub_options)
+    attn_implementation, why = choose_attention(model_class, attn_implementation)
     if why:
         log.warning("unsloth: %s.", why)
     published = _published_quantization(model_name, dtype, **hub_options)
-    model = AutoModelForCausalLM.from_pretrained(
+    model = auto_class.from_pretrained(
         model_name,
         dtype=dtype,
         device_map=device_map,
@@ -282,7 +291,7 @@ def load_pretrained(
         attn_implementation=attn_implementation,
         **kwargs,
     )
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or model_name, **hub_options)
+    tokenizer = load_tokenizer(tokenizer_name or model_name, **hub_options)
     model.max_seq_length = max_seq_length
     if auto_dtype:  # the checkpoint's own dtype, for saves: float32 on a CPU is a compute choice, not the model's
         model._unsloth_source_dtype = _checkpoint_dtype(model_name, token, revision, trust_remote_code)
@@ -332,7 +341,9 @@ def add_lora(
     for name in sorted(set(kwargs) & (_ACCEPTED_UNUSED | {"finetune_last_n_layers"})):
         kwargs.pop(name)
     torch.manual_seed(random_state)
-    target_modules = list(target_modules or DEFAULT_TARGETS)
+    # a string is a regex over module names (the vision loader's choice of towers), as in peft
+    if not isinstance(target_modules, str):
+        target_modules = list(target_modules or DEFAULT_TARGETS)
     # packed MoE experts are parameters, not modules: peft adapts them through target_parameters
     target_parameters = list(dict.fromkeys([*target_parameters, *expert_target_parameters(model, target_modules)]))
     config = LoraConfig(

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from unsloth.export.merged import save_pretrained_merged
 from unsloth.models import generation
 from unsloth.models.loader import add_lora, is_bfloat16_supported, load_pretrained, model_config
+from unsloth.models.vision import load_vision_pretrained, lora_target_regex
 from unsloth.notebook import hub, vllm_compat
 from unsloth.training import trl_compat
 
@@ -74,10 +75,40 @@ class FastLanguageModel:
 
 
 class FastModel(FastLanguageModel):
-    """The general loader's name in Unsloth's API (text models here; vision training is #16's)."""
+    """The general loader's name in Unsloth's API (text models; vision-language ones: FastVisionModel)."""
 
 
-FastVisionModel = FastModel
+class FastVisionModel(FastLanguageModel):
+    """Vision-language models (Qwen2.5-VL, Qwen3-VL, Gemma 3 / 4, Llama 3.2 Vision): the model and its
+    processor, which notebooks call `tokenizer` and pass to UnslothVisionDataCollator."""
+
+    @staticmethod
+    @functools.wraps(load_vision_pretrained)
+    def from_pretrained(model_name: str = "unsloth/Qwen2.5-VL-7B-Instruct", *args, **kwargs):
+        model, processor = load_vision_pretrained(model_name, *args, **kwargs)
+        _attach(model, processor)
+        return model, processor
+
+    @staticmethod
+    def get_peft_model(model, *args, finetune_vision_layers: bool = True, finetune_language_layers: bool = True,
+                       finetune_attention_modules: bool = True, finetune_mlp_modules: bool = True, **kwargs):
+        """LoRA on the towers and module kinds the finetune_* switches pick (`target_modules`, a list of
+        names or "all-linear", narrows them; a regex string is used as it is)."""
+        targets = kwargs.get("target_modules")
+        if not isinstance(targets, str) or targets == "all-linear":
+            names = None if targets in (None, "all-linear") else set(targets)
+            kwargs["target_modules"] = lora_target_regex(model, finetune_vision_layers, finetune_language_layers,
+                                                         finetune_attention_modules, finetune_mlp_modules, names)
+        peft_model = add_lora(model, *args, **kwargs)
+        _attach(peft_model, getattr(model, "_unsloth_tokenizer", None))
+        return peft_model
+
+    @staticmethod
+    def for_inference(model):
+        """Evaluation mode with the KV cache on, for `model.generate(**processor(images, text))`."""
+        model.eval()
+        model_config(model).use_cache = True
+        return model
 
 
 def lora_targets(model, target_modules, language: bool, attention: bool, mlp: bool, vision: bool) -> list[str]:

@@ -4,6 +4,7 @@ pretraining notebooks train embed_tokens and lm_head through `modules_to_save`),
 from __future__ import annotations
 
 from unsloth.training import trl_compat
+from unsloth.training.vision import UnslothVisionDataCollator  # noqa: F401  (from unsloth.trainer import ...)
 
 _compat = trl_compat.install()
 _SFTConfig, _SFTTrainer = _compat["SFTConfig"], _compat["SFTTrainer"]

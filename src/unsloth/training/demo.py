@@ -189,7 +189,9 @@ def run_demo(output_dir: str = DEFAULT_OUTPUT, max_steps: int = 150, show: int =
 def demos() -> dict:
     """The built-in demos by name (`unsloth train --demo NAME`): each takes output_dir and max_steps and
     returns a result whose `losses` fell if it learnt."""
-    return {"capitals": run_demo}
+    from unsloth.training.vision_demo import run_vision_demo
+
+    return {"capitals": run_demo, "vision": run_vision_demo}
 
 
 def _describe(base_dir: str) -> str:

@@ -339,6 +339,11 @@ def compat_trainer(base, config_cls):
             _checkpointing_is_ours(kwargs["model"], kwargs["args"])
             if name == "GRPOTrainer":
                 grpo_rollouts(kwargs["model"], kwargs["args"])
+        for split in ("train_dataset", "eval_dataset"):
+            if isinstance(kwargs.get(split), list):  # vision notebooks pass a list of conversations
+                from datasets import Dataset
+
+                kwargs[split] = Dataset.from_list(kwargs[split])
         if is_sft and kwargs.get("train_dataset") is not None:
             field = kwargs["args"].dataset_text_field
             data = _text_field_first(kwargs["train_dataset"], field, kwargs.get("formatting_func"))

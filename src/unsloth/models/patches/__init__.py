@@ -49,6 +49,13 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     # input embeddings go through our checkpoint as layer arguments, softcapping into the fused loss.
     "gemma4_text": ALL,
     "gemma4": ALL,
+    # Vision-language models: the patches go into their language model only (`text_part`); the vision
+    # tower runs stock. Qwen2.5-VL / Qwen3-VL build their 3-D (multimodal) cos/sin tables first and
+    # rotate with the plain apply_rotary_pos_emb, which our RoPE kernel takes.
+    "qwen2_5_vl": ALL,
+    "qwen3_vl": ALL,
+    "gemma3": ALL,
+    "mllama": ALL,
 }
 
 # Mixture-of-experts families: their packed experts also run as our grouped GEMMs ("moe"); the
@@ -149,8 +156,16 @@ class PatchReport:
         return text + ("; not accelerated: " + ", ".join(slow) if slow else "")
 
 
+def text_part(model: nn.Module) -> nn.Module:
+    """The language model inside a vision-language model (`model.model.language_model` in
+    transformers), else the model itself."""
+    inner = getattr(model, "model", None)
+    return getattr(inner, "language_model", None) or getattr(model, "language_model", None) or model
+
+
 def patch_model(model: nn.Module) -> PatchReport:
-    """Put our kernels into a loaded causal LM (before LoRA); returns what was done."""
+    """Put our kernels into a loaded causal LM (before LoRA); returns what was done. In a
+    vision-language model the family patches go into its language model; the loss is the whole model's."""
     family = getattr(model.config, "model_type", type(model).__name__)
     report = PatchReport(family)
     wanted = family_patches(family)
@@ -166,14 +181,15 @@ def patch_model(model: nn.Module) -> PatchReport:
     elif not family_patches_enabled():
         report.generic_only = "family patches off: UNSLOTH_FAMILY_PATCHES=0"
     else:
+        text = text_part(model)
         if "rms_norm" in wanted:
-            report.rms_norm = patch_rms_norms(model)
+            report.rms_norm = patch_rms_norms(text)
         if "rope" in wanted:
-            report.rope = patch_rope(model, device, dtype)
+            report.rope = patch_rope(text, device, dtype)
         if "mlp" in wanted:
-            report.mlp = patch_mlps(model, device, dtype)
+            report.mlp = patch_mlps(text, device, dtype)
         if "moe" in wanted:
-            report.moe = patch_moe_experts(model, device, dtype)
+            report.moe = patch_moe_experts(text, device, dtype)
     model._unsloth_patches = report
     log.info(report.summary())
     return report

@@ -1,0 +1,143 @@
+"""Loading a vision-language model with our kernels in its language model, and choosing LoRA targets
+in its two towers.
+
+transformers builds the model (AutoModelForImageTextToText) and its processor (AutoProcessor); our part
+is the text kernels inside the language model (the patch registry, behaviour-checked as for text
+models), the vision tower frozen or adapted as asked, and a processor that works where torchvision is
+missing (the slow PIL image processors; videos need torchvision).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+
+from torch import nn
+
+log = logging.getLogger("unsloth")
+
+# Where the towers live in transformers' composite models (module path components).
+VISION_PARTS = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "embed_vision")
+ATTENTION_PARTS = ("attn", "attention")
+MLP_PARTS = ("mlp", "feed_forward", "ffn", "merger", "multi_modal_projector", "embed_vision")
+
+
+class _NoVideo:
+    """Between a processor class and ProcessorMixin: drops the video processor from the parts."""
+
+    def __init__(self, *args, **kwargs):
+        from transformers.processing_utils import ProcessorMixin
+
+        kwargs.pop("video_processor", None)
+        full = type(self).__mro__[1].get_attributes()
+        if "video_processor" in full and len(args) > full.index("video_processor"):
+            args = args[: full.index("video_processor")] + args[full.index("video_processor") + 1:]
+        ProcessorMixin.__init__(self, *args, **kwargs)
+        self.video_processor = None
+
+    @classmethod
+    def get_attributes(cls):
+        return [name for name in super().get_attributes() if name != "video_processor"]
+
+
+def without_video(processor_class):
+    """`processor_class` built with no video processor (its base class needs torchvision): images
+    and text only. Its name stays the same, so what it saves loads with AutoProcessor where
+    torchvision is installed."""
+    from transformers.processing_utils import ProcessorMixin
+
+    if "video_processor" not in processor_class.get_attributes():
+        return processor_class
+    shim = type("_NoVideo", (_NoVideo, ProcessorMixin), {})
+    return type(processor_class.__name__, (processor_class, shim), {"__module__": processor_class.__module__})
+
+
+def _processor_class(model_name: str, **hub):
+    """The processor class a folder or hub name was saved with (its processor_config.json), else the
+    one transformers maps its model config to; None if neither says."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+    from transformers.processing_utils import ProcessorMixin
+
+    try:
+        saved = ProcessorMixin.get_processor_dict(model_name, **hub)[0].get("processor_class")
+    except (OSError, ValueError, TypeError):
+        saved = None
+    if saved and hasattr(transformers, saved):
+        return getattr(transformers, saved)
+    try:
+        return PROCESSOR_MAPPING[type(AutoConfig.from_pretrained(model_name, **hub))]
+    except (KeyError, OSError, ValueError):
+        return None
+
+
+def load_processor(model_name: str, **hub):
+    """The model's processor; without torchvision, the same processor over its PIL image processor."""
+    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers.utils import is_torchvision_available
+
+    processor_class = None if is_torchvision_available() else _processor_class(model_name, **hub)
+    if processor_class is None:
+        return AutoProcessor.from_pretrained(model_name, **hub)
+    loaders = {"tokenizer": AutoTokenizer, "image_processor": AutoImageProcessor,
+               "feature_extractor": AutoFeatureExtractor}
+    parts = {name: loaders[name].from_pretrained(model_name, **hub)
+             for name in without_video(processor_class).get_attributes()}
+    options = {}
+    try:  # the processor's own settings (image_seq_length, ...) and its chat template
+        saved, _ = processor_class.get_processor_dict(model_name, **hub)
+        accepted = inspect.signature(processor_class.__init__).parameters
+        options = {k: v for k, v in saved.items() if k in accepted and k not in parts and k != "video_processor"}
+    except (OSError, ValueError, TypeError):
+        pass
+    if not options.get("chat_template"):
+        options["chat_template"] = getattr(parts["tokenizer"], "chat_template", None)
+    if "video_processor" in processor_class.get_attributes():
+        parts["video_processor"] = None
+    return without_video(processor_class)(**parts, **options)
+
+
+def is_vision_module(name: str) -> bool:
+    return any(part in name.split(".") for part in VISION_PARTS)
+
+
+def lora_target_regex(model: nn.Module, vision: bool, language: bool, attention: bool, mlp: bool,
+                      names=None) -> str:
+    """A peft target_modules regex for the linear layers the finetune_* switches select.
+
+    Layers are told apart by where they are: in the vision tower (or the projector) or the language
+    model; under an attention or an MLP module. `names` narrows to those leaf names (a notebook's
+    target_modules list). The LM head is never a target.
+    """
+    chosen = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or name.endswith("lm_head"):
+            continue
+        parts = name.split(".")
+        if names is not None and parts[-1] not in names:
+            continue
+        if not (vision if is_vision_module(name) else language):
+            continue
+        in_attention = any(key in part for part in parts[:-1] for key in ATTENTION_PARTS)
+        in_mlp = not in_attention and any(key in part for part in parts for key in MLP_PARTS)
+        if (in_attention and attention) or (in_mlp and mlp) or (not in_attention and not in_mlp and attention and mlp):
+            chosen.append(name)
+    if not chosen:
+        raise ValueError("the finetune_* switches select no linear layers of this model; turn on "
+                         "finetune_language_layers or finetune_vision_layers, and attention or MLP modules")
+    # layer numbers become \d+, so the regex stays short (one entry per kind of layer)
+    shapes = sorted({re.sub(r"\\\.(\d+)\\\.", r"\\.\\d+\\.", re.escape(n)) for n in chosen})
+    return "^(?:" + "|".join(shapes) + ")$"
+
+
+def load_vision_pretrained(model_name: str, **options):
+    """Load a vision-language model and its processor, with our kernels in its language model.
+    Returns (model, processor); takes load_pretrained's options (4-bit, dtype, checkpointing...)."""
+    from transformers import AutoModelForImageTextToText
+
+    from unsloth.models.loader import load_pretrained
+
+    return load_pretrained(model_name, auto_class=AutoModelForImageTextToText, load_tokenizer=load_processor,
+                           **options)

@@ -1,0 +1,154 @@
+"""FastVisionModel on tiny random models of each vision-language family, loaded from local folders."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny_vision import VISION_FAMILIES, images, save_tiny_vision, tiny_vision_model
+
+pytest.importorskip("PIL")
+
+
+def _chat(i: int = 0, answer: str = "t7 t8"):
+    return {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"t{5 + i} t6"}]},
+                         {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+            "images": images(1, seed=i)}
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: more threads only contend on a shared machine
+    yield
+    torch.set_num_threads(threads)
+
+
+def _load(family, tmp_path, **options):
+    from unsloth import FastVisionModel
+
+    folder = save_tiny_vision(family, tmp_path / family)
+    return FastVisionModel.from_pretrained(folder, load_in_4bit=False, dtype="float32", **options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_our_kernels_in_the_language_model_keep_the_loss_and_gradients(family, tmp_path, one_thread):
+    """With our kernels in its language model (and LoRA on both towers), a batch with images gives
+    the stock model's loss, and gradients reach the vision tower's adapters."""
+    from unsloth import FastVisionModel, UnslothVisionDataCollator
+    from unsloth.models.vision import is_vision_module
+
+    model, processor = _load(family, tmp_path)
+    report = model._unsloth_patches
+    assert report.loss and report.rms_norm and report.mlp, report.summary()
+    stock, _ = tiny_vision_model(family)
+    batch = UnslothVisionDataCollator(model, processor)([_chat(0), _chat(1, "t9 t10 t11")])
+    with torch.no_grad():
+        expected = stock(**batch).loss
+    model = FastVisionModel.get_peft_model(model, r=4, lora_alpha=8, finetune_vision_layers=True)
+    FastVisionModel.for_training(model)
+    loss = model(**batch).loss
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-4, atol=1e-4)
+    vision = [p.grad for n, p in model.named_parameters() if "lora_B" in n and is_vision_module(n)]  # A gets none while B is 0
+    # (a tower's last block can feed nothing the language model reads: most, not all, get a gradient)
+    reached = [g is not None and bool(g.abs().sum() > 0) for g in vision]
+    assert vision and sum(reached) >= len(reached) / 2, reached
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_finetune_switches_pick_the_towers_and_module_kinds(family):
+    from unsloth.models.vision import is_vision_module
+
+    model, _ = tiny_vision_model(family)
+
+    def adapted(**switches):
+        import re
+
+        from unsloth.models.vision import lora_target_regex
+
+        pattern = re.compile(lora_target_regex(model, **switches))
+        return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and pattern.fullmatch(n)]
+
+    both = adapted(vision=True, language=True, attention=True, mlp=True)
+    text = adapted(vision=False, language=True, attention=True, mlp=True)
+    vision_only = adapted(vision=True, language=False, attention=True, mlp=True)
+    attention = adapted(vision=False, language=True, attention=True, mlp=False)
+    assert text and vision_only and set(both) == set(text) | set(vision_only)
+    assert not any(is_vision_module(n) for n in text) and all(is_vision_module(n) for n in vision_only)
+    assert attention and all("attn" in n for n in attention) and "lm_head" not in " ".join(both)
+    with pytest.raises(ValueError, match="select no linear layers"):
+        adapted(vision=False, language=False, attention=True, mlp=True)
+
+
+def test_vision_tower_frozen_when_not_finetuned(tmp_path, monkeypatch, one_thread):
+    from unsloth import FastVisionModel
+
+    monkeypatch.setenv("UNSLOTH_KERNELS", "0")
+    model, _ = _load("qwen2_5_vl", tmp_path)
+    model = FastVisionModel.get_peft_model(model, r=4, finetune_vision_layers=False, target_modules="all-linear")
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and not any("visual" in n for n in trainable)
+    model = FastVisionModel.get_peft_model(_load("qwen2_5_vl", tmp_path / "again")[0], r=4,
+                                           finetune_language_layers=False, target_modules=["qkv", "q_proj"])
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("visual" in n and "qkv" in n for n in trainable)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_inference_with_an_image_answers_as_the_stock_model(family, tmp_path, monkeypatch, one_thread):
+    """for_inference + generate on processor(image, text): the same greedy tokens as the stock model."""
+    from unsloth import FastVisionModel
+
+    monkeypatch.setenv("UNSLOTH_KERNELS", "0")
+    model, processor = _load(family, tmp_path)
+    FastVisionModel.for_inference(model)
+    stock, _ = tiny_vision_model(family)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "t5 t6"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(images(1)[0], text, add_special_tokens=False, return_tensors="pt")
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=processor.tokenizer.pad_token_id)
+    ours = model.generate(**inputs, **options)
+    theirs = stock.generate(**inputs, **options)
+    assert ours.shape[1] > inputs["input_ids"].shape[1]
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "mllama"])
+def test_merged_16bit_save_reloads_with_the_same_logits(family, tmp_path, monkeypatch, one_thread):
+    from transformers import AutoModelForImageTextToText
+
+    from unsloth import FastVisionModel, UnslothVisionDataCollator
+    from unsloth.models.vision import load_processor
+
+    monkeypatch.setenv("UNSLOTH_KERNELS", "0")
+    model, processor = _load(family, tmp_path)
+    model = FastVisionModel.get_peft_model(model, r=4, lora_alpha=8, init_lora_weights=False)
+    batch = UnslothVisionDataCollator(model, processor)([_chat(0)])
+    batch.pop("labels")
+    FastVisionModel.for_inference(model)
+    with torch.no_grad():
+        expected = model(**batch).logits
+    model.save_pretrained_merged(str(tmp_path / "merged"), processor, save_method="merged_16bit")
+    reloaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = reloaded(**batch).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert load_processor(str(tmp_path / "merged")).apply_chat_template(_chat(0)["messages"], tokenize=False)
+
+
+def test_gguf_export_and_chat_with_an_image_refuse_clearly(tmp_path, capsys):
+    """No mmproj writer yet: the export and `unsloth chat --image` say so and write nothing."""
+    from unsloth.cli import main
+    from unsloth.export import ExportError
+    from unsloth.export.gguf import save_pretrained_gguf
+
+    model, processor = tiny_vision_model("qwen2_5_vl")
+    with pytest.raises(ExportError, match="mmproj") as refused:
+        save_pretrained_gguf(model, tmp_path / "gguf", processor, "f16")
+    assert "convert_hf_to_gguf.py" in refused.value.fix and not (tmp_path / "gguf").exists()
+    assert main(["chat", str(tmp_path / "x.gguf"), "--image", str(tmp_path / "a.png")]) == 1
+    assert "mmproj" in capsys.readouterr().err

@@ -1,0 +1,197 @@
+"""Tiny random vision-language models of each family we test, with a processor built here.
+
+Each family: its own config classes at toy sizes (hidden 64, 2 text layers, a 2-block vision tower),
+a word-level tokenizer of the text vocab plus the family's special tokens, the family's slow (PIL)
+image processor constructed from keyword arguments, and a chat template shaped like the family's.
+Images are 32x32 RGB.
+"""
+
+from __future__ import annotations
+
+import torch
+
+WORDS = 300
+IMAGE_SIZE = 32
+VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "gemma4", "mllama")
+
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+
+_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_GEMMA = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}{{ IMAGE }}{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+_LLAMA = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|image|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+# family -> (special tokens, named ones {attribute: token}, bos, eos, pad, chat template)
+_TOKENS = {
+    "qwen2_5_vl": (["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                    "<|video_pad|>", "<|endoftext|>"], {}, None, "<|im_end|>", "<|endoftext|>", _CHATML),
+    "gemma3": (["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                "<end_of_image>", "<image_soft_token>"],
+               {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+               "<bos>", "<end_of_turn>", "<pad>", _GEMMA.replace("{{ IMAGE }}", "<start_of_image>")),
+    "gemma4": (["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>", "<|image>", "<image|>",
+                "<|image|>", "<|video|>", "<|audio>", "<audio|>", "<|audio|>"],
+               {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>",
+                # the processor wants its audio tokens even for images (transformers 5.24)
+                "boa_token": "<|audio>", "eoa_token": "<audio|>", "audio_token": "<|audio|>"},
+               "<bos>", "<end_of_turn>", "<pad>", _GEMMA.replace("{{ IMAGE }}", "<|image|>")),
+    "mllama": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                "<|image|>", "<|python_tag|>", "<|finetune_right_pad_id|>"], {},
+               "<|begin_of_text|>", "<|eot_id|>", "<|finetune_right_pad_id|>", _LLAMA),
+}
+_TOKENS["qwen3_vl"] = _TOKENS["qwen2_5_vl"]
+
+
+def build_tokenizer(family: str):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials, named, bos, eos, pad, template = _TOKENS[family]
+    vocab = {f"t{i}": i for i in range(WORDS - 4)}
+    vocab.update({role: WORDS - 4 + i for i, role in enumerate(("system", "user", "assistant", "model"))})
+    vocab.update({token: WORDS + i for i, token in enumerate(specials)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
+                                   unk_token="t0", extra_special_tokens=named or None, chat_template=template,
+                                   padding_side="right")
+
+
+def _ids(tokenizer, *tokens):
+    return [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+
+
+def build_processor(family: str):
+    import transformers as t
+
+    from unsloth.models.vision import without_video
+
+    tokenizer = build_tokenizer(family)
+    template = tokenizer.chat_template
+    if family in ("qwen2_5_vl", "qwen3_vl"):
+        patch = 8
+        size = {"shortest_edge": IMAGE_SIZE * IMAGE_SIZE, "longest_edge": IMAGE_SIZE * IMAGE_SIZE}
+        images = t.Qwen2VLImageProcessorPil(size=size, patch_size=patch, merge_size=2, temporal_patch_size=2)
+        cls = without_video(t.Qwen2_5_VLProcessor if family == "qwen2_5_vl" else t.Qwen3VLProcessor)
+        return cls(image_processor=images, tokenizer=tokenizer, video_processor=None, chat_template=template)
+    if family == "gemma3":
+        images = t.Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+        return t.Gemma3Processor(images, tokenizer, chat_template=template, image_seq_length=4)
+    if family == "gemma4":
+        images = t.Gemma4ImageProcessorPil(patch_size=8, pooling_kernel_size=2, max_soft_tokens=70)
+        return without_video(t.Gemma4Processor)(t.Gemma4AudioFeatureExtractor(), images, tokenizer, None,
+                                                chat_template=template, image_seq_length=70)
+    if family == "mllama":
+        images = t.MllamaImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, max_image_tiles=1)
+        return t.MllamaProcessor(images, tokenizer, chat_template=template)
+    raise KeyError(family)
+
+
+def vision_config(family: str, tokenizer):
+    import transformers as t
+
+    vocab = len(tokenizer)
+    if family == "qwen2_5_vl":
+        image, video, start = _ids(tokenizer, "<|image_pad|>", "<|video_pad|>", "<|vision_start|>")
+        return t.Qwen2_5_VLConfig(
+            text_config=dict(**TEXT, vocab_size=vocab, rope_scaling={"rope_type": "default", "mrope_section": [2, 2, 4]},
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                               patch_size=8, spatial_merge_size=2, temporal_patch_size=2, window_size=32,
+                               fullatt_block_indexes=[1]),
+            image_token_id=image, video_token_id=video, vision_start_token_id=start)
+    if family == "qwen3_vl":
+        image, video, start, end = _ids(tokenizer, "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+        return t.Qwen3VLConfig(
+            text_config=dict(**TEXT, head_dim=16, vocab_size=vocab,
+                             rope_scaling={"rope_type": "default", "mrope_section": [2, 2, 4], "mrope_interleaved": True},
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                               patch_size=8, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                               deepstack_visual_indexes=[1]),
+            image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
+    if family == "gemma3":
+        boi, eoi, image = _ids(tokenizer, "<start_of_image>", "<end_of_image>", "<image_soft_token>")
+        return t.Gemma3Config(
+            text_config=dict(**TEXT, head_dim=16, vocab_size=vocab, sliding_window=64,
+                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                             eos_token_id=tokenizer.eos_token_id),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                               image_size=IMAGE_SIZE, patch_size=8),
+            mm_tokens_per_image=4, boi_token_index=boi, eoi_token_index=eoi, image_token_index=image)
+    if family == "gemma4":
+        boi, eoi, image, video = _ids(tokenizer, "<|image>", "<image|>", "<|image|>", "<|video|>")
+        return t.Gemma4Config(
+            text_config=dict(**TEXT, head_dim=16, vocab_size=vocab, sliding_window=64, vocab_size_per_layer_input=vocab,
+                             hidden_size_per_layer_input=8, layer_types=["sliding_attention", "full_attention"],
+                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                             eos_token_id=tokenizer.eos_token_id),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                               num_key_value_heads=2, head_dim=16, patch_size=8, pooling_kernel_size=2,
+                               position_embedding_size=64),
+            audio_config=None, boi_token_id=boi, eoi_token_id=eoi, image_token_id=image, video_token_id=video)
+    if family == "mllama":
+        image = tokenizer.convert_tokens_to_ids("<|image|>")
+        return t.MllamaConfig(
+            text_config=dict(**{k: v for k, v in TEXT.items() if k != "num_hidden_layers"}, num_hidden_layers=3,
+                             cross_attention_layers=[1], vocab_size=vocab, pad_token_id=tokenizer.pad_token_id,
+                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1,
+                               attention_heads=2, image_size=IMAGE_SIZE, patch_size=8, max_num_tiles=1,
+                               intermediate_layers_indices=[0], vision_output_dim=64,
+                               supported_aspect_ratios=[[1, 1]]),
+            image_token_index=image)
+    raise KeyError(family)
+
+
+def tiny_vision_model(family: str, seed: int = 0):
+    """(model, processor): random weights in float32."""
+    from transformers import AutoModelForImageTextToText
+
+    processor = build_processor(family)
+    config = vision_config(family, processor.tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # Some towers start closed (Gemma 3's projection weight, mllama's cross-attention gates are zeros
+        # at init): random values, as a trained checkpoint has, so images reach the language model.
+        for name, p in model.named_parameters():
+            if not p.any() and "bias" not in name:
+                p.normal_(0.0, 0.5)
+    return model.eval(), processor
+
+
+def save_tiny_vision(family: str, directory) -> str:
+    """A loadable folder: the model, its processor (tokenizer, image processor, chat template)."""
+    model, processor = tiny_vision_model(family)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return str(directory)
+
+
+def images(n: int = 2, seed: int = 0):
+    """`n` RGB PIL images of random colours."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 255, (IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)) for _ in range(n)]
