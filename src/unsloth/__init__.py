@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 _LAZY = {
     **dict.fromkeys(("FastLanguageModel", "FastModel", "FastVisionModel", "is_bfloat16_supported"),
                     "unsloth.notebook.fast_model"),
-    **dict.fromkeys(("UnslothTrainer", "UnslothTrainingArguments", "unsloth_train"), "unsloth.notebook.trainers"),
+    **dict.fromkeys(("UnslothTrainer", "UnslothTrainingArguments", "unsloth_train", "PatchDPOTrainer",
+                     "PatchKTOTrainer"), "unsloth.notebook.trainers"),
     **dict.fromkeys(("get_chat_template", "standardize_sharegpt", "standardize_data_formats", "to_sharegpt",
                      "apply_chat_template", "train_on_responses_only"), "unsloth.chat_templates"),
 }
