@@ -43,6 +43,29 @@ METHODS = {
     "simpo": ("CPOTrainer", "CPOConfig", ("prompt", "chosen", "rejected")),
 }
 TRAINERS = frozenset(trainer for trainer, _, _ in METHODS.values())
+# Our defaults per method, under the config's [training] (the notebooks' values: DPO's learning rate
+# is far below SFT's, as the reference keeps the policy close).
+DEFAULTS = {
+    "dpo": {"learning_rate": 5e-6, "beta": 0.1},
+    "orpo": {"learning_rate": 8e-6, "beta": 0.1},
+    "kto": {"learning_rate": 5e-6, "beta": 0.1},
+    "simpo": {"learning_rate": 1e-6, "loss_type": "simpo", "cpo_alpha": 0.0, "beta": 2.0},
+}
+
+
+def _trl(name: str):
+    from unsloth.training import trl_compat  # it imports this module: imported when first needed
+
+    return trl_compat.install()[name]
+
+
+def trainer_class(method: str):
+    """TRL's trainer for `unsloth train` method `method` (the compatible subclass)."""
+    return _trl(METHODS[method][0])
+
+
+def config_class(method: str):
+    return _trl(METHODS[method][1])
 
 
 @dataclass
