@@ -2,7 +2,7 @@
 # Everything measured on the lent H200, in one call per section, beside the anchors.
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
-# sections: machine, tests, kernels, trainer, profile, ab, host, moe, notebook, families, generation, grpo, tts, fullft, vision;
+# sections: machine, tests, kernels, trainer, profile, ab, host, moe, notebook, families, generation, grpo, tts, fullft, vision, dpo;
 # all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
 set -u
@@ -187,10 +187,23 @@ fullft() {  # full fine-tuning of a Llama-3.2-1B shape (bf16, 8 x 2048, adamw_8b
   done
 }
 
+dpo() {  # DPO, QLoRA, Llama-3.1-8B shapes with DPO_LAYERS layers (default 8), 2 pairs x 1024: ours, Unsloth, TRL + PEFT
+  layers="--layers ${DPO_LAYERS:-8}"
+  # shellcheck disable=SC2086
+  [ -f /tmp/llama8b-dpo/config.json ] || timeout 120 python3 bench/bench_dpo.py --impl make $layers 2>&1 | tail -1
+  # shellcheck disable=SC2086
+  timeout 100 python3 bench/bench_dpo.py --impl ours $layers 2>&1 | grep '^{' | tee -a "$OUT/dpo.jsonl"
+  for impl in ${ANCHOR_IMPLS-unsloth trl}; do
+    [ "$impl" = hf ] && impl=trl
+    # shellcheck disable=SC2086
+    PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 100 python3 bench/bench_dpo.py --impl $impl $layers 2>&1 | grep '^{' | tee -a "$OUT/dpo.jsonl"
+  done
+}
+
 [ $# -gt 0 ] || set -- all
 for section in "$@"; do
   case $section in
-    machine|tests|kernels|trainer|profile|ab|host|moe|notebook|families|generation|grpo|tts|fullft|vision) $section ;;
+    machine|tests|kernels|trainer|profile|ab|host|moe|notebook|families|generation|grpo|tts|fullft|vision|dpo) $section ;;
     all) machine; tests; kernels; trainer ;;
     *) echo "unknown section: $section" >&2; exit 2 ;;
   esac

@@ -17,8 +17,8 @@ _LAZY = {
                     "unsloth.notebook.fast_model"),
     **dict.fromkeys(("SamplingParams", "LoRARequest"), "unsloth.notebook.vllm_compat"),
     "FastSentenceTransformer": "unsloth.notebook.sentence_transformer",
-    **dict.fromkeys(("UnslothTrainer", "UnslothTrainingArguments", "unsloth_train", "UnslothVisionDataCollator"),
-                    "unsloth.notebook.trainers"),
+    **dict.fromkeys(("UnslothTrainer", "UnslothTrainingArguments", "unsloth_train", "UnslothVisionDataCollator",
+                     "PatchDPOTrainer", "PatchKTOTrainer"), "unsloth.notebook.trainers"),
     **dict.fromkeys(("get_chat_template", "standardize_sharegpt", "standardize_data_formats", "to_sharegpt",
                      "apply_chat_template", "train_on_responses_only"), "unsloth.chat_templates"),
 }

@@ -31,7 +31,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("config", nargs="?", help="a .toml, .yaml or .yml training config")
     p.add_argument("--demo", nargs="?", const="capitals", default=None, metavar="NAME",
-                   help="a built-in demo on a tiny model built here (CPU ok): capitals (the default), vision")
+                   help="a built-in demo on a tiny model built here (CPU ok): capitals (the default), vision, dpo")
     p.add_argument("--model", help="model name or local folder (model.name)")
     p.add_argument("--dataset", help="hub dataset or local .jsonl/.parquet/.csv (dataset.name)")
     p.add_argument("--output-dir", dest="output_dir", help="where checkpoints and results go")

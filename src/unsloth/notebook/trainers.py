@@ -1,5 +1,6 @@
 """UnslothTrainer / UnslothTrainingArguments: SFT with its own learning rate for embeddings (continued
-pretraining notebooks train embed_tokens and lm_head through `modules_to_save`), and `unsloth_train`."""
+pretraining notebooks train embed_tokens and lm_head through `modules_to_save`), `unsloth_train`, and
+the `PatchDPOTrainer()` / `PatchKTOTrainer()` calls of the preference notebooks."""
 
 from __future__ import annotations
 
@@ -42,3 +43,12 @@ class UnslothTrainer(_SFTTrainer):
 def unsloth_train(trainer, *args, **kwargs):
     """`trainer.train()`: gradient accumulation is already exact in current transformers."""
     return trainer.train(*args, **kwargs)
+
+
+def PatchDPOTrainer() -> None:  # noqa: N802 - the name notebooks call
+    """Nothing left to do: TRL's DPO, ORPO, KTO and CPO trainers already run on our fused log-probabilities
+    (``unsloth.training.preference``) once the notebook facade is imported. Kept so notebooks run unchanged."""
+    trl_compat.install()
+
+
+PatchKTOTrainer = PatchDPOTrainer

@@ -3,8 +3,12 @@
     [model]    name, max_seq_length, dtype, load_in_4bit, load_in_8bit, full_finetuning, ...
     [dataset]  name (a hub dataset, or a local .jsonl / .json / .parquet / .csv), split, ...
     [lora]     r, alpha, dropout, target_modules, ...
-    [training] any TRL SFTConfig field (learning_rate, max_steps, per_device_train_batch_size, ...)
-    output_dir, gradient_checkpointing, packing, resume, save_merged   (top level)
+    [training] any field of the method's TRL config (SFTConfig, DPOConfig, ...: learning_rate, max_steps,
+               per_device_train_batch_size, beta, loss_type, ...)
+    method, output_dir, gradient_checkpointing, packing, resume, save_merged   (top level)
+
+`method` is "sft" (the default), or a preference method: "dpo", "orpo", "kto", "simpo", whose
+dataset has prompt / chosen / rejected columns (KTO: prompt / completion / label).
 
 Every error names the key, what was wrong and how to fix it.
 """
@@ -67,12 +71,17 @@ class LoraSettings:
     use_rslora: bool = False
 
 
+# `unsloth train` methods: supervised fine-tuning, and the preference methods (training/preference.py).
+METHODS = ("sft", "dpo", "orpo", "kto", "simpo")
+
+
 @dataclass
 class TrainConfig:
     model: ModelConfig
     dataset: DatasetConfig
     lora: LoraSettings | None = field(default_factory=LoraSettings)
-    training: dict[str, Any] = field(default_factory=dict)  # checked against TRL's SFTConfig by the trainer
+    training: dict[str, Any] = field(default_factory=dict)  # checked against the method's TRL config class
+    method: str = "sft"  # one of METHODS
     output_dir: str = "outputs"
     gradient_checkpointing: Union[bool, str] = "unsloth"  # true | false | "unsloth" (offloaded)
     packing: bool = False  # padding-free packing: several sequences per row, no pad tokens
@@ -155,6 +164,14 @@ def apply_override(raw: dict, item: str) -> None:
 def from_dict(raw: dict) -> TrainConfig:
     """Build and check a TrainConfig from a mapping (as read from TOML/YAML)."""
     config = _build(TrainConfig, raw, "")
+    if config.method not in METHODS:
+        close = difflib.get_close_matches(config.method, METHODS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"method = {config.method!r}: not a training method{hint}",
+                          f"set method to one of {', '.join(repr(m) for m in METHODS)}")
+    if config.method != "sft" and config.packing:
+        raise ConfigError(f"packing: method = {config.method!r} trains on prompt / answer pairs, which are not packed",
+                          "remove packing (or set packing = false)")
     if config.lora is None and not config.model.full_finetuning:
         raise ConfigError("lora: missing; add a [lora] table, or set model.full_finetuning = true")
     if config.model.load_in_4bit and config.model.load_in_8bit:

@@ -1,4 +1,5 @@
-"""Supervised fine-tuning from a TrainConfig: FastLanguageModel + LoRA + TRL's SFTTrainer.
+"""Fine-tuning from a TrainConfig: FastLanguageModel + LoRA + TRL's SFTTrainer (or, for the preference
+methods, its DPO / ORPO / KTO / CPO trainer: training/preference.py).
 
 This is what `unsloth train CONFIG` and the demo run. The trainer is TRL's own; we add the
 model, the dataset loading, a compact progress/loss log (also written to loss_log.jsonl),
@@ -37,8 +38,9 @@ class TrainResult:
     trainer: Any = None
 
 
-def load_dataset_from(config: DatasetConfig):
-    """A hub dataset or a local jsonl / json / parquet / csv file, checked to be in a shape SFT reads."""
+def load_dataset_from(config: DatasetConfig, columns: tuple[str, ...] | None = None):
+    """A hub dataset or a local jsonl / json / parquet / csv file, checked to be in a shape SFT reads
+    (or, given `columns`, to have all of them: a preference method's)."""
     from datasets import load_dataset
 
     path = Path(config.name).expanduser()
@@ -72,6 +74,14 @@ def load_dataset_from(config: DatasetConfig):
             raise ConfigError(f"dataset.text_field: no column {config.text_field!r}; "
                               f"columns are {', '.join(data.column_names)}")
         data = data.rename_column(config.text_field, "text")
+    if columns is not None:
+        missing = [c for c in columns if c not in data.column_names]
+        if missing:
+            raise ConfigError(f"dataset {config.name}: missing column(s) {', '.join(repr(c) for c in missing)} "
+                              f"(it has {', '.join(data.column_names)}); this method needs "
+                              f"{', '.join(columns)}", "rename the columns in the data (or choose another method)",
+                              kept=KEPT)
+        return data
     columns = set(data.column_names)
     if not any(shape <= columns for shape in _SHAPES):
         raise ConfigError(f"dataset {config.name}: columns {sorted(columns)} are none of the shapes SFT reads: "
@@ -109,16 +119,23 @@ def check_before_loading(config: TrainConfig) -> None:
 
 
 def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool):
-    """TRL SFTConfig from our defaults plus [training]; unknown keys are named with a suggestion."""
-    from trl import SFTConfig
+    """The method's TRL config (SFTConfig, DPOConfig, ...) from our defaults plus [training]; unknown keys
+    are named with a suggestion."""
+    from unsloth.training import preference
 
+    if config.method == "sft":
+        from trl import SFTConfig
+    else:
+        SFTConfig = preference.config_class(config.method)  # noqa: N806 - a class
+    name = SFTConfig.__name__
     hints = typing.get_type_hints(SFTConfig)
     known = [f.name for f in dataclasses.fields(SFTConfig)]
     for key, value in config.training.items():
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else " (see TRL's SFTConfig for the fields)"
-            raise ConfigError(f"training.{key}: not a training argument{hint}")
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (see TRL's {name} for the fields)"
+            of = "" if config.method == "sft" else f" of method {config.method!r}"
+            raise ConfigError(f"training.{key}: not a training argument{of}{hint}")
         check_value(hints[key], value, f"training.{key}")  # only checked: the Trainer gets the value as given
     arguments = {
         "output_dir": config.output_dir,
@@ -140,13 +157,16 @@ def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool):
         # Packing (best-fit decreasing) is padding-free: sequences share a row, positions restart per sequence.
         "packing": config.packing,
     }
+    if config.method != "sft":
+        del arguments["packing"]
+        arguments.update(preference.DEFAULTS[config.method])
     arguments.update(config.training)
     if "optim" in arguments:
         arguments["optim"] = usable_optimizer(arguments["optim"], "training.optim")
     try:
         return SFTConfig(**arguments)
     except (TypeError, ValueError) as exc:  # a value of the wrong kind, or settings that do not go together
-        raise ConfigError(f"training: TRL's SFTConfig refuses these settings: {exc}") from None
+        raise ConfigError(f"training: TRL's {name} refuses these settings: {exc}") from None
 
 
 def _on_gpu() -> bool:
@@ -224,8 +244,11 @@ def train(config: TrainConfig, echo: Callable[[str], None] = print, callbacks=()
     from trl import SFTTrainer
     from transformers.trainer_callback import ProgressCallback
 
+    from unsloth.training import preference
+
     check_before_loading(config)
-    dataset = load_dataset_from(config.dataset)
+    columns = None if config.method == "sft" else preference.METHODS[config.method][2]
+    dataset = load_dataset_from(config.dataset, columns)
     model, tokenizer = load_model(config)
     if ("messages" in dataset.column_names or "prompt" in dataset.column_names) and not tokenizer.chat_template \
             and isinstance(dataset[0].get("messages", dataset[0].get("prompt")), list):
@@ -237,8 +260,9 @@ def train(config: TrainConfig, echo: Callable[[str], None] = print, callbacks=()
     compute = (getattr(quantization, "bnb_4bit_compute_dtype", None) if four_bit else None) or dtype
     args = sft_arguments(config, bf16=compute == torch.bfloat16, fp16=compute == torch.float16)
     losses: list[float] = []
-    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                         callbacks=list(callbacks))
+    trainer_cls = SFTTrainer if config.method == "sft" else preference.trainer_class(config.method)
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                          callbacks=list(callbacks))
     if not getattr(trainer, "checks_memory", False):  # the notebook trainers' train() checks it itself
         check_before_training(model, batch=args.per_device_train_batch_size, seq=config.model.max_seq_length,
                               optim=args.optim, checkpointing=config.gradient_checkpointing,

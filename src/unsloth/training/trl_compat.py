@@ -16,7 +16,9 @@ SFTConfig, GRPOTrainer, GRPOConfig, DPOTrainer, ...`` give subclasses of TRL's o
   warning, where bitsandbytes cannot step it on this machine (``unsloth.training.optimizers``);
 - raise GRPO's generation batch to a multiple of ``num_generations``, and (without vLLM) send its
   rollouts through our fast generation path (``unsloth.models.generation``);
-- keep our fused cross-entropy as SFT's loss (TRL's own chunked LM head otherwise replaces it).
+- keep our fused cross-entropy as SFT's loss (TRL's own chunked LM head otherwise replaces it);
+- give the preference trainers (DPO, KTO, ORPO, CPO / SimPO) our fused per-token log-probabilities
+  (``unsloth.training.preference``).
 
 Every mapping is decided by looking at the installed classes (their fields and signatures), so an
 older TRL that still has a field receives it as it is. TRL's files are not changed: the module
@@ -34,12 +36,14 @@ import math
 from unsloth.errors import UnslothError
 from unsloth.models import generation
 from unsloth.training.optimizers import usable_optimizer
+from unsloth.training import preference
 
 log = logging.getLogger("unsloth")
 
 # Trainer name -> its config class name, for the trainers notebooks use.
 TRAINERS = {"SFTTrainer": "SFTConfig", "GRPOTrainer": "GRPOConfig", "DPOTrainer": "DPOConfig",
-            "KTOTrainer": "KTOConfig", "ORPOTrainer": "ORPOConfig", "RewardTrainer": "RewardConfig"}
+            "KTOTrainer": "KTOConfig", "ORPOTrainer": "ORPOConfig", "CPOTrainer": "CPOConfig",
+            "RewardTrainer": "RewardConfig"}
 
 # Old name -> current name; applied only when the class lacks the old one and has the new one.
 RENAMED = {"max_seq_length": "max_length", "evaluation_strategy": "eval_strategy", "no_cuda": "use_cpu",
@@ -293,9 +297,17 @@ def _ours_patched(model) -> bool:
 
 
 def _checkpointing_is_ours(model, args) -> None:
-    """Our per-layer checkpointing is already on: the Trainer's would recompute every layer twice."""
-    if getattr(model, "_unsloth_checkpointing", None) and getattr(args, "gradient_checkpointing", False):
-        args.gradient_checkpointing = False
+    """Our per-layer checkpointing is already on: the Trainer's would recompute every layer twice.
+
+    transformers 5.24 calls it `activation_checkpointing` (`gradient_checkpointing` is its alias): both
+    go off, or TRL's reference pass (`disable_gradient_checkpointing`) turns the layers' own back on
+    between a forward and its backward, and the recompute then differs from the forward.
+    """
+    if not getattr(model, "_unsloth_checkpointing", None):
+        return
+    for name in ("gradient_checkpointing", "activation_checkpointing"):
+        if getattr(args, name, False):
+            setattr(args, name, False)
 
 
 def _one_bos(dataset, tokenizer, text_field: str):
@@ -329,6 +341,7 @@ def compat_trainer(base, config_cls):
     """A subclass of TRL trainer `base` that accepts the notebooks' keywords (and, for SFT, keeps our loss)."""
     name = base.__name__
     is_sft = name == "SFTTrainer"
+    is_preference = name in preference.TRAINERS
 
     def __init__(self, *args, **kwargs):
         if args:  # model, positionally
@@ -352,6 +365,8 @@ def compat_trainer(base, config_cls):
                 data = _one_bos(data, getattr(tokenizer, "tokenizer", tokenizer), field)
             kwargs["train_dataset"] = data
         base.__init__(self, **kwargs)
+        if is_preference:
+            preference.adopt(self)  # after TRL's own fused head is on: ours answers its calls
 
     def train(self, *args, **kwargs):
         check_memory(self)  # a run that cannot fit stops here, before the first step
@@ -362,6 +377,7 @@ def compat_trainer(base, config_cls):
         namespace["compute_loss"] = _sft_compute_loss(base)
         namespace["train"] = train
         namespace["checks_memory"] = True
+    namespace.update(preference.trainer_methods(name, base))
     return type(name, (base,), namespace)
 
 

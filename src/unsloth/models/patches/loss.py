@@ -19,7 +19,7 @@ from unsloth.models.patches.probe import same
 IGNORE_INDEX = -100
 
 
-def _logit_transform(config) -> tuple[float | None, float]:
+def logit_transform(config) -> tuple[float | None, float]:
     """(softcap, scale) applied to the logits before the softmax, read the way the configs spell them."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     softcap = getattr(text, "final_logit_softcapping", None)
@@ -36,7 +36,7 @@ def fused_causal_lm_loss(model, hidden: torch.Tensor, labels=None, shift_labels=
     if shift_labels is None:
         hidden, shift_labels = hidden[:, :-1], labels[:, 1:]
     head = model.get_output_embeddings()
-    softcap, scale = _logit_transform(model.config)
+    softcap, scale = logit_transform(model.config)
     hidden = hidden.to(head.weight.device).reshape(-1, hidden.shape[-1])
     return fused_linear_cross_entropy(
         hidden,
