@@ -3,8 +3,8 @@
 Which converter: the llama.cpp tree named by ``UNSLOTH_LLAMA_CPP`` (a checkout or build with
 convert_hf_to_gguf.py), else the one from the source distribution of the llama-cpp-python that is
 installed here, so conversion and the runtime that loads the result are the same llama.cpp. That
-one is fetched once with pip (which honours the user's index and mirrors) and only its converter
-files are kept, in the user cache.
+one is fetched once from the package index (PIP_INDEX_URL or PyPI, checked against its sha256) and
+only its converter files are kept, in the user cache.
 
 What it supports is read from its files (the architecture names it registers), so an export it
 cannot do is refused before any work, naming the architecture and the fix.
@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import subprocess
+import urllib.parse
 import sys
 import tarfile
 import tempfile
@@ -117,24 +118,49 @@ def extract_converter(sdist: Path, dest: Path) -> Path:
     return dest
 
 
+def _sdist_url(version: str) -> tuple[str, str]:
+    """(URL, sha256) of the llama-cpp-python ``version`` sdist, from the package index's simple API
+    (PEP 691 JSON; PIP_INDEX_URL or PyPI). Asking pip to download an sdist would first build its
+    metadata, which for llama-cpp-python means a CMake configure."""
+    import urllib.request
+
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    request = urllib.request.Request(f"{index}/llama-cpp-python/",
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        files = json.load(response)["files"]
+    wanted = f"llama_cpp_python-{version}.tar.gz"
+    for entry in files:
+        if entry["filename"] == wanted and "sha256" in entry.get("hashes", {}):
+            return urllib.parse.urljoin(response.url, entry["url"]), entry["hashes"]["sha256"]
+    raise LookupError(f"{wanted} is not on {index}")
+
+
 def _fetch(version: str, cache: Path) -> Path:
+    import hashlib
+    import urllib.request
+
     target = cache / version
     log.info("fetching llama.cpp's converter (llama-cpp-python %s source, once) into %s", version, target)
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=cache) as staging:
-        command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                   f"llama-cpp-python=={version}", "--dest", staging]
-        done = subprocess.run(command, capture_output=True, text=True)
-        sdists = sorted(Path(staging).glob("llama_cpp_python-*.tar.gz"))
-        if done.returncode != 0 or not sdists:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        sdist = Path(staging) / f"llama_cpp_python-{version}.tar.gz"
+        try:
+            url, sha256 = _sdist_url(version)
+            digest = hashlib.sha256()
+            with urllib.request.urlopen(url, timeout=60) as response, sdist.open("wb") as out:
+                while chunk := response.read(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+            if digest.hexdigest() != sha256:
+                raise OSError(f"{sdist.name} does not match the index's sha256")
+        except (OSError, LookupError, ValueError, KeyError) as exc:
             raise ExportError(
-                f"could not fetch llama.cpp's converter (the llama-cpp-python {version} source) with pip: "
-                + " / ".join(tail),
-                fix=f"check the network or pip's index settings, or set {CONVERTER_ENV} to a llama.cpp checkout "
+                f"could not fetch llama.cpp's converter (the llama-cpp-python {version} source): {exc}",
+                fix=f"check the network or PIP_INDEX_URL, or set {CONVERTER_ENV} to a llama.cpp checkout "
                 "(git clone https://github.com/ggml-org/llama.cpp)",
-            )
-        unpacked = extract_converter(sdists[0], Path(staging) / "tree")
+            ) from exc
+        unpacked = extract_converter(sdist, Path(staging) / "tree")
         try:
             unpacked.rename(target)  # whole or not at all: a killed fetch leaves only the staging folder
         except OSError:
