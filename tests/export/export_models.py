@@ -32,13 +32,12 @@ _HYBRID = dict(head_dim=64, linear_key_head_dim=32, linear_value_head_dim=32, li
 _EXPERTS = dict(num_experts_per_tok=2, moe_intermediate_size=128)
 LLAMA_CPP_PER_ARCH = {
     "qwen3_5_text": _HYBRID,
-    "qwen3_5_moe_text": dict(_HYBRID, num_experts=4, shared_expert_intermediate_size=128, **_EXPERTS),
     "gpt_oss": dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2, intermediate_size=256,
                     layer_types=["sliding_attention", "full_attention"]),
     "qwen3_moe": dict(head_dim=64, num_experts=4, norm_topk_prob=True, **_EXPERTS),
-    "qwen2_moe": dict(num_experts=4, shared_expert_intermediate_size=128, **_EXPERTS),
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "deepseek_v3": dict(n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=32,
+                        q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                        num_key_value_heads=4, **_EXPERTS),
     "phi3": dict(pad_token_id=None),
     "smollm3": dict(pad_token_id=None),
     "olmo2": {},
