@@ -96,3 +96,14 @@ def make_model(arch: str, seed: int = 0, **overrides):
         for param in model.parameters():
             param.copy_(param.half().float())
     return model
+
+
+def fake_tree(root, *, table=(), registered=()):
+    """A llama.cpp tree whose converter knows ``table`` (conversion package) and ``registered`` (script)."""
+    (root / "gguf-py").mkdir(parents=True)
+    (root / "conversion").mkdir()
+    lines = "\n".join(f"@ModelBase.register({name!r})\nclass M{i}: pass" for i, name in enumerate(registered))
+    (root / "convert_hf_to_gguf.py").write_text(lines + "\n")
+    entries = "".join(f"    {name!r}: 'llama',\n" for name in table)
+    (root / "conversion" / "__init__.py").write_text(f"TEXT_MODEL_MAP: dict[str, str] = {{\n{entries}}}\n")
+    return root

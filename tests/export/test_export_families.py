@@ -14,21 +14,10 @@ import textwrap
 
 import pytest
 
-from export_models import LLAMA_CPP_ARCHITECTURES, make_model, make_tokenizer
+from export_models import LLAMA_CPP_ARCHITECTURES, fake_tree, make_model, make_tokenizer
 
 N_TOKENS = 12
 PROMPTS = ("The capital of France is", "def add(a, b):", "Once upon a time")
-
-
-def fake_tree(root, *, table=(), registered=()):
-    """A llama.cpp tree whose converter knows ``table`` (conversion package) and ``registered`` (script)."""
-    (root / "gguf-py").mkdir(parents=True)
-    (root / "conversion").mkdir()
-    lines = "\n".join(f"@ModelBase.register({name!r})\nclass M{i}: pass" for i, name in enumerate(registered))
-    (root / "convert_hf_to_gguf.py").write_text(lines + "\n")
-    entries = "".join(f"    {name!r}: 'llama',\n" for name in table)
-    (root / "conversion" / "__init__.py").write_text(f"TEXT_MODEL_MAP: dict[str, str] = {{\n{entries}}}\n")
-    return root
 
 
 def test_supported_architectures_read_from_both_layouts(tmp_path):
