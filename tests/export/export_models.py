@@ -35,15 +35,11 @@ LLAMA_CPP_PER_ARCH = {
     "gpt_oss": dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2, intermediate_size=256,
                     layer_types=["sliding_attention", "full_attention"]),
     "qwen3_moe": dict(head_dim=64, num_experts=4, norm_topk_prob=True, **_EXPERTS),
-    "deepseek_v3": dict(n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=32,
-                        q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
-                        num_key_value_heads=4, **_EXPERTS),
     "phi3": dict(pad_token_id=None),
     "smollm3": dict(pad_token_id=None),
     "olmo2": {},
     "olmo3": {},
     "granite": dict(logits_scaling=4.0, residual_multiplier=0.5, embedding_multiplier=2.0),
-    "glm4": dict(head_dim=64, pad_token_id=None),
     "ministral3": dict(head_dim=64),
 }
 PER_ARCH.update(LLAMA_CPP_PER_ARCH)
