@@ -2,7 +2,8 @@
 # Everything measured on the lent H200, in one call per section, beside the anchors.
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
-# sections: machine, tests, kernels, trainer, profile, ab, host, moe, notebook, families, families_call, generation, grpo, tts; all = machine tests kernels trainer)
+# sections: machine, tests, kernels, trainer, profile, ab, host, moe, notebook, families, families_call, generation, grpo,
+# tts, fullft; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
 set -u
 OUT=${OUT:-/tmp/h200-out}
@@ -189,10 +190,25 @@ tts() {  # an Orpheus-3B-shaped TTS SFT as the notebook runs it (bench/bench_tts
   PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 200 python3 bench/bench_tts.py --impl unsloth ${TTS_ARGS:-} 2>&1 | tail -1 | tee -a "$OUT/tts.jsonl"
 }
 
+fullft() {  # full fine-tuning of a Llama-3.2-1B shape (bf16, 8 x 2048, adamw_8bit): ours, Unsloth, transformers.
+  # FULLFT_MODES="full lora8" adds 8-bit LoRA rows (batch 2); FULLFT_IMPLS picks fewer; FULLFT_OPTIM=adamw.
+  [ -f /tmp/llama1b/config.json ] || timeout 120 python3 bench/bench_fullft.py --impl make 2>&1 | tail -1
+  for mode in ${FULLFT_MODES:-full}; do
+    batch=8
+    [ "$mode" = lora8 ] && batch=2
+    for impl in ${FULLFT_IMPLS:-ours unsloth hf}; do
+      path=$PYTHONPATH  # ours: our source first; the public packages: the anchors' site alone
+      [ "$impl" = ours ] || path="/tmp/site:$ROOT/.anchors/site"
+      PYTHONPATH=$path timeout "${FULLFT_TIMEOUT:-150}" python3 bench/bench_fullft.py --impl "$impl" --mode "$mode" \
+        --batch "$batch" --optim "${FULLFT_OPTIM:-adamw_8bit}" 2>&1 | grep '^{' | tail -1 | tee -a "$OUT/fullft.jsonl"
+    done
+  done
+}
+
 [ $# -gt 0 ] || set -- all
 for section in "$@"; do
   case $section in
-    machine|tests|kernels|trainer|profile|ab|host|moe|notebook|families|families_call|generation|grpo|tts) $section ;;
+    machine|tests|kernels|trainer|profile|ab|host|moe|notebook|families|families_call|generation|grpo|tts|fullft) $section ;;
     all) machine; tests; kernels; trainer ;;
     *) echo "unknown section: $section" >&2; exit 2 ;;
   esac

@@ -107,3 +107,64 @@ def test_the_checker_sees_an_upward_import(source):
 def test_the_checker_allows_a_downward_import():
     names = _imported_names("from unsloth.models.merge import merged_tensors\nimport unsloth_kernels\n", "unsloth.export")
     assert not _violations("unsloth.export.gguf", names)
+
+
+# Commands return results; unsloth.commands.render prints them (and is the echo for streamed replies and
+# the console long jobs report on). So no other module under unsloth.commands writes output itself.
+PRINTER = "unsloth.commands.render"
+
+
+def _direct_output(source: str) -> list[str]:
+    """Each place ``source`` writes output itself: print(), <anything>.print(), sys.stdout / sys.stderr
+    .write(), a rich Console, or doctor's table printers (which the renderer calls)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name) and func.id == "print":
+                found.append(f"line {node.lineno}: print()")
+            elif isinstance(func, ast.Attribute) and func.attr == "print":
+                found.append(f"line {node.lineno}: .print()")
+            elif (isinstance(func, ast.Attribute) and func.attr in ("write", "writelines")
+                  and isinstance(func.value, ast.Attribute) and func.value.attr in ("stdout", "stderr")):
+                found.append(f"line {node.lineno}: {func.value.attr}.{func.attr}()")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = _imported_names(ast.unparse(node), "unsloth.commands")
+            for printer in ("rich.console", "unsloth.doctor.render"):
+                if any(_within(name, printer) for name in names):
+                    found.append(f"line {node.lineno}: imports {printer}")
+    return found
+
+
+def _command_modules():
+    return [p for p in _sources() if _within(_module_name(p), "unsloth.commands") and _module_name(p) != PRINTER]
+
+
+def test_the_command_modules_are_found():
+    assert {"unsloth.commands.detect", "unsloth.commands.install", "unsloth.commands.chat"} <= {
+        _module_name(p) for p in _command_modules()}
+
+
+@pytest.mark.parametrize("path", _command_modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_commands_print_only_through_the_renderer(path):
+    found = _direct_output(path.read_text())
+    assert not found, f"{_module_name(path)} prints itself; return a result (unsloth.commands.results) or " \
+                      f"use {PRINTER}.echo:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("source", [
+    "print('done')\n",
+    "import sys\ndef f():\n    sys.stderr.write('x')\n",
+    "def f(console):\n    console.print('[green]Ready[/]')\n",
+    "from rich.console import Console\n",
+    "import rich.console\n",
+    "def f():\n    from unsloth.doctor import render\n",
+])
+def test_the_print_check_sees_direct_output(source):
+    assert _direct_output(source)
+
+
+def test_the_print_check_allows_the_renderer_and_reading_the_terminal():
+    source = ("import sys\nfrom unsloth.commands import render\n"
+              "def f(console):\n    render.echo('x', end='')\n    console.input('ok? ')\n    sys.stdout.isatty()\n")
+    assert not _direct_output(source)

@@ -1,7 +1,8 @@
 """Command line: arguments -> commands. No decisions live here.
 
 Each command lives in its own module under ``unsloth.commands`` and exposes
-``register(subparsers)``, which adds its parser and sets ``func`` (args -> exit code).
+``register(subparsers)``, which adds its parser and sets ``func``: args -> a result
+(``unsloth.commands.results``), which ``unsloth.commands.render.show`` prints and turns into the exit code.
 Modules are imported only when listed here, so ``unsloth detect`` never imports torch.
 
 Errors meet the user here and only here: an ``UnslothError`` becomes its message on stderr (or one
@@ -19,6 +20,7 @@ import sys
 import traceback
 
 from unsloth import __version__
+from unsloth.commands.render import show
 from unsloth.errors import ExitCode, UnslothError
 from unsloth.interrupts import signals_as_interrupt
 
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.OK
     try:
         with signals_as_interrupt():  # a `kill` cleans up like Ctrl-C: no partial file is left behind
-            return int(args.func(args) or 0)
+            return show(args.func(args), as_json=bool(getattr(args, "json", False)))
     except UnslothError as exc:
         return report_error(args, exc)
     except KeyboardInterrupt:

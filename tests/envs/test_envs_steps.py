@@ -18,6 +18,7 @@ from unsloth.plan import BitsAndBytes, LlamaCpp
 TOOL = Tool.uv("uv", Path("/e/bin/python"))
 GENERAL = Sources(extra_index_urls=("https://mirror/simple",), find_links=("/w",), constraints=("/c.txt",))
 PINS = Path("/e/pins.txt")
+CACHE = Path("/home/cache")
 EXPORT_REQUIRES = ['gguf>=0.17; extra == "export"', 'llama-cpp-python>=0.3.16; extra == "export"']
 
 
@@ -67,7 +68,7 @@ def test_export_tools_leave_llama_cpp_to_its_own_step():
 def test_llama_cpp_prebuilt_comes_from_its_wheel_index_alone_then_its_dependencies():
     plan = LlamaCpp("cuda", "wheel", index_url="https://wheels/cu125", cmake_args="-DGGML_CUDA=on")
     request = Request(source="/s", sources=GENERAL)
-    step = llama_cpp_step(TOOL, request, PINS, EXPORT_REQUIRES, plan)
+    step = llama_cpp_step(TOOL, request, PINS, EXPORT_REQUIRES, plan, cache=CACHE)
     assert flag_values(step.argv, "--index-url") == ["https://wheels/cu125"]
     assert flag_values(step.argv, "--extra-index-url") == [] and flag_values(step.argv, "--find-links") == []
     assert "--no-deps" in step.argv and flag_values(step.argv, "--only-binary") == ["llama-cpp-python"] and step.env == {}
@@ -78,19 +79,21 @@ def test_llama_cpp_prebuilt_comes_from_its_wheel_index_alone_then_its_dependenci
 
 def test_llama_cpp_source_build_gets_the_plans_cmake_args():
     plan = LlamaCpp("hip", "source", cmake_args="-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1151")
-    step = llama_cpp_step(TOOL, Request(source="/s"), PINS, EXPORT_REQUIRES, plan)
-    assert step.env == {"CMAKE_ARGS": "-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1151"}
+    step = llama_cpp_step(TOOL, Request(source="/s"), PINS, EXPORT_REQUIRES, plan, cache=CACHE)
+    assert step.env["CMAKE_ARGS"] == "-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1151"
     assert flag_values(step.argv, "--no-binary") == ["llama-cpp-python"]
     assert "--verbose" in step.argv  # the build's own progress reaches the log and the screen
-    assert llama_cpp_step(TOOL, Request(source="/s", without=("llama-cpp",)), PINS, EXPORT_REQUIRES, plan) is None
+    assert llama_cpp_step(TOOL, Request(source="/s", without=("llama-cpp",)), PINS, EXPORT_REQUIRES, plan,
+                          cache=CACHE) is None
 
 
 def test_llama_cpp_fallback_builds_from_the_general_sources_when_the_wheel_index_fails():
     plan = LlamaCpp("cpu", "wheel", index_url="https://wheels/cpu")
-    step = llama_cpp_step(TOOL, Request(source="/s", sources=GENERAL), PINS, EXPORT_REQUIRES, plan, prebuilt=False)
+    step = llama_cpp_step(TOOL, Request(source="/s", sources=GENERAL), PINS, EXPORT_REQUIRES, plan, cache=CACHE,
+                          prebuilt=False)
     assert flag_values(step.argv, "--index-url") != ["https://wheels/cpu"] and "--no-deps" not in step.argv
     assert flag_values(step.argv, "--extra-index-url") == ["https://mirror/simple"]
-    assert flag_values(step.argv, "--no-binary") == ["llama-cpp-python"] and step.env == {"CMAKE_ARGS": ""}
+    assert flag_values(step.argv, "--no-binary") == ["llama-cpp-python"] and step.env["CMAKE_ARGS"] == ""
 
 
 def test_pip_fallback_uses_the_same_flags():
@@ -98,3 +101,23 @@ def test_pip_fallback_uses_the_same_flags():
     step = torch_step(tool, TorchSource("index", "https://download.pytorch.org/whl/cpu", ("torch",)), Sources(), "cpu")
     assert step.argv[:4] == ["/e/bin/python", "-m", "pip", "install"]
     assert flag_values(step.argv, "--index-url") == ["https://download.pytorch.org/whl/cpu"]
+
+
+def test_a_source_build_has_a_build_cache_per_plan():
+    """uv and pip key a wheel built from an sdist by the sdist, not CMAKE_ARGS: one cache per plan."""
+    def caches(plan):
+        step = llama_cpp_step(TOOL, Request(source="/s"), PINS, EXPORT_REQUIRES, plan, cache=CACHE, prebuilt=False)
+        return step.env["UV_CACHE_DIR"], step.env["PIP_CACHE_DIR"]
+
+    cpu = caches(LlamaCpp("cpu", "wheel", index_url="https://wheels/cpu"))
+    cuda = caches(LlamaCpp("cuda", "source", cmake_args="-DGGML_CUDA=on"))
+    hip_a = caches(LlamaCpp("hip", "source", cmake_args="-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1100"))
+    hip_b = caches(LlamaCpp("hip", "source", cmake_args="-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1151"))
+    assert len({cpu, cuda, hip_a, hip_b}) == 4  # another backend or GPU target: another cache
+    assert caches(LlamaCpp("cuda", "source", cmake_args="-DGGML_CUDA=on")) == cuda  # the same plan: the same
+    uv, pip = cuda
+    assert Path(uv).parent == Path(pip).parent and Path(uv).parent.parent == CACHE / "llama-cpp"
+    assert Path(uv).parent.name.startswith("cuda-")
+    prebuilt = llama_cpp_step(TOOL, Request(source="/s"), PINS, EXPORT_REQUIRES,
+                              LlamaCpp("cpu", "wheel", index_url="https://wheels/cpu"), cache=CACHE)
+    assert prebuilt.env == {}  # a prebuilt wheel is not ours to key

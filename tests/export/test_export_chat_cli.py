@@ -127,3 +127,36 @@ def test_modelfile_template_variants():
 
     tokenizer.chat_template = None
     assert render_modelfile("m.gguf", tokenizer) == 'FROM ./m.gguf\n\nPARAMETER stop "<|eos|>"\n'
+
+
+def test_chat_sends_the_whole_conversation_through_the_template_each_turn(gguf_file, capsys, monkeypatch):
+    """Two turns on standard input: the second turn's prompt, as llama.cpp evaluated it, is the file's
+    chat template over the first question, its reply and the second question."""
+    from jinja2 import Template
+
+    from unsloth.cli import main
+    from unsloth.export import chat
+
+    turns = []
+    original = chat.chat_stream
+
+    def recording(llm, messages, **kw):
+        yield from original(llm, messages, **kw)
+        turns.append((list(messages), list(llm._input_ids)))  # what llama.cpp holds after this reply
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello there\nand again\n"))
+    monkeypatch.setattr(chat, "chat_stream", recording)
+    assert main(["chat", str(gguf_file), "--max-tokens", "4", "--temperature", "0", "--cpu"]) == 0
+    out = capsys.readouterr().out
+    assert len(turns) == 2
+    (first, _), (second, evaluated) = turns
+    reply = second[1]["content"]
+    assert out.startswith(f"> {reply}\n> ")  # input()'s prompt, then the streamed reply
+    assert second == [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": reply},
+                      {"role": "user", "content": "and again"}]
+    prompt = Template(make_tokenizer().chat_template).render(messages=second, add_generation_prompt=True)
+    from llama_cpp import Llama
+
+    vocab_only = Llama(str(gguf_file), vocab_only=True, verbose=False)
+    expected = vocab_only.tokenize(prompt.encode(), add_bos=False, special=True)
+    assert evaluated[:len(expected)] == expected  # then the second reply's tokens

@@ -110,7 +110,7 @@ def test_the_windows_plan_from_a_dump():
     assert step.argv[step.argv.index("--index-url") + 1] == plan["torch"]["index_url"]
     # ... and llama-cpp-python from its wheel index alone, with no source build.
     llama = llama_cpp_step(tool, Request(source="C:/src"), Path("pins.txt"), ["llama-cpp-python>=0.3"],
-                           LlamaCpp.from_json(plan["llama_cpp"]))
+                           LlamaCpp.from_json(plan["llama_cpp"]), cache=Path("C:/Users/u/AppData/Local/unsloth/cache"))
     if plan["llama_cpp"]["how"] == "wheel":
         assert llama.argv[llama.argv.index("--index-url") + 1] == plan["llama_cpp"]["index_url"]
         assert "--only-binary" in llama.argv and "--extra-index-url" not in llama.argv

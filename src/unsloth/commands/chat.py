@@ -9,8 +9,11 @@ kernels and fast generation path, with its tokenizer's chat template.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from unsloth.commands import render
+from unsloth.commands.results import Generated
+from unsloth.errors import ExitCode
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -97,7 +100,7 @@ def _open(args: argparse.Namespace):
     return _Gguf(*open_model(args.model, n_ctx=args.n_ctx, gpu=not args.cpu))
 
 
-def run_generate(args: argparse.Namespace) -> int:
+def run_generate(args: argparse.Namespace) -> Generated | int:
     from contextlib import closing
 
     from unsloth.export import ExportError
@@ -106,23 +109,21 @@ def run_generate(args: argparse.Namespace) -> int:
     model = _open(args)
     try:
         if args.json:
-            result = model.generate(prompt, raw=args.raw, system=args.system, **_sampling(args))
-            print(json.dumps({"ok": True, **result.to_json()}, ensure_ascii=False))
-        else:
-            with closing(model.stream(prompt, raw=args.raw, system=args.system, **_sampling(args))) as chunks:
-                for chunk in chunks:
-                    sys.stdout.write(chunk["text"])
-                    sys.stdout.flush()
-            sys.stdout.write("\n")
+            return Generated(model.generate(prompt, raw=args.raw, system=args.system, **_sampling(args)))
+        with closing(model.stream(prompt, raw=args.raw, system=args.system, **_sampling(args))) as chunks:
+            for chunk in chunks:
+                render.echo(chunk["text"], end="")
+        render.echo()
     except ValueError as exc:  # the prompt does not fit the context
         raise ExportError(str(exc), fix="shorten the prompt or --max-tokens, or raise --n-ctx "
                           "(at most the model's trained length)") from exc
     finally:
         model.close()
-    return 0
+    return ExitCode.OK
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    """Interactive: each reply is streamed through the renderer's echo as it comes."""
     from contextlib import closing
 
     model = _open(args)
@@ -135,19 +136,19 @@ def run_chat(args: argparse.Namespace) -> int:
             raise ExportError(f"{path}: its tokenizer has no chat template, so a conversation cannot be written "
                               "for it", fix=f"use `unsloth generate {args.model} PROMPT --raw`, or save the "
                               "tokenizer with a chat template (get_chat_template) next to the model")
-        print(f"note: {path} has no chat template; llama-cpp-python falls back to a generic one", file=sys.stderr)
+        render.echo(f"note: {path} has no chat template; llama-cpp-python falls back to a generic one", err=True)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
-    print(f"chatting with {path} (/reset clears, /exit or Ctrl-D quits)", file=sys.stderr)
+    render.echo(f"chatting with {path} (/reset clears, /exit or Ctrl-D quits)", err=True)
     try:
         while True:
             try:
                 line = input("> ")
             except EOFError:
-                print(file=sys.stderr)
-                return 0
+                render.echo(err=True)
+                return ExitCode.OK
             if line.strip() in ("/exit", "/quit"):
-                return 0
+                return ExitCode.OK
             if line.strip() == "/reset":
                 messages = list(system)
                 continue
@@ -159,15 +160,14 @@ def run_chat(args: argparse.Namespace) -> int:
                 with closing(model.chat_stream(messages, **_sampling(args))) as chunks:
                     for chunk in chunks:
                         reply.append(chunk["text"])
-                        sys.stdout.write(chunk["text"])
-                        sys.stdout.flush()
+                        render.echo(chunk["text"], end="")
             except ValueError as exc:  # the conversation outgrew the context
                 messages.pop()
-                print(f"\n{exc}; /reset the conversation or restart with a larger --n-ctx", file=sys.stderr)
+                render.echo(f"\n{exc}; /reset the conversation or restart with a larger --n-ctx", err=True)
                 continue
             except KeyboardInterrupt:  # Ctrl-C stops this reply, not the chat (Ctrl-D or /exit quits)
-                print("\n(stopped)", file=sys.stderr)
-            sys.stdout.write("\n")
+                render.echo("\n(stopped)", err=True)
+            render.echo()
             messages.append({"role": "assistant", "content": "".join(reply)})
     finally:
         model.close()

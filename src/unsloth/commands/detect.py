@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from unsloth.commands.results import PlatformReport
 from unsloth.errors import UsageError
 
 
@@ -39,12 +40,6 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from unsloth.doctor import render
-
+def run(args: argparse.Namespace) -> PlatformReport:
     platform, _ = detect_platform(args.from_dir)
-    if args.json:
-        render.print_json(platform.to_json())
-    else:
-        render.print_platform(platform)
-    return 0
+    return PlatformReport(platform)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 from unsloth.commands.detect import add_from_argument, detect_platform
+from unsloth.commands.results import DoctorReport
 from unsloth.errors import UsageError
 from unsloth.selftest.run import DEFAULT_TIMEOUT_S
 
@@ -40,8 +40,7 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from unsloth.doctor import render
+def run(args: argparse.Namespace) -> DoctorReport:
     from unsloth.doctor.run import diagnose
     from unsloth.platform.dump import write_dump, write_reports
 
@@ -55,10 +54,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             write_dump(args.dump, results)
         except OSError as exc:  # a file in the way, a read-only place: say where, before any checking
-            raise UsageError(f"--dump {args.dump}: cannot write the dump there ({exc.strerror or exc})",
-                             "pick another folder") from exc
-        print(f"Wrote every probe's raw output to {args.dump.resolve()}: attach that folder to your bug report "
-              f"(read it back with `unsloth doctor --from {args.dump}`).", file=sys.stderr)
+            raise _unwritable(args.dump, exc) from exc
     report = diagnose(platform, source=str(args.from_dir) if args.from_dir else "live", python=args.python,
                       env_checks=not args.quick, timeout_s=args.timeout, timings=timings)
     if args.dump is not None:
@@ -66,14 +62,9 @@ def run(args: argparse.Namespace) -> int:
             write_reports(args.dump, {"detect": platform.to_json(),
                                       "plan": report.plan.to_json() if report.plan is not None else None})
         except OSError as exc:
-            return _usage(f"--dump {args.dump}: cannot write the dump there ({exc.strerror or exc}); pick another folder")
-    if args.json:
-        render.print_json(report.to_json())
-    else:
-        out = render.console()
-        if args.verbose:
-            render.print_platform(platform, out)
-        if args.from_dir is not None:
-            out.print(f"Checking the dump in {args.from_dir} (live-only checks are skipped)")
-        render.print_findings(report.findings, report.summary(), verbose=args.verbose, out=out)
-    return report.summary()["exit_code"]
+            raise _unwritable(args.dump, exc) from exc
+    return DoctorReport(report, platform, verbose=args.verbose, from_dir=args.from_dir, dump=args.dump)
+
+
+def _unwritable(dump: Path, exc: OSError) -> UsageError:
+    return UsageError(f"--dump {dump}: cannot write the dump there ({exc.strerror or exc})", "pick another folder")

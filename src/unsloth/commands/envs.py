@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
+
+from unsloth.commands.results import EnvListing, EnvLock, EnvPath, NoEnvironment
+from unsloth.errors import UnslothError
 
 
 def register(subparsers) -> None:
@@ -22,70 +23,53 @@ def register(subparsers) -> None:
     export.set_defaults(func=run_export)
 
 
-def _active_or_explain():
+def _active_or_explain() -> tuple[Path | None, tuple[str, ...]]:
+    """(the active environment or None, what was repaired to find it)."""
     from unsloth.envs import state
     from unsloth.envs.lock import InstallLock
     from unsloth.envs.paths import LOCK_NAME, active_env, home, pointer_problem
-    from unsloth.errors import UnslothError
 
     root = home()
     problem = pointer_problem(root)
+    notes: tuple[str, ...] = ()
     if problem and any(receipt for _, receipt in state.list_envs(root)):  # under the lock: no install is switching now
         with InstallLock(root / LOCK_NAME):
             repaired = state.repair_current(root)
-        print(f"unsloth env: {problem}; repaired: it names {repaired} again", file=sys.stderr)
+        notes = (f"unsloth env: {problem}; repaired: it names {repaired} again",)
     elif problem:
         raise UnslothError(problem, "run `unsloth install` (or install.sh): it builds an environment and "
                            "writes the pointer again", kept="no environment was touched")
-    env = active_env(root)
-    if env is None:
-        print(f"unsloth env: no environment is installed under {home()}; run `unsloth install` "
-              "(or install.sh) first.", file=sys.stderr)
-    return env
+    return active_env(root), notes
 
 
-def run_list(args: argparse.Namespace) -> int:
+def run_list(args: argparse.Namespace) -> EnvListing:
     from unsloth.envs.manager import env_table
     from unsloth.envs.paths import home
 
-    rows = env_table(home())
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    if not rows:
-        print(f"No environments under {home()}.")
-    for row in rows:
-        mark = "*" if row["active"] else " "
-        print(f"{mark} {row['name']}  {row['status']:<10} {row['backend'] or '-':<5} torch {row['torch'] or '-':<14} {row['path']}")
-    return 0
+    return EnvListing(env_table(home()), home())
 
 
-def run_path(args: argparse.Namespace) -> int:
-    from unsloth.envs.paths import env_python
+def run_path(args: argparse.Namespace) -> EnvPath | NoEnvironment:
+    from unsloth.envs.paths import env_python, home
 
-    env = _active_or_explain()
+    env, notes = _active_or_explain()
     if env is None:
-        return 1
-    print(env_python(env) if args.python else env)
-    return 0
+        return NoEnvironment(home(), notes)
+    return EnvPath(env_python(env) if args.python else env, notes)
 
 
-def run_export(args: argparse.Namespace) -> int:
+def run_export(args: argparse.Namespace) -> EnvLock | NoEnvironment:
     from unsloth.envs.fsio import write_atomic
     from unsloth.envs.manager import export_lock
+    from unsloth.envs.paths import home
 
-    env = _active_or_explain()
+    env, notes = _active_or_explain()
     if env is None:
-        return 1
+        return NoEnvironment(home(), notes)
     try:
         text = export_lock(env)
     except ValueError as exc:  # a receipt from a newer unsloth, or damaged
-        print(f"unsloth env export: {exc}; rebuild it with `unsloth install --force`.", file=sys.stderr)
-        return 1
+        raise UnslothError(str(exc), "rebuild it with `unsloth install --force`", kept="nothing was written") from exc
     if args.output:
         write_atomic(args.output, text)
-        pinned = sum(1 for line in text.splitlines() if line and not line.startswith(("#", "--")))
-        print(f"Wrote {args.output} ({pinned} packages) from {env.name}.", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
-    return 0
+    return EnvLock(text, env.name, args.output, notes)

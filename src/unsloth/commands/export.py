@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
+
+from unsloth.commands.results import Exported
 
 
 def register(subparsers) -> None:
@@ -33,7 +34,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> Exported:
     from unsloth.export.checkpoint import check_checkpoint, checkpoint_parameters, resolve_checkpoint
     from unsloth.export.files import ensure_free_space
     from unsloth.export.methods import export_bytes, resolve_all
@@ -50,25 +51,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else run_dir.with_name(run_dir.name + "-gguf")
     ensure_free_space(out, export_bytes(checkpoint_parameters(checkpoint), resolved))
     result = _export(checkpoint, out, methods, args, default_name=run_dir.name)
-    ok = all(v.passed for v in result.validations.values())
-    if args.json:
-        print(json.dumps({"ok": ok, **result.to_json()}, indent=2))
-        return 0
-    for method, report in result.validations.items():
-        if method not in result.files:  # the unquantized reference, checked and then removed
-            print(f"reference {method} (not kept)\n  {report.summary()}")
-    for method, path in result.files.items():
-        print(f"{path}  ({path.stat().st_size / 1024**2:.1f} MiB)")
-        if method in result.validations:
-            print(f"  {result.validations[method].summary()}")
-    if result.modelfile:
-        print(f"{result.modelfile}  (ollama create NAME -f {result.modelfile})")
-    first = next(iter(result.files.values()))
-    print(f"try it: unsloth chat {first}")
-    if not ok:
-        print("warning: a quantized file agrees with the 16-bit model less than expected; "
-              "prefer a larger method (q8_0, q6_k)", file=sys.stderr)
-    return 0
+    return Exported(result, {method: path.stat().st_size for method, path in result.files.items()})
 
 
 def _export(checkpoint: Path, out: Path, methods: list[str], args: argparse.Namespace, default_name: str):

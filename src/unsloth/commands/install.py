@@ -11,7 +11,9 @@ import dataclasses
 import os
 import sys
 
+from unsloth.commands import render
 from unsloth.commands.detect import add_from_argument, detect_platform
+from unsloth.commands.results import Declined, PlanReport
 from unsloth.envs.steps import OPTIONAL_PARTS
 from unsloth.errors import UsageError
 
@@ -77,12 +79,6 @@ def register(subparsers) -> None:
     uninstall.set_defaults(func=run_uninstall)
 
 
-def _console():
-    from rich.console import Console
-
-    return Console(stderr=False, highlight=False)
-
-
 def make_plan(args: argparse.Namespace):
     from unsloth.matrix import load_matrix
     from unsloth.plan import Overrides, resolve
@@ -104,20 +100,19 @@ def optional_parts(values: list[str]) -> list[str]:
     return parts
 
 
-def run_install(args: argparse.Namespace) -> int:
+def run_install(args: argparse.Namespace) -> int | PlanReport:
     if args.json and not args.dry_run:  # never start a build when only the plan was asked for
         raise UsageError("--json prints the plan", "add --dry-run")
     args.without = optional_parts(args.without)
     platform, plan = make_plan(args)  # an unreadable dump or matrix is a UsageError / MatrixError naming it
-    if args.dry_run:
-        return _print_plan(plan, args.json)
+    if args.dry_run:  # for a dump, this machine's pip configuration says nothing about that one's sources
+        return PlanReport(plan, None if args.from_dir is not None else _install_sources(args, plan))
     if args.from_dir is not None:
         raise UsageError("--from plans for another machine's dump", "add --dry-run to see that plan",
                          kept="nothing was installed")
 
     from unsloth.envs import manager
     from unsloth.envs.paths import home
-    from unsloth.envs.sources import Sources, with_overrides
     from unsloth.envs.steps import Request
 
     root = home()
@@ -130,13 +125,11 @@ def run_install(args: argparse.Namespace) -> int:
                          "pass --source PATH|URL (a checkout or a release archive)", kept="nothing was installed")
     if args.upgrade and not args.without:  # `update` keeps what the active environment left out
         args.without = manager.active_request(root).get("without", [])
-    base = Sources() if args.ignore_pip_config else manager.pip_config_sources(args.python)
-    sources = with_overrides(base, index_url=args.index_url, extra_index_urls=args.extra_index_url,
-                             find_links=args.find_links)
+    sources, _ = _package_sources(args)
     request = Request(source=source, sources=sources, without=tuple(sorted(set(args.without))), python=args.python,
-                      torch_index_url=args.torch_index_url or os.environ.get("UNSLOTH_TORCH_INDEX_URL") or None)
-    console = _console()
-    _print_summary(console, plan)
+                      torch_index_url=_torch_index_url(args))
+    console = render.progress_console()
+    render.plan_summary(console, plan)
     confirm = None
     if not args.yes and sys.stdin.isatty() and sys.stdout.isatty():
         confirm = lambda: console.input("Build this environment? [Y/n] ").strip().lower() in ("", "y", "yes")  # noqa: E731
@@ -145,74 +138,54 @@ def run_install(args: argparse.Namespace) -> int:
     return manager.install(options, plan, platform, console, confirm)
 
 
-def _print_summary(console, plan) -> None:
-    from rich.markup import escape
-
-    device = plan.device.name if plan.device else "CPU"
-    console.print(f"Plan: [bold]{plan.support}[/] support on {escape(device)} — PyTorch {plan.torch.backend}"
-                  f" ({plan.torch.variant}) from {escape(str(plan.torch.index_url))}")
-    _print_advice(console, plan.warnings)
+def _torch_index_url(args: argparse.Namespace) -> str | None:
+    return args.torch_index_url or os.environ.get("UNSLOTH_TORCH_INDEX_URL") or None
 
 
-def _print_advice(console, warnings) -> None:
-    from rich.markup import escape
+def _package_sources(args: argparse.Namespace):
+    """(Sources, where they came from): pip's configuration unless ignored, with the flags on top."""
+    from unsloth.envs import manager
+    from unsloth.envs.sources import Sources, with_overrides
 
-    # Messages quote GPU names and paths: plain text, never rich markup.
-    for advice in warnings:
-        console.print(f"[yellow]![/] {escape(advice.message)}" + (f"\n  fix: {escape(advice.fix)}" if advice.fix else ""))
+    base = Sources() if args.ignore_pip_config else manager.pip_config_sources(args.python)
+    sources = with_overrides(base, index_url=args.index_url, extra_index_urls=args.extra_index_url,
+                             find_links=args.find_links)
+    said = [name for name, given in (("--index-url", args.index_url), ("--extra-index-url", args.extra_index_url),
+                                     ("--find-links", args.find_links)) if given]
+    origin = ["your pip configuration"] if base != Sources() else []
+    origin += [" ".join(said)] if said else []
+    if not origin:
+        origin = ["pip's configuration ignored" if args.ignore_pip_config else "no pip configuration: the default"]
+    return sources, " + ".join(origin)
 
 
-def _print_plan(plan, as_json: bool) -> int:
-    import json
+def _install_sources(args: argparse.Namespace, plan):
+    """Where the real install would take each part from on this machine (what the build steps will use)."""
+    from unsloth.envs import manager
+    from unsloth.envs.sources import install_sources, local_listings
 
-    if as_json:
-        print(json.dumps(plan.to_json(), indent=2))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
-    bnb, llama = plan.bitsandbytes, plan.llama_cpp
-    how = f"prebuilt from {llama.index_url}" if llama.how == "wheel" else f"source build, CMAKE_ARGS={llama.cmake_args!r}"
-    rows = {
-        "support": f"{plan.support}: {plan.reason}",
-        # device_reason already opens with the chosen GPU's label (name, arch, family).
-        "device": plan.device_reason if plan.device else f"CPU — {plan.device_reason}",
-        "torch": f"{plan.torch.backend} ({plan.torch.variant}) {plan.torch.version_spec or 'torch'} from {plan.torch.index_url}",
-        "bitsandbytes": (bnb.spec or "none") + (f" — {bnb.note}" if bnb.note else ""),
-        "llama.cpp": f"{llama.backend} — {how}",
-        "attention": plan.attention,
-        "env": " ".join(f"{k}={v}" for k, v in plan.env.items()) or "-",
-    }
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column()
-    for name, value in rows.items():
-        table.add_row(name, Text(value))
-    console = Console(highlight=False)
-    console.print(table)
-    _print_advice(console, plan.warnings)
-    return 0
+    sources, origin = _package_sources(args)
+    return install_sources(plan, sources, origin, manager.python_tag(args.python), local_listings(sources.find_links),
+                           _torch_index_url(args), tuple(args.without))
 
 
 def run_rollback(args: argparse.Namespace) -> int:
     from unsloth.envs import manager
     from unsloth.envs.paths import home
 
-    return manager.rollback(home(), _console())
+    return manager.rollback(home(), render.progress_console())
 
 
-def run_uninstall(args: argparse.Namespace) -> int:
+def run_uninstall(args: argparse.Namespace) -> int | Declined:
     from rich.markup import escape
 
     from unsloth.envs import manager
     from unsloth.envs.paths import bin_dir, home
 
-    console = _console()
+    console = render.progress_console()
     root = home()
     if not args.yes and sys.stdin.isatty():
         what = root if args.purge else f"{root}/envs, the launcher in {bin_dir()} and the PATH line"
         if console.input(escape(f"Remove {what}? [y/N] ")).strip().lower() not in ("y", "yes"):  # not markup
-            console.print("Nothing changed.")
-            return 1
+            return Declined()
     return manager.uninstall(root, console, purge=args.purge)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 
+from unsloth.commands import render
+from unsloth.commands.results import DemoRun, Trained, TrainInterrupted
 from unsloth.errors import ExitCode, UnslothError, UsageError
 
 # Common settings with their own flag; anything else goes through --set key.path=value.
@@ -118,14 +119,14 @@ def _launch(gpus: str, config, train_args: list[str]) -> int:
     return launch(count, train_args, cpu_processes=cpu_processes)
 
 
-def _train(config) -> int:
+def _train(config) -> Trained | TrainInterrupted | int:
     import torch
 
     from unsloth.training.memory import out_of_memory_advice
     from unsloth.training.sft import train
 
     try:
-        result = train(config)
+        result = train(config, echo=render.echo)
     except torch.OutOfMemoryError as exc:
         batch = config.training.get("per_device_train_batch_size", 2)
         raise UnslothError("out of GPU memory",
@@ -133,17 +134,13 @@ def _train(config) -> int:
                            kept=f"checkpoints so far are kept in {config.output_dir} (add --resume to continue)",
                            exit_code=ExitCode.OUT_OF_MEMORY) from exc
     except KeyboardInterrupt:
-        print(f"\nunsloth train: interrupted; checkpoints so far are kept in {config.output_dir} "
-              "(add --resume to continue)", file=sys.stderr)
-        return ExitCode.INTERRUPTED
+        return TrainInterrupted(config.output_dir)
     if int(os.environ.get("RANK", "0")) != 0:
-        return 0
-    print(f"done: adapters in {result.output_dir}/lora" + (f", merged model in {result.merged_dir}"
-                                                            if result.merged_dir else ""))
-    return 0
+        return ExitCode.OK  # rank 0 alone reports
+    return Trained(result.output_dir, result.merged_dir, full_finetuning=config.model.full_finetuning)
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _demo(args: argparse.Namespace) -> DemoRun:
     from unsloth.training.demo import DEFAULT_OUTPUT, demos
 
     runners = demos()
@@ -157,5 +154,5 @@ def _demo(args: argparse.Namespace) -> int:
             raise UsageError(f"--max-steps must be 1 or more (got {args.max_steps})", "--max-steps 150 (the default)",
                              kept="nothing was trained")
         kwargs["max_steps"] = args.max_steps
-    result = runners[args.demo](**kwargs)
-    return 0 if result.losses[-1] < result.losses[0] else 1
+    result = runners[args.demo](**kwargs, echo=render.echo)
+    return DemoRun(list(result.losses))

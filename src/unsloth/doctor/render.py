@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from rich.console import Console
@@ -20,10 +19,6 @@ GIB = 2**30
 def console() -> Console:
     # Data goes to stdout; highlight=False keeps rich from colouring numbers inside messages.
     return Console(highlight=False, soft_wrap=True)
-
-
-def print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, default=str))
 
 
 def _yes_no(value: bool | None) -> str:

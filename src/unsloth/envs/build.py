@@ -24,7 +24,7 @@ from rich.markup import escape
 
 from unsloth import __version__
 from unsloth.envs import steps as plan_steps
-from unsloth.envs.paths import build_caches, env_python, env_scripts, envs_dir, home
+from unsloth.envs.paths import CACHE, build_caches, env_python, env_scripts, envs_dir, home
 from unsloth.envs.receipt import Receipt, digest, hardware_fingerprint, read_receipt, utc_now, write_receipt
 from unsloth.envs.runner import Step, StepFailed, run_step
 from unsloth.envs.sources import TORCH_FAMILY, local_listings, torch_source
@@ -149,6 +149,12 @@ def build(
 FAILED_LOGS_KEPT = 3
 
 
+def step_env(root: Path, request: Request, step: Step) -> dict[str, str | None]:
+    """An install step's variables: our sources only, nothing pip or uv adds; downloads and built wheels
+    in our caches (the step's own, such as a source build's per-plan cache, win)."""
+    return {**build_caches(root), **request.sources.env(os.environ), **step.env}
+
+
 def keep_logs(root: Path, env: Path) -> Path | None:
     """Move a failed build's logs to <home>/logs/<name> (the build itself is deleted); keep the last few."""
     logs = env / "logs"
@@ -173,8 +179,7 @@ def _build(
     count = iter(range(1, 100))
 
     def run(step: Step) -> str:
-        # Our sources only, nothing pip or uv adds; downloads and built wheels in our caches.
-        step.env = {**build_caches(env.parent.parent), **request.sources.env(os.environ), **step.env}
+        step.env = step_env(env.parent.parent, request, step)
         return run_step(step, logs, console, next(count))
 
     env.mkdir(parents=True)
@@ -198,7 +203,8 @@ def _build(
     if export:
         run(export)
     optional_failed = {}
-    llama = plan_steps.llama_cpp_step(tool, request, pins, export_requires, plan.llama_cpp)
+    cache = env.parent.parent / CACHE
+    llama = plan_steps.llama_cpp_step(tool, request, pins, export_requires, plan.llama_cpp, cache=cache)
     if llama:
         try:
             try:
@@ -214,7 +220,8 @@ def _build(
                 # build it from the general sources with the plan's CMAKE_ARGS instead.
                 console.print(f"[yellow]! {escape(exc.step.title)} failed[/]; building it from source instead. "
                               f"Log: {escape(str(exc.log))}")
-                run(plan_steps.llama_cpp_step(tool, request, pins, export_requires, plan.llama_cpp, prebuilt=False))
+                run(plan_steps.llama_cpp_step(tool, request, pins, export_requires, plan.llama_cpp, cache=cache,
+                                              prebuilt=False))
         except StepFailed as exc:  # optional: training works without it; doctor says how to add it
             console.print(f"[yellow]! {escape(exc.step.title)} failed[/]; continuing without it. "
                           f"Log: {escape(str(exc.log))}\n  {escape(exc.fix)}")
@@ -334,7 +341,8 @@ def has_newer(env: Path, request: Request, plan) -> bool | None:
     steps = [plan_steps.torch_step(tool, torch, request.sources, plan.torch.backend),
              plan_steps.packages_step(tool, request, pins, plan.bitsandbytes),
              plan_steps.export_step(tool, request, pins, export_requires),
-             plan_steps.llama_cpp_step(tool, request, pins, export_requires, plan.llama_cpp)]
+             plan_steps.llama_cpp_step(tool, request, pins, export_requires, plan.llama_cpp,
+                                       cache=env.parent.parent / CACHE)]
     for step in filter(None, steps):
         argv = [arg for arg in step.argv if arg != "--verbose"]
         if step.name == "packages":
@@ -345,7 +353,7 @@ def has_newer(env: Path, request: Request, plan) -> bool | None:
                 del argv[at:at + 2]
             argv = [arg for arg in argv if not arg.startswith(plan_steps.DIST_NAME)]
             argv += _own_requirements(requires, request)
-        environ = {**os.environ, **build_caches(env.parent.parent), **request.sources.env(os.environ), **step.env}
+        environ = {**os.environ, **step_env(env.parent.parent, request, step)}
         try:
             done = subprocess.run([*argv, "--dry-run", "--upgrade"], capture_output=True, text=True,
                                   timeout=NEWER_CHECK_TIMEOUT_S, stdin=subprocess.DEVNULL,

@@ -25,6 +25,7 @@ from unsloth.envs.receipt import hardware_fingerprint, read_receipt
 from unsloth.envs.runner import StepFailed
 from unsloth.envs.sources import Sources, parse_pip_config
 from unsloth.envs.steps import DIST_NAME, Request
+from unsloth.errors import UsageError
 from unsloth.interrupts import signals_as_interrupt
 
 def folder_size(path: Path) -> int:
@@ -76,6 +77,20 @@ def pip_config_sources(python: str | None = None) -> Sources:
         if done.returncode == 0:
             return parse_pip_config(done.stdout)
     return Sources()
+
+
+def python_tag(python: str | None = None) -> str:
+    """The CPython wheel tag (cp312) of the interpreter an environment would be built on."""
+    if python is None:
+        return f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    code = "import sys; print(f'cp{sys.version_info[0]}{sys.version_info[1]}')"
+    try:
+        done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        done = None
+    if done is None or done.returncode != 0:
+        raise UsageError(f"--python {python}: cannot run it", "pass an interpreter that starts, e.g. --python python3.12")
+    return done.stdout.strip()
 
 
 def find_source(explicit: str | None, root: Path) -> str | None:

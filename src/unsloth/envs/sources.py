@@ -211,3 +211,62 @@ def local_listings(find_links: tuple[str, ...]) -> dict[str, list[str]]:
         if folder is not None and folder.is_dir():
             out[link] = sorted(path.name for path in folder.iterdir())
     return out
+
+
+PYPI = "https://pypi.org/simple"
+
+
+@dataclass(frozen=True)
+class LlamaCppSource:
+    """How the install step gets llama-cpp-python (envs/steps.py's llama_cpp_step)."""
+
+    backend: str
+    prebuilt_index: str | None  # tried first, alone; None: always a source build
+    cmake_args: str  # for the source build from the package sources (the fallback after a prebuilt miss)
+
+    def line(self) -> str:
+        build = f"built from source (minutes) from the package sources, CMAKE_ARGS={self.cmake_args!r}"
+        if self.prebuilt_index:
+            return f"{self.backend}: prebuilt from {self.prebuilt_index}; where that index cannot serve it, {build}"
+        return f"{self.backend}: {build}"
+
+    def to_json(self) -> dict:
+        return {"backend": self.backend, "prebuilt_index": self.prebuilt_index, "cmake_args": self.cmake_args}
+
+
+@dataclass(frozen=True)
+class InstallSources:
+    """Where a real install on this machine takes each part from: what `install --dry-run` names."""
+
+    packages: Sources  # everything but the PyTorch family (and llama.cpp's prebuilt wheel)
+    packages_from: str  # why those: "your pip configuration", "--index-url", ...
+    torch: TorchSource
+    llama_cpp: LlamaCppSource | None  # None: left out (--without export or llama-cpp)
+
+    def packages_line(self) -> str:
+        where = "no index (--no-index)" if self.packages.no_index else (self.packages.index_url or f"PyPI ({PYPI})")
+        more = ([f"extra index {url}" for url in self.packages.extra_index_urls]
+                + [f"wheels in {link}" for link in self.packages.find_links]
+                + [f"constraints {path}" for path in self.packages.constraints])
+        return ", ".join([where, *more]) + f" ({self.packages_from})"
+
+    def torch_line(self) -> str:
+        wanted = " ".join(self.torch.requirements)
+        if self.torch.mode == "wheelhouse":
+            return f"{wanted} from the wheelhouse {self.torch.url} (it holds the plan's exact build)"
+        return f"{wanted} from {self.torch.url}"
+
+    def to_json(self) -> dict:
+        return {"packages": {**self.packages.to_json(), "from": self.packages_from}, "torch": self.torch.to_json(),
+                "llama_cpp": self.llama_cpp.to_json() if self.llama_cpp else None}
+
+
+def install_sources(plan, sources: Sources, packages_from: str, python_tag: str, listings: dict[str, list[str]],
+                    torch_index_url: str | None, without: tuple[str, ...]) -> InstallSources:
+    """The sources the build steps will use for this plan (the same choices as envs/build.py's)."""
+    torch = torch_source(plan.torch, sources, python_tag, listings, torch_index_url)
+    llama = plan.llama_cpp
+    prebuilt = llama.index_url if llama.how == "wheel" else None
+    left_out = bool({"export", "llama-cpp"} & set(without))
+    return InstallSources(sources, packages_from, torch,
+                          None if left_out else LlamaCppSource(llama.backend, prebuilt, llama.cmake_args))

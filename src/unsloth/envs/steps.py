@@ -6,11 +6,19 @@ Order (each later step pins what the earlier ones installed, so nothing replaces
    sources (PyPI or the configured mirror), torch pinned by a constraints file;
 3. the ``export`` extra but llama-cpp-python;
 4. llama-cpp-python, from the plan's prebuilt wheel index alone (then its dependencies) or built
-   with the plan's CMAKE_ARGS (unless left out).
+   with the plan's CMAKE_ARGS (unless left out), in a build cache of its own per plan (below).
+
+uv and pip key a wheel they built from an sdist by the sdist alone, not by CMAKE_ARGS: with one cache,
+a llama-cpp-python built for the CPU would be installed again for a CUDA plan. So the source build gets
+its own uv / pip cache folder, named by the plan facts that change the binary (backend, CMAKE_ARGS with
+the GPU targets in them); inside it the tools key by version and Python as usual. The same plan again
+(`update`, `install --force`) reuses the wheel instead of compiling for minutes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,11 +122,24 @@ def export_step(tool: Tool, request: Request, pins: Path, export_requires: list[
     return Step("export", "GGUF export tools", argv)
 
 
+def built_wheel_key(plan_llama: LlamaCpp) -> str:
+    """The build cache folder of a llama-cpp-python source build: its backend and a digest of the facts
+    that change the binary."""
+    facts = json.dumps({"backend": plan_llama.backend, "cmake_args": plan_llama.cmake_args}, sort_keys=True)
+    return f"{plan_llama.backend}-{hashlib.sha256(facts.encode()).hexdigest()[:12]}"
+
+
+def built_wheel_caches(cache: Path, plan_llama: LlamaCpp) -> dict[str, str]:
+    """uv's and pip's cache folders for the source build of ``plan_llama``, under ``cache`` (<home>/cache)."""
+    folder = cache / "llama-cpp" / built_wheel_key(plan_llama)
+    return {"UV_CACHE_DIR": str(folder / "uv"), "PIP_CACHE_DIR": str(folder / "pip")}
+
+
 def llama_cpp_step(tool: Tool, request: Request, pins: Path, export_requires: list[str], plan_llama: LlamaCpp,
-                   *, prebuilt: bool = True) -> Step | None:
+                   *, cache: Path, prebuilt: bool = True) -> Step | None:
     """llama-cpp-python as the plan says: from its prebuilt wheel index only (its dependencies follow in
     `llama_cpp_deps_step`), or built from source with the plan's CMAKE_ARGS (also the fallback, with
-    ``prebuilt=False``, when that index cannot serve it)."""
+    ``prebuilt=False``, when that index cannot serve it), in the plan's own build cache under ``cache``."""
     req = _llama_requirement(request, export_requires)
     if req is None:
         return None
@@ -128,7 +149,7 @@ def llama_cpp_step(tool: Tool, request: Request, pins: Path, export_requires: li
         argv = [*tool.install, "--index-url", plan_llama.index_url, "--no-deps", "--only-binary", "llama-cpp-python",
                 "--constraint", str(pins), str(req)]
         return Step("llama-cpp", f"llama-cpp-python ({backend}, prebuilt) from {plan_llama.index_url}", argv)
-    env = {"CMAKE_ARGS": plan_llama.cmake_args}
+    env = {"CMAKE_ARGS": plan_llama.cmake_args, **built_wheel_caches(cache, plan_llama)}
     # --verbose: the build backend's output (cmake's "[ 42%] Building ...") reaches the log and the
     # progress line, instead of minutes of silence.
     argv = [*tool.install, "--verbose", *request.sources.args(), "--no-binary", "llama-cpp-python", "--constraint",

@@ -7,12 +7,14 @@ gradient checkpointing with offload. The notebook facade (``unsloth.notebook``) 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from pathlib import Path
 
 import torch
 
+from unsloth.errors import UnslothError
 from unsloth.models.distributed import bind_to_gpu_numa_node, rank_device, world_size
 from unsloth.models.embedding import offload_input_embedding
 from unsloth.models.patches import patch_model, patch_peft_model
@@ -99,12 +101,40 @@ def _quantization_config(load_in_4bit: bool, load_in_8bit: bool, dtype: torch.dt
     from transformers import BitsAndBytesConfig
 
     if load_in_8bit:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        problem = int8_problem(device)
+        if problem is not None:
+            raise UnslothError(f"load_in_8bit: {problem}",
+                               "load_in_4bit=True (QLoRA, which bitsandbytes also runs on the CPU), 16-bit LoRA "
+                               "(both false), or train on a GPU", kept="nothing was loaded")
         return BitsAndBytesConfig(load_in_8bit=True)
     # In a job of several processes the packed 4-bit bytes are stored as the compute dtype, so FSDP
     # can shard them with the layer's other weights (one dtype per layer); our kernels read them as bytes.
     storage = dtype if world_size() > 1 else torch.uint8
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=storage)
+
+
+@functools.lru_cache(maxsize=None)
+def int8_problem(device_type: str) -> str | None:
+    """None when bitsandbytes runs its 8-bit (LLM.int8) linear layer forward and backward on
+    `device_type` (tried on a small one), else why not: older builds have no CPU int8 kernels."""
+    import bitsandbytes as bnb
+
+    try:
+        dense = torch.nn.Linear(64, 32)
+        layer = bnb.nn.Linear8bitLt(64, 32, has_fp16_weights=False)
+        layer.load_state_dict(dense.state_dict())
+        layer = layer.to(device_type)  # quantizes the weight to int8
+        x = torch.randn(4, 64, device=device_type, dtype=torch.float16, requires_grad=True)
+        y = layer(x)
+        y.float().sum().backward()
+        if layer.weight.dtype != torch.int8 or x.grad is None or not bool(torch.isfinite(y).all()):
+            return f"bitsandbytes {bnb.__version__} did not run an 8-bit layer on {device_type}"
+    except Exception as exc:  # noqa: BLE001 - a missing kernel surfaces as many kinds of error
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        return f"bitsandbytes {bnb.__version__} cannot run 8-bit (LLM.int8) layers on {device_type} ({first})"
+    return None
 
 
 # attn_implementation -> the class attribute by which a transformers model says it supports it

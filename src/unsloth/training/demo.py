@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -32,10 +33,35 @@ def data_path() -> Path:
     return Path(str(resources.files("unsloth.training") / "data" / DATA))
 
 
+def _rows() -> list[dict]:
+    return [json.loads(line) for line in data_path().read_text().splitlines() if line.strip()]
+
+
 def load_examples() -> list[tuple[str, str]]:
     """(question, answer) pairs of the shipped task."""
-    rows = [json.loads(line) for line in data_path().read_text().splitlines() if line.strip()]
-    return [(r["prompt"][-1]["content"], r["completion"][-1]["content"]) for r in rows]
+    return [(r["prompt"][-1]["content"], r["completion"][-1]["content"]) for r in _rows()]
+
+
+def with_history(rows: list[dict], seed: int = 0) -> list[dict]:
+    """Each example again, after one to four other questions already answered. A chat sends the whole
+    conversation each turn (`unsloth chat`, llama.cpp); trained on single questions only, the model
+    answers a later turn from the first one ("Peru?" -> "Berlin")."""
+    rng = random.Random(seed)
+    out = []
+    for row in rows:
+        earlier = rng.sample([r for r in rows if r is not row], rng.randint(1, 4))
+        history = [message for r in earlier for message in (*r["prompt"], *r["completion"])]
+        out.append({"prompt": history + row["prompt"], "completion": row["completion"]})
+    return out
+
+
+def write_training_data(directory: Path) -> Path:
+    """The shipped questions, alone and inside conversations, as one .jsonl under ``directory``."""
+    rows = _rows()
+    path = directory / "train.jsonl"
+    directory.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows + with_history(rows)), encoding="utf-8")
+    return path
 
 
 def build_tokenizer(texts: list[str], vocab_size: int = 512):
@@ -81,11 +107,11 @@ def build_base_model(directory: str | os.PathLike, seed: int = 0) -> str:
     return str(directory)
 
 
-def demo_config(output_dir: str = DEFAULT_OUTPUT, max_steps: int = 150) -> TrainConfig:
-    """The demo as an ordinary training config (the base model path is filled in by `run_demo`)."""
+def demo_config(output_dir: str = DEFAULT_OUTPUT, max_steps: int = 150, data: Path | None = None) -> TrainConfig:
+    """The demo as an ordinary training config (the base model path and the data are filled in by `run_demo`)."""
     return TrainConfig(
-        model=ModelConfig(name="", max_seq_length=64, load_in_4bit=False, dtype="float32"),
-        dataset=DatasetConfig(name=str(data_path())),
+        model=ModelConfig(name="", max_seq_length=128, load_in_4bit=False, dtype="float32"),
+        dataset=DatasetConfig(name=str(data or data_path())),
         lora=LoraSettings(r=32, alpha=64, dropout=0.0),
         output_dir=output_dir,
         save_merged=True,
@@ -141,7 +167,7 @@ def run_demo(output_dir: str = DEFAULT_OUTPUT, max_steps: int = 150, show: int =
         torch.set_num_threads(1)
     output = Path(output_dir)
     base_dir = build_base_model(output / "base")
-    config = demo_config(str(output), max_steps)
+    config = demo_config(str(output), max_steps, write_training_data(output / "data"))
     config.model.name = base_dir
     echo(f"unsloth demo: a {_describe(base_dir)} learns the capitals of 50 countries ({max_steps} steps)")
     result = train(config, echo=echo)

@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 from unsloth.training.config import ConfigError, DatasetConfig, TrainConfig, check_value
 from unsloth.training.inputs import KEPT, check_data_file, check_data_folder, check_model
+from unsloth.training.memory import check_before_training
+from unsloth.training.optimizers import usable_optimizer
 
 # Known local data files -> the `datasets` builder that reads them.
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -139,6 +141,8 @@ def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool):
         "packing": config.packing,
     }
     arguments.update(config.training)
+    if "optim" in arguments:
+        arguments["optim"] = usable_optimizer(arguments["optim"], "training.optim")
     try:
         return SFTConfig(**arguments)
     except (TypeError, ValueError) as exc:  # a value of the wrong kind, or settings that do not go together
@@ -228,11 +232,18 @@ def train(config: TrainConfig, echo: Callable[[str], None] = print, callbacks=()
         raise ConfigError(f"model {config.model.name}: its tokenizer has no chat template, and the dataset is "
                           "chat-shaped; set model.chat_template to a Jinja template")
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    compute = getattr(getattr(model.config, "quantization_config", None), "bnb_4bit_compute_dtype", None) or dtype
+    quantization = getattr(model.config, "quantization_config", None)
+    four_bit = getattr(quantization, "load_in_4bit", False)  # an 8-bit config's compute dtype is unused
+    compute = (getattr(quantization, "bnb_4bit_compute_dtype", None) if four_bit else None) or dtype
     args = sft_arguments(config, bf16=compute == torch.bfloat16, fp16=compute == torch.float16)
     losses: list[float] = []
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                          callbacks=list(callbacks))
+    if not getattr(trainer, "checks_memory", False):  # the notebook trainers' train() checks it itself
+        check_before_training(model, batch=args.per_device_train_batch_size, seq=config.model.max_seq_length,
+                              optim=args.optim, checkpointing=config.gradient_checkpointing,
+                              full_finetuning=config.model.full_finetuning,
+                              load_in_4bit=config.model.load_in_4bit, echo=echo)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(_callbacks(config.output_dir, echo, losses))
     trainer.train(resume_from_checkpoint=resume_point(config, echo))

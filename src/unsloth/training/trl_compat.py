@@ -12,6 +12,8 @@ SFTConfig, GRPOTrainer, GRPOConfig, DPOTrainer, ...`` give subclasses of TRL's o
   and refuse the ones whose meaning is lost, naming the replacement;
 - choose bf16 / fp16 from the hardware when the notebook does not say, and fall back (with a
   warning) when it asks for a precision the machine cannot run, so a CPU or a T4 starts;
+- fall back from a bitsandbytes optimizer (``optim="adamw_8bit"``) to PyTorch's AdamW, with a
+  warning, where bitsandbytes cannot step it on this machine (``unsloth.training.optimizers``);
 - raise GRPO's generation batch to a multiple of ``num_generations``, and (without vLLM) send its
   rollouts through our fast generation path (``unsloth.models.generation``);
 - keep our fused cross-entropy as SFT's loss (TRL's own chunked LM head otherwise replaces it).
@@ -31,6 +33,7 @@ import math
 
 from unsloth.errors import UnslothError
 from unsloth.models import generation
+from unsloth.training.optimizers import usable_optimizer
 
 log = logging.getLogger("unsloth")
 
@@ -230,6 +233,8 @@ def compat_config(base):
             kwargs = grpo_sampling(kwargs, _fields(base))
         kwargs = normalize_config_kwargs(base, kwargs, name)
         kwargs = choose_precision(kwargs, name)
+        if "optim" in kwargs:
+            kwargs["optim"] = usable_optimizer(kwargs["optim"], name)
         if grpo:
             kwargs = grpo_batch(kwargs, _fields(base))
         kwargs.setdefault("report_to", "none")  # notebooks say so; a missing tracker must not stop the run
@@ -343,10 +348,33 @@ def compat_trainer(base, config_cls):
             kwargs["train_dataset"] = data
         base.__init__(self, **kwargs)
 
+    def train(self, *args, **kwargs):
+        check_memory(self)  # a run that cannot fit stops here, before the first step
+        return base.train(self, *args, **kwargs)
+
     namespace = {"__init__": __init__, "__module__": __name__, "__qualname__": name, "__doc__": base.__doc__}
     if is_sft:
         namespace["compute_loss"] = _sft_compute_loss(base)
+        namespace["train"] = train
+        namespace["checks_memory"] = True
     return type(name, (base,), namespace)
+
+
+def check_memory(trainer) -> None:
+    """The run's memory estimate against the GPU's free memory (unsloth.training.memory), for a model we loaded."""
+    from unsloth.training import memory
+
+    model, args = trainer.model, trainer.args
+    if not _ours_patched(model):
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    quantization = getattr(base.config, "quantization_config", None)
+    memory.check_before_training(
+        model, batch=args.per_device_train_batch_size,
+        seq=getattr(args, "max_length", None) or getattr(model, "max_seq_length", None) or 2048, optim=args.optim,
+        checkpointing=getattr(model, "_unsloth_checkpointing", False) or False,
+        full_finetuning=not hasattr(model, "peft_config"),
+        load_in_4bit=bool(getattr(quantization, "load_in_4bit", False)), echo=log.info)
 
 
 def _sft_compute_loss(base):

@@ -96,6 +96,7 @@ class PatchReport:
     moe: int = 0
     loss: bool = False
     lora: dict[str, int] = field(default_factory=dict)
+    lora_on_peft: int = 0  # LoRA layers whose base weight our kernels cannot read (8-bit): peft's forward
     checkpointed: int | None = None  # decoder layers under our checkpointing; None: not applied yet
     offloaded: bool = False  # checkpointed layers' inputs go to host memory
     embedding: str | None = None  # "host memory", or why the input embedding stays on the GPU
@@ -130,6 +131,9 @@ class PatchReport:
                                                       ("MLP", self.mlp)) if not n]  # fmt: skip
         if not self.loss:
             parts.append("loss stock (logits built)")
+        if self.lora_on_peft:
+            parts.append(f"{self.lora_on_peft} LoRA layers on 8-bit weights through peft + bitsandbytes "
+                         "(our LoRA kernels read 16-bit and 4-bit weights)")
         if self.checkpointed == 0:
             parts.append("no checkpointing")
         if self.embedding not in (None, "host memory"):
@@ -177,7 +181,9 @@ def patch_model(model: nn.Module) -> PatchReport:
 
 def patch_peft_model(model) -> PatchReport | None:
     """After get_peft_model: route eligible LoRA layers through our fused LoRA kernels (any family)."""
-    from unsloth.models.patches.lora import patch_lora
+    from peft.tuners.lora import LoraLayer
+
+    from unsloth.models.patches.lora import kernel_reads_base, patch_lora
     from unsloth.models.patches.moe import patch_moe_lora
 
     base = model.get_base_model()
@@ -186,6 +192,8 @@ def patch_peft_model(model) -> PatchReport | None:
         return report
     feeds_residual = report.generic_only is None and report.family in MLP_FEEDS_RESIDUAL
     report.lora = patch_lora(model, mlp_feeds_residual=feeds_residual)
+    report.lora_on_peft = sum(isinstance(m, LoraLayer) and isinstance(m.get_base_layer(), nn.Linear)
+                              and not kernel_reads_base(m) for m in model.modules())
     wanted = (family_patches(report.family) or ()) if report.generic_only is None else ()
     if "moe" in wanted:
         report.lora["MoE experts"] = patch_moe_lora(model)

@@ -1,7 +1,8 @@
 """Fast LoRA paths: peft's LoRA layers run through our fused LoRA kernels when nothing else is asked of them.
 
 A LoRA layer qualifies while it has one active adapter, no dropout, no DoRA, is not merged and
-its base weight is dense or bitsandbytes 4-bit. Then a gated MLP runs as one `lora_mlp` (the
+its base weight is dense or bitsandbytes 4-bit (an 8-bit base keeps peft's forward: see
+`kernel_reads_base`). Then a gated MLP runs as one `lora_mlp` (the
 activation recomputed in backward, not stored), and every other LoRA linear as `lora_o` (only
 x and x A^T saved). The check runs on every call, so disabling adapters (as TRL does for a
 reference model), merging or a mixed-adapter batch falls back to peft's own forward.
@@ -60,6 +61,18 @@ def lora_weights(layer):
     return weights
 
 
+def kernel_reads_base(layer) -> bool:
+    """Whether our LoRA kernels can read this LoRA layer's base weight: dense 16/32-bit, or bitsandbytes
+    4-bit. An 8-bit (LLM.int8) base is an int8 weight plus outlier columns that only bitsandbytes'
+    own matmul handles, so those layers keep peft's forward (peft calls bitsandbytes)."""
+    base = layer.get_base_layer()
+    weight = getattr(base, "weight", None)
+    if weight is None:
+        return False
+    quant_state = getattr(weight, "quant_state", None) or getattr(base, "quant_state", None)
+    return weight.is_floating_point() or quant_state is not None
+
+
 def _lora_linear_forward(self, x, *args, **kwargs):
     from unsloth.models.kernels import compiling
 
@@ -110,15 +123,15 @@ def patch_lora(model, mlp_feeds_residual: bool = False) -> dict[str, int]:
     in_mlp: set[int] = set()
     for module in model.modules():
         act = getattr(module, "_unsloth_act", None)  # a gated MLP our MLP patch verified
-        if act in _MLP_ACTIVATION and all(isinstance(getattr(module, n), LoraLayer)
-                                          for n in ("gate_proj", "up_proj", "down_proj")):
+        projections = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if act in _MLP_ACTIVATION and all(isinstance(p, LoraLayer) and kernel_reads_base(p) for p in projections):
             module.forward = types.MethodType(_lora_mlp_forward, module)
             module._unsloth_mlp_feeds_residual = mlp_feeds_residual
             in_mlp.update(id(getattr(module, n)) for n in ("gate_proj", "up_proj", "down_proj"))
             mlps += 1
     for module in model.modules():
         if (isinstance(module, LoraLayer) and isinstance(module.get_base_layer(), nn.Linear)
-                and id(module) not in in_mlp and "forward" not in module.__dict__):
+                and id(module) not in in_mlp and "forward" not in module.__dict__ and kernel_reads_base(module)):
             module.forward = types.MethodType(_lora_linear_forward, module)
             linears += 1
     return {"MLP": mlps, "linear": linears}
