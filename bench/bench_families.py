@@ -14,6 +14,9 @@ The loop is anchor_lora.py's: forward with labels, backward, fused AdamW, median
 the warm-up, peak = torch.cuda.max_memory_allocated(). One JSON line; `losses` are the per-step
 losses on the same seeded batches in every implementation, so they compare directly.
 `--generic` switches family patches off (UNSLOTH_FAMILY_PATCHES=0): the generic fast path alone.
+`--shape qlora,bf16` measures both shapes in one process (one import, Unsloth's compile cache warm
+for the second). `load_s` and `warmup_s` report loading (Unsloth compiles its blocks there) and the
+warm-up steps apart from the median. bench/h200.sh's `families_call` runs the row set for one call.
 `--tiny`: a CPU-sized model of the family (kernels under TRITON_INTERPRET=1) to check the code path.
 `ours` and `unsloth` both `import unsloth`: PYTHONPATH decides which (bench/h200.sh families sets it;
 the output's `unsloth_from` shows it).
@@ -32,7 +35,7 @@ import time
 p = argparse.ArgumentParser()
 p.add_argument("--impl", required=True, choices=["make", "ours", "unsloth", "hf"])
 p.add_argument("--family", required=True, choices=["qwen3_5", "gemma4", "phi3"])
-p.add_argument("--shape", default="qlora", choices=["qlora", "bf16"])
+p.add_argument("--shape", default="qlora", help="qlora, bf16 or both comma-separated (one process, one line each)")
 p.add_argument("--layers", type=int, default=None, help="decoder layers (default: BENCH_LAYERS[family])")
 p.add_argument("--generic", action="store_true", help="family patches off: the generic fast path alone")
 p.add_argument("--steps", type=int, default=5)
@@ -51,7 +54,10 @@ if args.impl in ("ours", "unsloth"):
 import torch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-BATCH = {"qlora": 2, "bf16": 8}[args.shape]
+SHAPES = args.shape.split(",")
+if not set(SHAPES) <= {"qlora", "bf16"}:
+    p.error(f"--shape: qlora and/or bf16, not {args.shape!r}")
+BATCH = {"qlora": 2, "bf16": 8}
 # Layers per run: at the default sizes these fit a run (load, 7 steps) in about a minute.
 BENCH_LAYERS = {"qwen3_5": 8, "gemma4": 10, "phi3": 12}
 TARGETS = {
@@ -117,9 +123,9 @@ def make(path: str) -> None:
                       "params": sum(q.numel() for q in model.parameters())}))
 
 
-def load(impl: str, path: str):
+def load(impl: str, path: str, shape: str):
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    four_bit = args.shape == "qlora"
+    four_bit = shape == "qlora"
     if impl in ("ours", "unsloth"):
         from unsloth import FastLanguageModel
 
@@ -161,19 +167,26 @@ def main() -> None:
             return
     if not os.path.isdir(path):
         sys.exit(f"{path}: no model; run `bench/bench_families.py --family {args.family} --impl make` first")
+    for shape in SHAPES:  # one line per shape as soon as it is measured, so a timeout keeps the first
+        measure(path, shape)
+
+
+def measure(path: str, shape: str) -> None:
+    import gc
+
     t_load = time.perf_counter()
-    model = load(args.impl, path)
+    model = load(args.impl, path, shape)  # Unsloth compiles its decoder blocks here: in load_s, not the steps
     t_load = time.perf_counter() - t_load
     config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
     vocab = config.get_text_config().vocab_size
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=2e-4, fused=DEVICE == "cuda")
-    batch, seq = (2, 32) if args.tiny else (BATCH, args.seq)
+    batch, seq = (2, 32) if args.tiny else (BATCH[shape], args.seq)
     g = torch.Generator(device=DEVICE).manual_seed(1)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
+    times, warmup_times, losses = [], [], []
     steps, warmup = (2, 1) if args.tiny else (args.steps, args.warmup)
     for i in range(warmup + steps):
         ids = torch.randint(0, vocab, (batch, seq), device=DEVICE, generator=g)
@@ -187,21 +200,26 @@ def main() -> None:
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         losses.append(float(out.loss))
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+        (times if i >= warmup else warmup_times).append(time.perf_counter() - t0)
     report = getattr(model.get_base_model(), "_unsloth_patches", None)
     med = statistics.median(times)
     print(json.dumps({
-        "impl": args.impl + ("-generic" if args.generic else ""), "family": args.family, "shape": args.shape,
+        "impl": args.impl + ("-generic" if args.generic else ""), "family": args.family, "shape": shape,
         "batch": batch, "seq": seq, "layers": config.get_text_config().num_hidden_layers,
         "default_layers": family_config(None)[1], "median_step_s": round(med, 4),
         "tokens_per_s": round(batch * seq / med, 1),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else None,
-        "load_s": round(t_load, 1), "losses": [round(x, 4) for x in losses],
+        # load_s holds Unsloth's block compile; warmup_s its (and our) first steps' compile: neither is in the median
+        "load_s": round(t_load, 1), "warmup_s": [round(x, 2) for x in warmup_times],
+        "losses": [round(x, 4) for x in losses],
         "trainable": sum(q.numel() for q in params), "device": DEVICE,
         "unsloth_from": getattr(sys.modules.get("unsloth"), "__file__", None),
         "patches": report.summary() if report is not None and hasattr(report, "summary") else None,
     }), flush=True)
+    del model, opt, params, out
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 # Everything measured on the lent H200, in one call per section, beside the anchors.
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
-# sections: machine, tests, kernels, trainer, profile, ab, host, moe, notebook, families, generation, grpo, tts, fullft, vision, dpo;
-# all = machine tests kernels trainer)
+# sections: machine, tests, kernels, trainer, profile, ab, host, moe, notebook, families, families_call, generation,
+# grpo, tts, fullft, vision, dpo; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
 set -u
 OUT=${OUT:-/tmp/h200-out}
@@ -143,6 +143,34 @@ families() {  # today's families (bench/bench_families.py): ours, ours with fami
   done
 }
 
+families_call() {  # ours vs Unsloth, QLoRA + bf16, three families, within one device call of <= 9 min
+  # Fewer layers than the defaults (the lines say how many): Qwen3.5 4 (one full-attention layer in 4),
+  # Gemma 4 6 (five sliding, one full), Phi-4-mini shapes (phi3) 4. Each row has its own timeout, and
+  # no row starts past FAMILY_BUDGET seconds: a skipped row prints {"skipped": ...} instead.
+  budget=${FAMILY_BUDGET:-510}
+  start=$(date +%s)
+  for spec in ${FAMILY_ROWS:-qwen3_5:4 gemma4:6 phi3:4}; do
+    family=${spec%%:*} layers=${spec##*:}
+    for impl in make ours unsloth; do
+      case $impl in make) cap=${MAKE_TIMEOUT:-60} ;; ours) cap=${OURS_TIMEOUT:-120} ;; *) cap=${UNSLOTH_TIMEOUT:-240} ;; esac
+      left=$((budget - ($(date +%s) - start)))
+      [ "$cap" -le "$left" ] || cap=$left
+      if [ "$cap" -lt 20 ]; then
+        echo "{\"skipped\": \"$impl\", \"family\": \"$family\", \"reason\": \"call budget ${budget}s spent\"}" \
+          | tee -a "$OUT/families.jsonl"
+        continue
+      fi
+      path=$PYTHONPATH
+      [ "$impl" = unsloth ] && path="/tmp/site:$ROOT/.anchors/site"
+      PYTHONPATH=$path timeout "$cap" python3 bench/bench_families.py --family "$family" --layers "$layers" \
+        --shape qlora,bf16 --impl "$impl" --steps "${FAMILY_STEPS:-4}" --warmup 2 2>&1 | grep '^{' \
+        | tee -a "$OUT/families.jsonl"
+      [ "$impl" = make ] || echo "{\"row\": \"$impl\", \"family\": \"$family\", \"cap_s\": $cap, \"elapsed_s\": $(($(date +%s) - start))}" \
+        | tee -a "$OUT/families.jsonl"
+    done
+  done
+}
+
 generation() {  # decoding after for_inference, LoRA attached, batch 1 and 8; GEN_ARGS="--four-bit" for 4-bit
   [ -f /tmp/llama8b/config.json ] || python3 .anchors/anchor_lora.py --impl make >/dev/null
   # shellcheck disable=SC2086
@@ -203,7 +231,7 @@ dpo() {  # DPO, QLoRA, Llama-3.1-8B shapes with DPO_LAYERS layers (default 8), 2
 [ $# -gt 0 ] || set -- all
 for section in "$@"; do
   case $section in
-    machine|tests|kernels|trainer|profile|ab|host|moe|notebook|families|generation|grpo|tts|fullft|vision|dpo) $section ;;
+    machine|tests|kernels|trainer|profile|ab|host|moe|notebook|families|families_call|generation|grpo|tts|fullft|vision|dpo) $section ;;
     all) machine; tests; kernels; trainer ;;
     *) echo "unknown section: $section" >&2; exit 2 ;;
   esac

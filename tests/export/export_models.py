@@ -25,6 +25,25 @@ PER_ARCH = {
     "gemma2": dict(head_dim=64, query_pre_attn_scalar=64),
     "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64),
 }
+# Families our converter does not write: exported through llama.cpp's own converter. Shapes as the
+# released models have them where llama.cpp assumes them (Qwen3-MoE renormalizes its top-k weights).
+_HYBRID = dict(head_dim=64, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+               linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"])
+_EXPERTS = dict(num_experts_per_tok=2, moe_intermediate_size=128)
+LLAMA_CPP_PER_ARCH = {
+    "qwen3_5_text": _HYBRID,
+    "gpt_oss": dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2, intermediate_size=256,
+                    layer_types=["sliding_attention", "full_attention"]),
+    "qwen3_moe": dict(head_dim=64, num_experts=4, norm_topk_prob=True, **_EXPERTS),
+    "phi3": dict(pad_token_id=None),
+    "smollm3": dict(pad_token_id=None),
+    "olmo2": {},
+    "olmo3": {},
+    "granite": dict(logits_scaling=4.0, residual_multiplier=0.5, embedding_multiplier=2.0),
+    "ministral3": dict(head_dim=64),
+}
+PER_ARCH.update(LLAMA_CPP_PER_ARCH)
+LLAMA_CPP_ARCHITECTURES = tuple(LLAMA_CPP_PER_ARCH)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -38,7 +57,9 @@ CORPUS = [
 ]
 
 
-def make_tokenizer(pre_tokenizer=None):
+def make_tokenizer(pre_tokenizer=None, tokenizer_class=None):
+    """``tokenizer_class``: the transformers class to wrap it in (PreTrainedTokenizerFast by default), for
+    converters that read the class name (llama.cpp takes Phi-4's BPE vocab only from a GPT2Tokenizer)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -49,7 +70,7 @@ def make_tokenizer(pre_tokenizer=None):
     trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 20, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", 0)])
-    return PreTrainedTokenizerFast(
+    return (tokenizer_class or PreTrainedTokenizerFast)(
         tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=CHAT_TEMPLATE,
     )
@@ -71,3 +92,14 @@ def make_model(arch: str, seed: int = 0, **overrides):
         for param in model.parameters():
             param.copy_(param.half().float())
     return model
+
+
+def fake_tree(root, *, table=(), registered=()):
+    """A llama.cpp tree whose converter knows ``table`` (conversion package) and ``registered`` (script)."""
+    (root / "gguf-py").mkdir(parents=True)
+    (root / "conversion").mkdir()
+    lines = "\n".join(f"@ModelBase.register({name!r})\nclass M{i}: pass" for i, name in enumerate(registered))
+    (root / "convert_hf_to_gguf.py").write_text(lines + "\n")
+    entries = "".join(f"    {name!r}: 'llama',\n" for name in table)
+    (root / "conversion" / "__init__.py").write_text(f"TEXT_MODEL_MAP: dict[str, str] = {{\n{entries}}}\n")
+    return root

@@ -11,15 +11,19 @@ from __future__ import annotations
 import logging
 import math
 import os
+import tempfile
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unsloth.export.architectures import architecture_for
+from unsloth.export.architectures import ARCHITECTURES
 from unsloth.export.converter import write_gguf
 from unsloth.export.errors import ExportError
 from unsloth.export.files import atomic_output, ensure_free_space, scratch_file
+from unsloth.export.llama_cpp_converter import LlamaCppConverter, convert, find_converter, require_support
+from unsloth.export.merged import save_pretrained_merged
 from unsloth.models.merge import base_model, merged_tensors
 from unsloth.export.methods import Method, export_bytes, resolve_all
 from unsloth.export.methods import reference_method as reference_method_for
@@ -69,8 +73,7 @@ def save_pretrained_gguf(
     """
     out_dir = Path(save_directory)
     methods = resolve_all(quantization_method)
-    config = base_model(model).config
-    architecture_for(config)  # unsupported architectures fail before any work
+    converter = _llama_cpp_converter(model)  # unsupported architectures fail before any work
     quantized = [m for m in methods if not m.converted]
     if quantized or validate_export:
         require_llama_cpp()
@@ -87,7 +90,7 @@ def save_pretrained_gguf(
 
     def write_reference(target: Path) -> None:
         log.info("writing %s%s", reference_path, "" if keep_reference else " (the reference to quantize from; not kept)")
-        write_gguf(model, tokenizer, sources, target, reference_method, name=name)
+        write(target, reference_method)
         if expected is not None:
             report = validate(expected, tokenizer, target, reference_method.name)
             report.file = str(reference_path)
@@ -101,6 +104,7 @@ def save_pretrained_gguf(
                 )
 
     with ExitStack() as stack:
+        write = _writer(model, tokenizer, sources, name, out_dir, converter, stack)
         if keep_reference:
             with atomic_output(reference_path) as partial:
                 write_reference(partial)
@@ -113,7 +117,7 @@ def save_pretrained_gguf(
             if method.converted and method is not reference_method:
                 path = out_dir / gguf_filename(name, method)
                 with atomic_output(path) as partial:
-                    write_gguf(model, tokenizer, sources, partial, method, name=name)
+                    write(partial, method)
                 result.files[method.name] = path
         for method in quantized:
             path = out_dir / gguf_filename(name, method)
@@ -128,3 +132,33 @@ def save_pretrained_gguf(
         result.modelfile = write_modelfile(out_dir, preferred, tokenizer)
     return result
 
+
+
+def _llama_cpp_converter(model: Any) -> LlamaCppConverter | None:
+    """None where our converter writes the architecture; else llama.cpp's, checked to support it."""
+    base = base_model(model)
+    if base.config.model_type in ARCHITECTURES:
+        return None
+    converter = find_converter()
+    require_support(converter, base)
+    log.info("%s goes through llama.cpp's converter (%s)", type(base).__name__, converter.origin)
+    return converter
+
+
+def _writer(model: Any, tokenizer: Any, sources: dict, name: str, out_dir: Path,
+            converter: LlamaCppConverter | None, stack: ExitStack) -> Callable[[Path, Method], None]:
+    """How to write one unquantized GGUF: our converter from the merged tensors, or llama.cpp's from a
+    merged 16-bit folder (saved once, on first use, beside the output and removed after)."""
+    if converter is None:
+        return lambda target, method: write_gguf(model, tokenizer, sources, target, method, name=name)
+    merged: list[Path] = []
+
+    def write(target: Path, method: Method) -> None:
+        if not merged:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=".unsloth-merged-", dir=out_dir)))
+            save_pretrained_merged(model, str(folder / name), tokenizer, save_method="merged_16bit")
+            merged.append(folder / name)
+        convert(converter, merged[0], target, method.name)
+
+    return write

@@ -43,6 +43,7 @@ def save_pretrained_merged(self, save_directory: str, tokenizer=None, save_metho
             del config.quantization_config
         config.dtype = dtype
         config.use_cache = True  # a saved model is for inference; training turned the cache off
+        config.architectures = [type(base).__name__]  # as save_pretrained records it; converters dispatch on it
         with gathered(self) as whole:  # FSDP2: every weight gathered once, by every rank; rank 0 writes
             state = merged_state_dict(self, dtype, copy=whole) if is_main_process() else None
         if state is None:

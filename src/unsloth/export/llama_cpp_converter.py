@@ -1,0 +1,232 @@
+"""llama.cpp's own HF -> GGUF converter, for the architectures our converter does not write.
+
+Which converter: the llama.cpp tree named by ``UNSLOTH_LLAMA_CPP`` (a checkout or build with
+convert_hf_to_gguf.py), else the one from the source distribution of the llama-cpp-python that is
+installed here, so conversion and the runtime that loads the result are the same llama.cpp. That
+one is fetched once from the package index (PIP_INDEX_URL or PyPI, checked against its sha256) and
+only its converter files are kept, in the user cache.
+
+What it supports is read from its files (the architecture names it registers), so an export it
+cannot do is refused before any work, naming the architecture and the fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import os
+import subprocess
+import urllib.parse
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from unsloth.export.errors import ExportError
+from unsloth.export.llama_cpp_driver import ERROR_PREFIX, EXIT_REFUSED
+
+log = logging.getLogger(__name__)
+
+CONVERTER_ENV = "UNSLOTH_LLAMA_CPP"
+SCRIPT = "convert_hf_to_gguf.py"
+# What the converter needs from a llama.cpp tree: the script, its model classes, its own gguf-py.
+_KEPT = (SCRIPT, "conversion/", "gguf-py/")
+
+
+@dataclass(frozen=True)
+class LlamaCppConverter:
+    root: Path  # a llama.cpp tree holding convert_hf_to_gguf.py and gguf-py/
+    origin: str  # where it came from, for messages
+
+    @property
+    def architectures(self) -> frozenset[str]:
+        return supported_architectures(self.root)
+
+
+def supported_architectures(root: Path) -> frozenset[str]:
+    """The HF architecture names (``config.architectures``) the converter at ``root`` has a class for.
+
+    Read from its source without importing it: the ``TEXT_MODEL_MAP`` table of llama.cpp's
+    conversion package, and the ``@ModelBase.register(...)`` names (the older single-file layout)."""
+    return _architectures(str(root))
+
+
+@lru_cache(maxsize=8)
+def _architectures(root: str) -> frozenset[str]:
+    names: set[str] = set()
+    files = [Path(root) / SCRIPT, *sorted((Path(root) / "conversion").glob("*.py"))]
+    for path in files:
+        if not path.is_file():
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "register":
+                names.update(a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str))
+            elif isinstance(node, ast.AnnAssign | ast.Assign):
+                targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+                if any(getattr(t, "id", None) == "TEXT_MODEL_MAP" for t in targets) and isinstance(node.value, ast.Dict):
+                    names.update(k.value for k in node.value.keys if isinstance(k, ast.Constant))
+    return frozenset(names)
+
+
+def hf_architecture(model: Any) -> str:
+    """The architecture name llama.cpp's converter dispatches on (what save_pretrained records)."""
+    recorded = getattr(model.config, "architectures", None)
+    return recorded[0] if recorded else type(model).__name__
+
+
+def _is_tree(root: Path) -> bool:
+    return (root / SCRIPT).is_file() and (root / "gguf-py").is_dir()
+
+
+def _cache_root() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("unsloth", appauthor=False)) / "llama.cpp-converter"
+
+
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llama-cpp-python")
+    except PackageNotFoundError:
+        raise ExportError(
+            "llama.cpp's converter is needed for this architecture, and llama-cpp-python is not installed",
+            fix=f"install llama-cpp-python (`unsloth install` or `pip install llama-cpp-python`), or set "
+            f"{CONVERTER_ENV} to a llama.cpp checkout",
+        ) from None
+
+
+def extract_converter(sdist: Path, dest: Path) -> Path:
+    """Unpack only the converter's files from a llama-cpp-python sdist (vendor/llama.cpp/...) into ``dest``."""
+    with tarfile.open(sdist) as archive:
+        members = []
+        for member in archive.getmembers():
+            _, _, inside = member.name.partition("/vendor/llama.cpp/")
+            if inside and any(inside == k or (k.endswith("/") and inside.startswith(k)) for k in _KEPT):
+                member.name = inside
+                members.append(member)
+        archive.extractall(dest, members=members, filter="data")
+    if not _is_tree(dest):
+        raise ExportError(f"{sdist.name} holds no llama.cpp converter (vendor/llama.cpp/{SCRIPT})",
+                          fix=f"set {CONVERTER_ENV} to a llama.cpp checkout")
+    return dest
+
+
+def _sdist_url(version: str) -> tuple[str, str]:
+    """(URL, sha256) of the llama-cpp-python ``version`` sdist, from the package index's simple API
+    (PEP 691 JSON; PIP_INDEX_URL or PyPI). Asking pip to download an sdist would first build its
+    metadata, which for llama-cpp-python means a CMake configure."""
+    import urllib.request
+
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    request = urllib.request.Request(f"{index}/llama-cpp-python/",
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        files = json.load(response)["files"]
+    wanted = f"llama_cpp_python-{version}.tar.gz"
+    for entry in files:
+        if entry["filename"] == wanted and "sha256" in entry.get("hashes", {}):
+            return urllib.parse.urljoin(response.url, entry["url"]), entry["hashes"]["sha256"]
+    raise LookupError(f"{wanted} is not on {index}")
+
+
+def _fetch(version: str, cache: Path) -> Path:
+    import hashlib
+    import urllib.request
+
+    target = cache / version
+    log.info("fetching llama.cpp's converter (llama-cpp-python %s source, once) into %s", version, target)
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=cache) as staging:
+        sdist = Path(staging) / f"llama_cpp_python-{version}.tar.gz"
+        try:
+            url, sha256 = _sdist_url(version)
+            digest = hashlib.sha256()
+            with urllib.request.urlopen(url, timeout=60) as response, sdist.open("wb") as out:
+                while chunk := response.read(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+            if digest.hexdigest() != sha256:
+                raise OSError(f"{sdist.name} does not match the index's sha256")
+        except (OSError, LookupError, ValueError, KeyError) as exc:
+            raise ExportError(
+                f"could not fetch llama.cpp's converter (the llama-cpp-python {version} source): {exc}",
+                fix=f"check the network or PIP_INDEX_URL, or set {CONVERTER_ENV} to a llama.cpp checkout "
+                "(git clone https://github.com/ggml-org/llama.cpp)",
+            ) from exc
+        unpacked = extract_converter(sdist, Path(staging) / "tree")
+        try:
+            unpacked.rename(target)  # whole or not at all: a killed fetch leaves only the staging folder
+        except OSError:
+            if not _is_tree(target):  # another export fetched it meanwhile otherwise
+                raise
+    return target
+
+
+def find_converter(fetch: bool = True) -> LlamaCppConverter:
+    """The converter to use (see the module docstring); ``fetch``: allowed to download it."""
+    named = os.environ.get(CONVERTER_ENV)
+    if named:
+        root = Path(named).expanduser()
+        if not _is_tree(root):
+            raise ExportError(f"{CONVERTER_ENV}={named} is not a llama.cpp tree (no {SCRIPT} with gguf-py/ beside it)",
+                              fix=f"point {CONVERTER_ENV} at a llama.cpp checkout, or unset it")
+        return LlamaCppConverter(root, f"{CONVERTER_ENV}={named}")
+    version = _installed_version()
+    root = _cache_root() / version
+    if not _is_tree(root):
+        if not fetch:
+            raise ExportError(f"llama.cpp's converter (llama-cpp-python {version}) is not in {root.parent}",
+                              fix=f"export once with network access, or set {CONVERTER_ENV} to a llama.cpp checkout")
+        root = _fetch(version, root.parent)
+    return LlamaCppConverter(root, f"llama-cpp-python {version}")
+
+
+def _config_checks(config: Any) -> None:
+    # llama.cpp's qwen3moe graph always renormalizes the top-k expert weights; a config that does
+    # not (transformers' default) would convert without error and answer differently.
+    if getattr(config, "model_type", None) == "qwen3_moe" and not getattr(config, "norm_topk_prob", True):
+        raise ExportError(
+            "this Qwen3-MoE config has norm_topk_prob=False, which llama.cpp's qwen3moe graph cannot "
+            "represent (it always renormalizes the chosen experts' weights); nothing was written",
+            fix="export a model trained with norm_topk_prob=True, as the released Qwen3 MoE models are",
+        )
+
+
+def require_support(converter: LlamaCppConverter, model: Any) -> str:
+    """The model's architecture name, if ``converter`` can convert it; else a refusal naming it."""
+    _config_checks(model.config)
+    name = hf_architecture(model)
+    if name not in converter.architectures:
+        raise ExportError(
+            f"GGUF export does not support {name} ({model.config.model_type!r}): neither our converter nor "
+            f"llama.cpp's ({converter.origin}) has it; nothing was written",
+            fix=f"update llama-cpp-python (`pip install -U llama-cpp-python`), or set {CONVERTER_ENV} to a newer "
+            "llama.cpp checkout; save_pretrained_merged still saves the merged model",
+        )
+    return name
+
+
+def convert(converter: LlamaCppConverter, model_dir: Path, outfile: Path, outtype: str) -> None:
+    """Run the converter on a saved (merged) model folder, writing ``outfile`` in f32/f16/bf16."""
+    command = [sys.executable, "-m", "unsloth.export.llama_cpp_driver", str(converter.root), str(model_dir),
+               str(outfile), outtype]
+    env = {**os.environ, "NO_LOCAL_GGUF": "1"}  # the driver puts the converter's own gguf-py first itself
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    if done.returncode == EXIT_REFUSED and lines and lines[-1].startswith(ERROR_PREFIX):
+        refusal = json.loads(lines[-1].removeprefix(ERROR_PREFIX))
+        raise ExportError(refusal["problem"], fix=refusal["fix"])
+    if done.returncode != 0 or not outfile.is_file():
+        raise ExportError(
+            f"llama.cpp's converter ({converter.origin}) failed on {model_dir.name}: " + " / ".join(lines[-2:]),
+            fix="run with --verbose to see its whole output; update llama-cpp-python or set "
+            f"{CONVERTER_ENV} to a newer llama.cpp checkout",
+        )
+    log.debug("llama.cpp converter output:\n%s", done.stderr)

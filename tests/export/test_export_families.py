@@ -1,0 +1,180 @@
+"""Families our converter does not write go through llama.cpp's own converter: a tiny random model of
+each -> save_pretrained_gguf (merged 16-bit folder -> convert_hf_to_gguf -> f16) -> llama-cpp-python
+reproduces transformers' greedy tokens. Architectures the converter lacks, and configs llama.cpp
+would answer differently for, are refused before any work, naming the architecture and the fix.
+
+The slow tests use the converter the export itself finds: UNSLOTH_LLAMA_CPP when set, else the
+installed llama-cpp-python's source, fetched once into the user cache."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import textwrap
+
+import pytest
+
+from export_models import LLAMA_CPP_ARCHITECTURES, fake_tree, make_model, make_tokenizer
+
+N_TOKENS = 12
+PROMPTS = ("The capital of France is", "def add(a, b):", "Once upon a time")
+
+
+def test_supported_architectures_read_from_both_layouts(tmp_path):
+    from unsloth.export.llama_cpp_converter import supported_architectures
+
+    root = fake_tree(tmp_path / "tree", table=["Qwen3_5ForCausalLM", "GptOssForCausalLM"], registered=["OldForCausalLM"])
+    assert supported_architectures(root) == {"Qwen3_5ForCausalLM", "GptOssForCausalLM", "OldForCausalLM"}
+
+
+def test_unsupported_architecture_refused_before_any_file(tmp_path, monkeypatch):
+    from unsloth.export.errors import ExportError
+    from unsloth.export.gguf import save_pretrained_gguf
+
+    monkeypatch.setenv("UNSLOTH_LLAMA_CPP", str(fake_tree(tmp_path / "tree", table=["GptOssForCausalLM"])))
+    out = tmp_path / "out"
+    with pytest.raises(ExportError) as caught:
+        save_pretrained_gguf(make_model("olmo2"), out, make_tokenizer(), "f16")
+    message = str(caught.value)
+    assert "Olmo2ForCausalLM" in message and "'olmo2'" in message and "nothing was written" in message
+    assert "pip install -U llama-cpp-python" in caught.value.fix and "UNSLOTH_LLAMA_CPP" in caught.value.fix
+    assert not out.exists()
+
+
+def test_converter_env_must_name_a_llama_cpp_tree(tmp_path, monkeypatch):
+    from unsloth.export.errors import ExportError
+    from unsloth.export.llama_cpp_converter import find_converter
+
+    monkeypatch.setenv("UNSLOTH_LLAMA_CPP", str(tmp_path))
+    with pytest.raises(ExportError, match="is not a llama.cpp tree") as caught:
+        find_converter(fetch=False)
+    assert "UNSLOTH_LLAMA_CPP" in caught.value.fix
+
+
+def test_qwen3_moe_without_renormalized_experts_refused(tmp_path, monkeypatch):
+    """llama.cpp's qwen3moe graph always renormalizes the top-k weights: norm_topk_prob=False (transformers'
+    default) would convert cleanly and answer differently, so it is refused."""
+    from unsloth.export.errors import ExportError
+    from unsloth.export.gguf import save_pretrained_gguf
+
+    monkeypatch.setenv("UNSLOTH_LLAMA_CPP", str(fake_tree(tmp_path / "tree", table=["Qwen3MoeForCausalLM"])))
+    with pytest.raises(ExportError, match="norm_topk_prob=False"):
+        save_pretrained_gguf(make_model("qwen3_moe", norm_topk_prob=False), tmp_path / "out", make_tokenizer(), "f16")
+    assert not (tmp_path / "out").exists()
+
+
+def test_only_the_converter_is_unpacked_from_the_sdist(tmp_path):
+    from unsloth.export.llama_cpp_converter import extract_converter
+
+    sdist = tmp_path / "llama_cpp_python-9.9.9.tar.gz"
+    files = {
+        "vendor/llama.cpp/convert_hf_to_gguf.py": "print('converter')\n",
+        "vendor/llama.cpp/conversion/__init__.py": "",
+        "vendor/llama.cpp/gguf-py/gguf/__init__.py": "",
+        "vendor/llama.cpp/ggml/src/ggml.c": "int main;\n",
+        "vendor/llama.cpp/models/ggml-vocab-llama.gguf": "big\n",
+        "llama_cpp/llama.py": "",
+    }
+    with tarfile.open(sdist, "w:gz") as archive:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"llama_cpp_python-9.9.9/{name}")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    root = extract_converter(sdist, tmp_path / "tree")
+    kept = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    assert kept == ["conversion/__init__.py", "convert_hf_to_gguf.py", "gguf-py/gguf/__init__.py"]
+
+
+def test_a_tokenizer_llama_cpp_cannot_name_is_refused_with_the_fix(tmp_path, monkeypatch):
+    """The driver names an unknown pre-tokenizer from tokenizer.json; a split rule llama.cpp does not
+    implement comes back from the child process as our refusal, not a traceback."""
+    from tokenizers import pre_tokenizers
+
+    from unsloth.export.errors import ExportError
+    from unsloth.export.llama_cpp_converter import LlamaCppConverter, convert
+
+    root = fake_tree(tmp_path / "tree")
+    (root / "conversion" / "__init__.py").write_text(textwrap.dedent('''
+        import json
+        from pathlib import Path
+        class ModelType:
+            TEXT = 0
+        class ModelBase:
+            @staticmethod
+            def load_hparams(model_dir, mistral):
+                return json.loads((Path(model_dir) / "config.json").read_text())
+            def get_vocab_base_pre(self, tokenizer):
+                raise NotImplementedError("BPE pre-tokenizer was not recognized - update get_vocab_base_pre()")
+        class Model(ModelBase):
+            def __init__(self, model_dir, *args, **kwargs):
+                from transformers import AutoTokenizer
+                self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            def write(self):
+                self.get_vocab_base_pre(self.tokenizer)
+        def get_model_architecture(hparams, model_type):
+            return hparams["architectures"][0]
+        def get_model_class(name, mmproj=False):
+            return Model
+    '''))
+    (root / "gguf-py" / "gguf").mkdir()
+    (root / "gguf-py" / "gguf" / "__init__.py").write_text(
+        "class LlamaFileType:\n    ALL_F32 = MOSTLY_F16 = MOSTLY_BF16 = 0\n")
+    model_dir = tmp_path / "model"
+    (model_dir).mkdir()
+    (model_dir / "config.json").write_text('{"architectures": ["Olmo2ForCausalLM"], "vocab_size": 384}')
+    whitespace = make_tokenizer(pre_tokenizer=pre_tokenizers.Whitespace())
+    whitespace.save_pretrained(model_dir)
+    with pytest.raises(ExportError, match="pre-tokenizer .* is not one llama.cpp implements") as caught:
+        convert(LlamaCppConverter(root, "test tree"), model_dir, tmp_path / "out.gguf", "f16")
+    assert "byte-level BPE" in caught.value.fix
+
+
+@pytest.fixture(scope="module")
+def converter():
+    from unsloth.export.llama_cpp_converter import find_converter
+
+    return find_converter()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", LLAMA_CPP_ARCHITECTURES)
+def test_family_exports_through_llama_cpp_and_matches_transformers(arch, converter, tmp_path):
+    from unsloth.export import runtime
+    from unsloth.export.gguf import save_pretrained_gguf
+    from unsloth.export.llama_cpp_converter import hf_architecture
+    from unsloth.export.validate import reference_greedy
+
+    model = make_model(arch)
+    assert hf_architecture(model) in converter.architectures, f"{converter.origin} lacks {arch}"
+    tokenizer = make_tokenizer(tokenizer_class=_tokenizer_class(arch))
+    result = save_pretrained_gguf(model, tmp_path, tokenizer, "f16")
+    report = result.validations["f16"]
+    assert report.passed and report.tokenizer_mismatches == [], report.summary()
+    assert [p.name for p in tmp_path.iterdir()] == ["model.F16.gguf"]  # the merged folder is gone
+
+    llm = runtime.load(result.files["f16"], n_ctx=128, gpu=False)
+    try:
+        seen = {t for p in report.prompts for t in p.reference}  # the validation's five prompts, and these
+        agree, total = 0, 0
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt)["input_ids"]
+            expected, _ = reference_greedy(model, ids, N_TOKENS)
+            got = runtime.greedy(llm, ids, N_TOKENS)
+            agree += next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), N_TOKENS)
+            total += N_TOKENS
+            seen.update(expected)
+    finally:
+        llm.close()
+    # Free-running greedy from the first divergence on is a different text; the validation above
+    # already allowed only near ties, so most steps must agree before any divergence.
+    assert agree >= 0.75 * total, (arch, agree, total)
+    assert len(seen) > 4, "the model is degenerate; the comparison would prove nothing"
+
+
+def _tokenizer_class(arch):
+    if arch == "phi3":  # Phi-4 ships a GPT2Tokenizer; llama.cpp reads its BPE vocab only then
+        from transformers import GPT2Tokenizer
+
+        return GPT2Tokenizer
+    return None
