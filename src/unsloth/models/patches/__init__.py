@@ -94,6 +94,7 @@ class PatchReport:
     rope: int = 0
     mlp: int = 0
     moe: int = 0
+    moe_4bit: int = 0  # packed expert stacks held in NF4 (QLoRA of the experts)
     loss: bool = False
     lora: dict[str, int] = field(default_factory=dict)
     checkpointed: int | None = None  # decoder layers under our checkpointing; None: not applied yet
@@ -111,7 +112,7 @@ class PatchReport:
         if self.mlp:
             parts.append(f"{self.mlp} MLP")
         if self.moe:
-            parts.append(f"{self.moe} MoE experts")
+            parts.append(f"{self.moe} MoE experts" + (f" ({self.moe_4bit} stacks in NF4)" if self.moe_4bit else ""))
         if self.loss:
             parts.append("fused loss")
         parts += [f"{n} LoRA {kind}" for kind, n in self.lora.items() if n]

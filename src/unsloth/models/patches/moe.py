@@ -22,6 +22,7 @@ import types
 import torch
 from torch import nn
 
+from unsloth.models.experts_4bit import Nf4Stack
 from unsloth.models.patches.probe import same
 
 # Parameter names of the packed stacks, as `target_parameters` entries (peft matches by suffix).
@@ -58,7 +59,11 @@ def _expert_weights(module, spec, lora=None):
     for name in ("gate_up_proj", "down_proj"):
         A, B, scaling = lora.get(name, (None, None, 1.0))
         bias = getattr(module, f"{name}_bias", None) if getattr(module, "has_bias", False) else None
-        stacks.append(ExpertWeights(getattr(module, name), A, B, scaling, bias, transposed=spec["transposed"]))
+        weight = getattr(module, name)
+        quant_state = None
+        if isinstance(weight, Nf4Stack):  # QLoRA: the kernel reads the NF4 bytes
+            weight, quant_state = weight.packed, weight.quant_state
+        stacks.append(ExpertWeights(weight, A, B, scaling, bias, transposed=spec["transposed"], quant_state=quant_state))
     return stacks
 
 
