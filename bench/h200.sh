@@ -2,7 +2,7 @@
 # Everything measured on the lent H200, in one call per section, beside the anchors.
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
-# sections: machine, tests, kernels, trainer, profile, ab, host, moe, notebook, families, generation; all = machine tests kernels trainer)
+# sections: machine, tests, kernels, trainer, profile, ab, host, moe, moetune, notebook, families, generation; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
 set -u
 OUT=${OUT:-/tmp/h200-out}
@@ -112,6 +112,11 @@ moe() {  # MoE: the experts alone (ours vs torch._grouped_mm + LoRA matmuls), th
   done
 }
 
+moetune() {  # the MoE kernel's launch configurations swept at both shapes (about 4 minutes); prints the
+  # best, with its ratios against torch._grouped_mm + LoRA matmuls measured in the same process
+  timeout 280 python3 bench/bench_moe.py --part tune --budget-s "${MOE_TUNE_BUDGET:-200}" 2>&1 | grep '^{' | tee -a "$OUT/moe_tune.jsonl"
+}
+
 families() {  # today's families (bench/bench_families.py): ours, ours with family patches off, Unsloth, HF
   # FAMILIES="qwen3_5 gemma4 phi3", SHAPES="qlora bf16", FAMILY_IMPLS: pick fewer to fit one call
   for family in ${FAMILIES:-qwen3_5 gemma4 phi3}; do
@@ -145,7 +150,7 @@ generation() {  # decoding after for_inference, LoRA attached, batch 1 and 8; GE
 [ $# -gt 0 ] || set -- all
 for section in "$@"; do
   case $section in
-    machine|tests|kernels|trainer|profile|ab|host|moe|notebook|families|generation) $section ;;
+    machine|tests|kernels|trainer|profile|ab|host|moe|moetune|notebook|families|generation) $section ;;
     all) machine; tests; kernels; trainer ;;
     *) echo "unknown section: $section" >&2; exit 2 ;;
   esac
