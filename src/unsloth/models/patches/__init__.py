@@ -67,6 +67,10 @@ MOE_FAMILIES: dict[str, tuple[str, ...]] = {
     "deepseek_v3": MOE,
     "glm4_moe": MOE,
     "gemma4_text": MOE_NO_ROPE,  # its RoPE patch fails on a tiny model: apply_rotary_pos_emb differs
+    # Llama 4 text: complex-valued RoPE (stock); its MoE blocks run every expert over every token
+    # with the inputs scaled by the scores, which the patch turns into top-k routing
+    "llama4_text": MOE_NO_ROPE,
+    "llama4": MOE_NO_ROPE,
 }
 
 # Families whose decoder layer adds the MLP's output straight to the residual stream, with no norm
