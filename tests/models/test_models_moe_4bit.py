@@ -150,3 +150,31 @@ def test_load_in_4bit_quantizes_the_packed_experts_and_trains_lora_on_them(tmp_p
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
     expert_grads = {n: p.grad for n, p in model.named_parameters() if "experts" in n and "lora_A" in n}
     assert expert_grads and all(g is not None and g.abs().sum() > 0 for g in expert_grads.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,four_bit", [("qwen3_moe", True), ("gpt_oss", False)])
+def test_merged_state_dict_of_expert_lora_is_the_adapted_model(family, four_bit):
+    """The merged 16-bit export of a MoE model: expert stacks (dequantized where 4-bit) with their
+    LoRA delta merged, loaded into a plain transformers model, gives the adapted model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from unsloth.export.merged import merged_state_dict
+
+    model = tiny_moe(family)
+    plain = AutoModelForCausalLM.from_config(model.config).eval()
+    patch_model(model)
+    model.requires_grad_(False)
+    if four_bit:
+        quantize_packed_experts(model)
+    model = _with_lora(model)
+    patch_peft_model(model)
+    ids, _ = _batch()
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        state = merged_state_dict(model, torch.float32)
+        assert not any(isinstance(t, Nf4Stack) for t in state.values())
+        plain.load_state_dict(state, strict=True)
+        torch.testing.assert_close(plain(input_ids=ids).logits, adapted, rtol=1e-4, atol=1e-4)
+        with model.disable_adapter():  # the delta is really there: without it the logits move
+            assert not torch.allclose(model(input_ids=ids).logits, adapted, atol=1e-3)
