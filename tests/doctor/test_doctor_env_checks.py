@@ -39,6 +39,7 @@ def healthy_gpu_run(arch: str = "sm_89", name: str = "NVIDIA GeForce RTX 4090", 
         "bitsandbytes": line("bitsandbytes", True, "bitsandbytes 0.50.2 NF4 round trip on cuda:0"),
         "triton": line("triton", True, "Triton 3.6.0 compiled and ran a kernel (cuda:0)"),
         "llama_cpp": line("llama_cpp", True, "llama-cpp-python 0.3.36 (GPU offload: yes)", gpu_offload=True),
+        "multi_gpu": line("multi_gpu", None, "1 GPU(s): nothing to connect"),
     }, returncode=0)
 
 
@@ -51,8 +52,8 @@ def by_id(findings) -> dict:
 def test_a_healthy_gpu_environment_is_all_ok_and_required(make_plan, rtx4090):
     findings = probe_findings(healthy_gpu_run(), Platform(gpus=[rtx4090]), make_plan("cuda", "cu130", rtx4090))
     assert [f.id for f in findings] == IDS
-    assert all(f.status == "ok" for f in findings)
-    assert [f.required for f in findings] == [True, True, True, True, True, False]
+    assert all(f.status == "ok" for f in findings[:-1]) and findings[-1].status == "skipped"  # one GPU
+    assert [f.required for f in findings] == [True, True, True, True, True, False, False]
 
 
 def test_a_cpu_torch_where_the_plan_wants_cuda(make_plan, rtx4090):
@@ -89,14 +90,14 @@ def test_torch_that_sees_no_gpu_fails_and_one_that_sees_another_arch_warns(make_
 
 def test_a_hang_names_the_check_that_hung_and_the_rest_were_not_reached(make_plan, rtx4090):
     run = healthy_gpu_run()
-    for name in ("matmul", "bitsandbytes", "triton", "llama_cpp"):
+    for name in ("matmul", "bitsandbytes", "triton", "llama_cpp", "multi_gpu"):
         del run.results[name]
     run.timed_out, run.returncode, run.timeout_s, run.stderr = True, None, 60, "stuck in cuLaunchKernel"
     found = by_id(probe_findings(run, Platform(gpus=[rtx4090]), make_plan("cuda", "cu130", rtx4090)))
     hung = found["env-matmul"]
     assert hung.fails and hung.message == "Hung: no answer within 60 s"
     assert "dmesg" in hung.fix and "--timeout 180" in hung.fix and hung.detail == "stuck in cuLaunchKernel"
-    assert [found[i].status for i in IDS[3:]] == ["skipped"] * 3
+    assert [found[i].status for i in IDS[3:]] == ["skipped"] * 4
     assert found["env-torch"].status == "ok"
     run.timeout_s = 0.5  # a short --timeout is named as given, not rounded to "0 s"
     hung = by_id(probe_findings(run, Platform(gpus=[rtx4090]), make_plan("cuda", "cu130", rtx4090)))["env-matmul"]
@@ -125,6 +126,32 @@ def test_optional_parts(make_plan, rtx4090):
                                           gpu_offload=False)
     found = by_id(probe_findings(cpu_llama, Platform(gpus=[rtx4090]), make_plan("cuda", "cu130", rtx4090)))
     assert found["env-llama-cpp"].status == "warning" and "without GPU offload" in found["env-llama-cpp"].message
+
+
+def _two_gpu_line(nccl=True, copy_ok=True, peers=(True, True), collective="NCCL"):
+    peer_access = {"0-1": peers[0], "1-0": peers[1]}
+    message = f"2 GPUs, {collective} {'available' if nccl else 'missing'}, ..."
+    return line("multi_gpu", nccl and copy_ok, message, count=2, collective=collective, nccl=nccl,
+                peer_access=peer_access, copy_ok=copy_ok)
+
+
+@pytest.mark.parametrize("case, os, expected_status, words", [
+    (dict(), "linux", "ok", ("NCCL available",)),
+    (dict(nccl=False), "linux", "warning", ("cannot run without NCCL", )),
+    (dict(nccl=False, collective="RCCL"), "linux", "warning", ("cannot run without RCCL",)),
+    (dict(copy_ok=False), "linux", "warning", ("peer-to-peer between the GPUs is broken",)),
+    (dict(peers=(False, False)), "linux", "warning", ("through host memory",)),
+    (dict(nccl=False), "windows", "skipped", ("not supported on Windows",)),
+])
+def test_two_gpus_in_torch(make_plan, rtx4090, case, os, expected_status, words):
+    run = healthy_gpu_run()
+    run.results["multi_gpu"] = _two_gpu_line(**case)
+    found = by_id(probe_findings(run, Platform(os=os, gpus=[rtx4090, rtx4090]), make_plan("cuda", "cu130", rtx4090)))
+    finding = found["env-multi-gpu"]
+    assert finding.status == expected_status and not finding.required
+    assert all(word in finding.message for word in words), finding.message
+    if case.get("copy_ok") is False:
+        assert "NCCL_P2P_DISABLE=1" in finding.fix
 
 
 def test_probe_output_survives_stray_prints():
@@ -168,6 +195,7 @@ def test_the_probe_in_this_venv_sees_cpu_torch_and_runs_everything_on_the_cpu(ma
     assert results["bitsandbytes"]["ok"] and 0.01 < results["bitsandbytes"]["error"] < 0.2
     assert results["triton"]["ok"] and results["triton"]["mode"] == "interpreter"
     assert results["llama_cpp"]["ok"] is (importlib.util.find_spec("llama_cpp") is not None)
+    assert results["multi_gpu"]["ok"] is None and "0 GPU(s)" in results["multi_gpu"]["message"]
 
     found = by_id(probe_findings(run, Platform(os="linux"), make_plan()))
     assert found["env-gpu"].status == "skipped"  # the plan is CPU: no GPU to look for
@@ -228,6 +256,10 @@ def test_the_probe_on_a_real_gpu():
     assert results["triton"]["ok"] and results["triton"]["mode"] == "cuda:0", results["triton"]
     if importlib.util.find_spec("bitsandbytes") is not None:
         assert results["bitsandbytes"]["ok"], results["bitsandbytes"]
+    if results["gpu"]["count"] >= 2:
+        assert results["multi_gpu"]["ok"] and results["multi_gpu"]["copy_ok"], results["multi_gpu"]
+    else:
+        assert results["multi_gpu"]["ok"] is None
 
 
 def test_triton_missing_on_a_cpu_plan_is_no_fault(make_plan):

@@ -192,3 +192,62 @@ def test_greedy_tokens_match_transformers_in_4bit_with_adapters(tmp_path):
     expected = _greedy(model, ids, mask)
     generation.enable(model)
     assert torch.equal(_greedy(model, ids, mask), expected)
+
+
+def _decode_step_compiles_to_one_graph(backbone):
+    """Prefill eagerly on a fresh static cache, then one token: eager vs torch.compile(fullgraph=True)
+    (any graph break is an error), the same logits."""
+    from transformers import StaticCache
+
+    ids, _ = _prompts(batch=1, seq=5)
+
+    def decode_step(forward):
+        cache = StaticCache(config=backbone.config, max_cache_len=16)
+        backbone(input_ids=ids, past_key_values=cache, use_cache=True)
+        return forward(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True,
+                       cache_position=torch.tensor([5]), position_ids=torch.tensor([[5]])).logits
+
+    with torch.no_grad():
+        eager = decode_step(backbone)
+        torch._dynamo.reset()
+        compiled = decode_step(torch.compile(backbone, backend="eager", fullgraph=True))
+    torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.slow
+def test_the_patched_decode_step_traces_as_one_graph_with_the_same_logits():
+    """Under torch.compile our patched forwards take their plain torch form: a decode step with LoRA on
+    a static cache is one graph (no break to pay eager host time for between CUDA graphs)."""
+    model = tiny_model("llama")
+    report = patch_model(model)
+    assert report.rms_norm and report.rope and report.mlp, report  # else the test would prove nothing
+    _decode_step_compiles_to_one_graph(_with_lora(model).get_base_model())
+
+
+@pytest.mark.slow
+def test_a_4bit_decode_step_with_adapters_traces_as_one_graph(tmp_path):
+    """What lets fast_generate compile a bitsandbytes 4-bit model's decode step, which transformers
+    itself never does: bitsandbytes' 4-bit layers under LoRA trace without a break."""
+    pytest.importorskip("bitsandbytes")
+    from tiny_families import save_tiny
+    from unsloth.models.loader import add_lora, load_pretrained
+
+    model, _ = load_pretrained(str(save_tiny("llama", tmp_path / "llama")), max_seq_length=64, dtype="float32",
+                               load_in_4bit=True)
+    model = add_lora(model, r=4, lora_alpha=8)
+    backbone = model.get_base_model()
+    assert type(backbone.model.layers[0].mlp.gate_proj.base_layer).__name__ == "Linear4bit"
+    _decode_step_compiles_to_one_graph(backbone.eval())
+
+
+def test_the_4bit_quantizer_is_hidden_from_transformers_compile_check_only_on_a_gpu():
+    import types
+
+    quantizer = types.SimpleNamespace(quantization_config=types.SimpleNamespace(load_in_4bit=True))
+    gpu = types.SimpleNamespace(device=torch.device("cuda"), hf_quantizer=quantizer)
+    assert generation._hide_bitsandbytes_4bit(gpu) is quantizer and gpu.hf_quantizer is None
+    cpu = types.SimpleNamespace(device=torch.device("cpu"), hf_quantizer=quantizer)  # nothing compiles there
+    assert generation._hide_bitsandbytes_4bit(cpu) is None and cpu.hf_quantizer is quantizer
+    eight = types.SimpleNamespace(device=torch.device("cuda"), hf_quantizer=types.SimpleNamespace(
+        quantization_config=types.SimpleNamespace(load_in_4bit=False)))
+    assert generation._hide_bitsandbytes_4bit(eight) is None

@@ -131,6 +131,7 @@ def fast_generate(backbone, plain, *args, **kwargs):
         config.compile_config = CompileConfig(dynamic=False)
     was_training = backbone.training
     backbone.eval()  # no dropout in rollouts, as with vLLM; the caller's mode comes back after
+    quantizer = _hide_bitsandbytes_4bit(backbone) if not config.disable_compile else None
     try:
         return plain(*args, generation_config=config, **{ALL_CACHE_NAMES[0]: cache}, **rest)
     except torch._dynamo.exc.TorchDynamoException as error:
@@ -144,7 +145,21 @@ def fast_generate(backbone, plain, *args, **kwargs):
         config.disable_compile = True
         return plain(*args, generation_config=config, **{ALL_CACHE_NAMES[0]: cache}, **rest)
     finally:
+        if quantizer is not None:
+            backbone.hf_quantizer = quantizer
         backbone.train(was_training)
+
+
+def _hide_bitsandbytes_4bit(backbone):
+    """transformers never compiles a bitsandbytes model's decode step (its quantizer says so), but a
+    4-bit layer traces into one graph (bitsandbytes' ops are torch custom ops: a test checks it with
+    fullgraph=True); for the call, the quantizer is out of sight of that check. Returns it to put back."""
+    quantizer = backbone.__dict__.get("hf_quantizer")
+    config = getattr(quantizer, "quantization_config", None)
+    if quantizer is None or backbone.device.type != "cuda" or not getattr(config, "load_in_4bit", False):
+        return None
+    backbone.hf_quantizer = None
+    return quantizer
 
 
 def _new_cache(backbone, length: int):

@@ -51,3 +51,13 @@ def kernels_available(device: torch.device | str) -> bool:
         _said.add(reason)
         log.warning("unsloth: kernels off, training through plain transformers + peft: %s.", reason)
     return reason is None
+
+
+def compiling() -> bool:
+    """True while torch.compile traces: our patched forwards then take their plain torch form.
+
+    The compiled decode step (generation.py) is captured in CUDA graphs; Inductor fuses the plain
+    math itself, while each of our Triton launches, with its Python-side setup, would break the
+    graph in two and leave every decode step paying eager host time between the pieces.
+    """
+    return torch.compiler.is_compiling()

@@ -20,6 +20,7 @@ TITLES = {
     "bitsandbytes": "bitsandbytes 4-bit",
     "triton": "Triton kernel",
     "llama_cpp": "llama.cpp",
+    "multi_gpu": "Several GPUs in torch",
 }
 
 
@@ -173,6 +174,27 @@ def _judge_llama_cpp(result: dict[str, Any], context: _Context) -> Verdict:
     return "ok", result["message"], None, False
 
 
+def _judge_multi_gpu(result: dict[str, Any], context: _Context) -> Verdict:
+    if (skipped := _could_not_run(result)) is not None:
+        return skipped
+    collective = result.get("collective", "NCCL")
+    if context.platform.os == "windows":
+        return "skipped", f"{result['count']} GPUs, but several-GPU training is not supported on Windows", None, False
+    if not result.get("nccl", True):
+        return ("warning", f"{result['message']}: `unsloth train --gpus N` cannot run without {collective}",
+                REINSTALL, False)
+    if not result.get("copy_ok", True):
+        return ("warning", f"{result['message']}: peer-to-peer between the GPUs is broken",
+                "Run several-GPU jobs with NCCL_P2P_DISABLE=1, and check IOMMU / PCIe ACS settings in the BIOS",
+                False)
+    if not result["ok"]:
+        return "warning", result["message"], REINSTALL, False
+    if any(not ok for ok in result.get("peer_access", {}).values()):
+        return ("warning", f"{result['message']}: those GPUs talk through host memory, so gradient sync is slower",
+                "Nothing to fix for correctness; for speed, GPUs on one PCIe switch or NVLink", False)
+    return "ok", result["message"], None, False
+
+
 JUDGES = {
     "torch": _judge_torch,
     "gpu": _judge_gpu,
@@ -180,4 +202,5 @@ JUDGES = {
     "bitsandbytes": _judge_bitsandbytes,
     "triton": _judge_triton,
     "llama_cpp": _judge_llama_cpp,
+    "multi_gpu": _judge_multi_gpu,
 }

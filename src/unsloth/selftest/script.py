@@ -23,7 +23,8 @@ import sys
 import time
 import traceback
 
-CHECKS = ("torch", "gpu", "matmul", "bitsandbytes", "triton", "llama_cpp")
+# multi_gpu last: a broken peer-to-peer link can hang its copy, and a hang only hides what comes after.
+CHECKS = ("torch", "gpu", "matmul", "bitsandbytes", "triton", "llama_cpp", "multi_gpu")
 GPU_BACKENDS = ("cuda", "rocm")
 # What an install verifies imports (the plan decides which of them must).
 IMPORTS = ("unsloth", "transformers", "peft", "trl", "accelerate", "datasets", "bitsandbytes", "gguf", "llama_cpp")
@@ -169,6 +170,28 @@ def check_llama_cpp(state):
     return True, "llama-cpp-python %s (GPU offload: %s)" % (llama_cpp.__version__, "yes" if offload else "no"), {
         "version": llama_cpp.__version__, "gpu_offload": offload,
     }
+
+
+def check_multi_gpu(state):
+    torch = need_torch(state)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < 2:
+        raise Skip("%d GPU(s): nothing to connect" % count)
+    import torch.distributed as dist
+
+    collective = "RCCL" if getattr(torch.version, "hip", None) else "NCCL"
+    nccl = bool(dist.is_available() and dist.is_nccl_available())  # RCCL answers as NCCL on ROCm builds
+    peers = {"%d-%d" % (i, j): bool(torch.cuda.can_device_access_peer(i, j))
+             for i in range(count) for j in range(count) if i != j}
+    # One copy between the first two GPUs: broken peer-to-peer (IOMMU, PCIe ACS) corrupts or hangs here.
+    x = torch.arange(1 << 20, dtype=torch.float32, device="cuda:0")
+    copied = bool(torch.equal(x.to("cuda:1").to("cuda:0"), x))
+    no_peer = sorted(pair for pair, ok in peers.items() if not ok)
+    message = "%d GPUs, %s %s, peer access %s, GPU 0 -> 1 copy %s" % (
+        count, collective, "available" if nccl else "missing",
+        "between all" if not no_peer else "missing for " + ", ".join(no_peer), "exact" if copied else "WRONG")
+    return nccl and copied, message, {"count": count, "collective": collective, "nccl": nccl,
+                                      "peer_access": peers, "copy_ok": copied}
 
 
 def need_torch(state):

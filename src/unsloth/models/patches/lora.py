@@ -61,7 +61,9 @@ def lora_weights(layer):
 
 
 def _lora_linear_forward(self, x, *args, **kwargs):
-    weights = None if (args or kwargs) else lora_weights(self)
+    from unsloth.models.kernels import compiling
+
+    weights = None if (args or kwargs or compiling()) else lora_weights(self)
     if weights is None:
         return type(self).forward(self, x, *args, **kwargs)
     from unsloth_kernels.lora import lora_o, lora_o_forward
@@ -80,8 +82,11 @@ def _lora_linear_forward(self, x, *args, **kwargs):
 
 
 def _lora_mlp_forward(self, x):
+    from unsloth.models.kernels import compiling
     from unsloth.models.patches.mlp import _gated_mlp_forward
 
+    if compiling():
+        return _gated_mlp_forward(self, x)  # peft's projections, the activation in torch ops
     weights = [lora_weights(p) for p in (self.gate_proj, self.up_proj, self.down_proj)]
     if any(w is None for w in weights):
         return _gated_mlp_forward(self, x)

@@ -24,9 +24,13 @@ _ACTIVATIONS = {
 
 
 def gated(kind: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """act(gate) * up through the fused kernel for this activation kind."""
+    """act(gate) * up through the fused kernel for this activation kind (torch ops under torch.compile)."""
     from unsloth_kernels.activations import geglu, swiglu
 
+    from unsloth.models.kernels import compiling
+
+    if compiling():
+        return _ACTIVATIONS[kind](gate) * up
     if kind == "silu":
         return swiglu(gate, up)
     return geglu(gate, up, approximate="tanh" if kind == "gelu_tanh" else "none")

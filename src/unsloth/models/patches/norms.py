@@ -23,9 +23,20 @@ class FastRMSNorm(nn.Module):
         self.offset, self.cast = offset, cast
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        from unsloth.models.kernels import compiling
+
+        if compiling():
+            return self._plain(hidden_states)
         from unsloth_kernels.rms_norm import rms_norm
 
         return rms_norm(hidden_states, self.weight, self.variance_epsilon, offset=self.offset, cast=self.cast)
+
+    def _plain(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel's math in torch ops (what torch.compile traces)."""
+        x_hat = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        if self.cast == "llama":
+            return (self.weight + self.offset) * x_hat.to(x.dtype)
+        return (x_hat * (self.offset + self.weight.float())).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}, cast={self.cast}"

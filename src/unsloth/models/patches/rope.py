@@ -16,17 +16,20 @@ import threading
 import torch
 from torch import nn
 
+from unsloth.models.kernels import compiling
 from unsloth.models.patches.probe import same
 
 _inside = threading.local()  # how many patched attention forwards are running on this thread
 
 
 def _enter(module, args):
-    _inside.depth = getattr(_inside, "depth", 0) + 1
+    if not compiling():  # a traced step takes transformers' own rope: nothing to count
+        _inside.depth = getattr(_inside, "depth", 0) + 1
 
 
 def _leave(module, args, output):
-    _inside.depth -= 1
+    if not compiling():
+        _inside.depth -= 1
 
 
 def _fast_rope(q, k, cos, sin):
@@ -52,7 +55,7 @@ def _plain_call(q, cos, args, kwargs) -> bool:
 def _dispatcher(original):
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if getattr(_inside, "depth", 0) > 0 and _plain_call(q, cos, args, kwargs):
+        if not compiling() and getattr(_inside, "depth", 0) > 0 and _plain_call(q, cos, args, kwargs):
             return _fast_rope(q, k, cos, sin)
         return original(q, k, cos, sin, *args, **kwargs)
 
