@@ -37,7 +37,7 @@ def _quantized_pair(family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "llama4_text"])
 def test_4bit_experts_match_their_dequantized_reference(family):
     model, reference = _quantized_pair(family)
     stacks = [m.gate_up_proj for m in model.modules() if "_unsloth_moe" in m.__dict__]

@@ -263,9 +263,10 @@ def load_pretrained(
 def _quantize_experts(model) -> None:
     """QLoRA of packed MoE experts: bitsandbytes quantizes nn.Linear layers only, so their stacks
     (most of the model) are quantized here, after the experts patch took them."""
-    from unsloth.models.patches.moe import is_packed_experts
+    from unsloth.models.patches.moe import experts_modules
 
-    if not any(is_packed_experts(m) for m in model.modules()):
+    experts = experts_modules(model)
+    if not experts:
         return
     if importlib.util.find_spec("bitsandbytes") is None:
         log.warning("unsloth: bitsandbytes is not installed, so the MoE experts stay %s.", model.dtype)
@@ -273,7 +274,7 @@ def _quantize_experts(model) -> None:
     from unsloth.models.experts_4bit import quantize_packed_experts
 
     stacks = quantize_packed_experts(model)
-    unpatched = sum(1 for m in model.modules() if is_packed_experts(m) and "_unsloth_moe" not in m.__dict__)
+    unpatched = sum(1 for m in experts if "_unsloth_moe" not in m.__dict__)
     if unpatched:
         log.warning("unsloth: %d MoE experts modules run transformers' own code, so their weights stay %s "
                     "(only the ones our kernel runs are quantized).", unpatched, model.dtype)  # fmt: skip

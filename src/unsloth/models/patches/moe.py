@@ -169,6 +169,12 @@ def patch_dense_routed_moe(model: nn.Module, device, dtype) -> int:
     return patched
 
 
+def experts_modules(model: nn.Module) -> list[nn.Module]:
+    """Every experts module of packed stacks in `model` (patched or not): the other families' and Llama 4's."""
+    found = [m for m in model.modules() if is_packed_experts(m)]
+    return found + [m.experts for m in model.modules() if is_dense_routed_moe(m)]
+
+
 # --- peft: experts adapted through target_parameters --------------------------------------------
 
 
@@ -240,7 +246,7 @@ def expert_target_parameters(model, target_modules) -> list[str]:
     through `target_parameters`."""
     if not target_modules or not _MLP_TARGETS & set(target_modules):
         return []
-    if not any(is_packed_experts(m) or is_dense_routed_moe(m) for m in model.modules()):
+    if not experts_modules(model):
         return []
     wanted = set(target_modules)
     names = []
