@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import tempfile
-import time
 
 p = argparse.ArgumentParser()
 p.add_argument("--impl", default="ours", help="a label for the JSON line: ours | unsloth")
@@ -67,7 +66,7 @@ def ensure_tokenizer(path: str) -> None:
 
 def main() -> None:
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from profiling import step_timer
     from trl import SFTConfig, SFTTrainer
 
     if args.tiny:
@@ -90,22 +89,9 @@ def main() -> None:
 
     times: list[float] = []
 
-    class Timer(TrainerCallback):
-        def on_step_begin(self, a, state, control, **kw):
-            if CUDA:
-                torch.cuda.synchronize()
-                if state.global_step == args.warmup:
-                    torch.cuda.reset_peak_memory_stats()
-            self.start = time.perf_counter()
-
-        def on_step_end(self, a, state, control, **kw):
-            if CUDA:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - self.start)
-
     out = tempfile.mkdtemp(prefix="nb-sft-")
     trainer = SFTTrainer(
-        model=model, tokenizer=tokenizer, train_dataset=dataset, callbacks=[Timer()],
+        model=model, tokenizer=tokenizer, train_dataset=dataset, callbacks=[step_timer(times, args.warmup)],
         args=SFTConfig(per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.grad_accum,
                        warmup_steps=1, max_steps=steps, learning_rate=2e-4, logging_steps=1, optim=args.optim,
                        weight_decay=0.001, lr_scheduler_type="linear", seed=3407, output_dir=out,

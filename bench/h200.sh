@@ -2,7 +2,7 @@
 # Everything measured on the lent H200, in one call per section, beside the anchors.
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
-# sections: machine, tests, kernels, trainer, profile, ab, host, moe, moetune, notebook, families, generation; all = machine tests kernels trainer)
+# sections: machine, tests, kernels, trainer, profile, ab, host, moe, moetune, notebook, families, generation, grpo, tts; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
 set -u
 OUT=${OUT:-/tmp/h200-out}
@@ -140,17 +140,36 @@ families() {  # today's families (bench/bench_families.py): ours, ours with fami
 generation() {  # decoding after for_inference, LoRA attached, batch 1 and 8; GEN_ARGS="--four-bit" for 4-bit
   [ -f /tmp/llama8b/config.json ] || python3 .anchors/anchor_lora.py --impl make >/dev/null
   # shellcheck disable=SC2086
-  timeout 120 python3 bench/bench_generation.py --impl ours ${GEN_ARGS:-} 2>&1 | grep '^{' | tee -a "$OUT/generation.jsonl"
+  # ours compiles the decode step once per batch size (about 70 s each on the H200): a longer limit
+  timeout 210 python3 bench/bench_generation.py --impl ours ${GEN_ARGS:-} 2>&1 | grep '^{' | tee -a "$OUT/generation.jsonl"
   for impl in ${ANCHOR_IMPLS-unsloth hf}; do
     # shellcheck disable=SC2086
     PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 120 python3 bench/bench_generation.py --impl $impl ${GEN_ARGS:-} 2>&1 | grep '^{' | tee -a "$OUT/generation.jsonl"
   done
 }
 
+grpo() {  # a notebook-style GRPO step (QLoRA, a group of 8 x 256 after a 256-token prompt, no vLLM): ours, then Unsloth
+  [ -f /tmp/llama8b/config.json ] || python3 .anchors/anchor_lora.py --impl make >/dev/null
+  # shellcheck disable=SC2086
+  timeout 240 python3 bench/bench_grpo.py --impl ours ${GRPO_ARGS:-} 2>&1 | grep '^{' | tee -a "$OUT/grpo.jsonl"
+  # shellcheck disable=SC2086
+  PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 240 python3 bench/bench_grpo.py --impl unsloth ${GRPO_ARGS:-} 2>&1 | grep '^{' | tee -a "$OUT/grpo.jsonl"
+}
+
+tts() {  # an Orpheus-3B-shaped TTS SFT as the notebook runs it (bench/bench_tts.py): ours, then Unsloth
+  # TTS_ARGS="--layers 16" for a shallower model (said in the JSON line)
+  # shellcheck disable=SC2086
+  timeout 120 python3 bench/bench_tts.py --impl make ${TTS_ARGS:-} 2>&1 | tail -2
+  # shellcheck disable=SC2086
+  timeout 200 python3 bench/bench_tts.py --impl ours ${TTS_ARGS:-} 2>&1 | tail -1 | tee -a "$OUT/tts.jsonl"
+  # shellcheck disable=SC2086
+  PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 200 python3 bench/bench_tts.py --impl unsloth ${TTS_ARGS:-} 2>&1 | tail -1 | tee -a "$OUT/tts.jsonl"
+}
+
 [ $# -gt 0 ] || set -- all
 for section in "$@"; do
   case $section in
-    machine|tests|kernels|trainer|profile|ab|host|moe|moetune|notebook|families|generation) $section ;;
+    machine|tests|kernels|trainer|profile|ab|host|moe|moetune|notebook|families|generation|grpo|tts) $section ;;
     all) machine; tests; kernels; trainer ;;
     *) echo "unknown section: $section" >&2; exit 2 ;;
   esac

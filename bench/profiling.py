@@ -44,3 +44,26 @@ def cprofile_report(step, calls: int, orders=("tottime",), lines: int = 18) -> s
         pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(lines)
         reports.append("Ordered by:" + text.getvalue().split("Ordered by:", 1)[1].rstrip())  # no call-count preamble
     return "\n\n".join(reports)
+
+
+def step_timer(times: list[float], warmup: int):
+    """A Trainer callback appending each optimizer step's wall time to `times` (the GPU synchronized
+    at both ends); the peak-memory counter restarts when the timed steps (after `warmup`) begin."""
+    from transformers import TrainerCallback
+
+    cuda = torch.cuda.is_available()
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+                if state.global_step == warmup:
+                    torch.cuda.reset_peak_memory_stats()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.start)
+
+    return StepTimer()

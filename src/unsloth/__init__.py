@@ -12,8 +12,11 @@ __version__ = "0.1.0"
 # name -> module that defines it; resolved on first access (PEP 562).
 # Importing unsloth.notebook.fast_model also makes TRL's trainers accept what notebooks pass.
 _LAZY = {
-    **dict.fromkeys(("FastLanguageModel", "FastModel", "FastVisionModel", "is_bfloat16_supported"),
+    **dict.fromkeys(("FastLanguageModel", "FastModel", "FastVisionModel", "is_bfloat16_supported",
+                     "is_bf16_supported"),
                     "unsloth.notebook.fast_model"),
+    **dict.fromkeys(("SamplingParams", "LoRARequest"), "unsloth.notebook.vllm_compat"),
+    "FastSentenceTransformer": "unsloth.notebook.sentence_transformer",
     **dict.fromkeys(("UnslothTrainer", "UnslothTrainingArguments", "unsloth_train"), "unsloth.notebook.trainers"),
     **dict.fromkeys(("get_chat_template", "standardize_sharegpt", "standardize_data_formats", "to_sharegpt",
                      "apply_chat_template", "train_on_responses_only"), "unsloth.chat_templates"),

@@ -1,7 +1,9 @@
 """`unsloth chat MODEL` (interactive, streaming) and `unsloth generate MODEL PROMPT` (one-shot, --json).
 
-Both run a GGUF through llama-cpp-python, on the GPU backend it was built for (CUDA, HIP, Vulkan)
-or the CPU, and use the chat template stored in the file.
+MODEL is a GGUF, run through llama-cpp-python on the GPU backend it was built for (CUDA, HIP, Vulkan)
+or the CPU with the chat template stored in the file; or a checkpoint directory not exported yet (a
+merged model, LoRA adapters, or what `unsloth train` wrote), run through transformers with our
+kernels and fast generation path, with its tokenizer's chat template.
 """
 
 from __future__ import annotations
@@ -12,28 +14,31 @@ import sys
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a .gguf file, or a directory written by `unsloth export` holding one")
+    p.add_argument("model", help="a .gguf file or a directory holding one (`unsloth export`), or a checkpoint "
+                   "directory: a merged model, LoRA adapters, or the output of `unsloth train`")
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate per reply (default 256)")
     p.add_argument("--temperature", type=float, help="sampling temperature; 0 is greedy")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--system", help="a system message")
     p.add_argument("--n-ctx", type=int, default=4096, help="context length in tokens (default 4096, at most the trained length)")
-    p.add_argument("--cpu", action="store_true", help="run on the CPU even if llama.cpp was built for a GPU")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is there")
+    p.add_argument("--load-in-4bit", action="store_true", help="a checkpoint directory: load its weights in 4-bit "
+                   "(NF4, bitsandbytes) to fit a smaller GPU")
 
 
 def register(subparsers) -> None:
     chat = subparsers.add_parser(
-        "chat", help="chat with an exported GGUF model (llama.cpp)",
-        description="Interactive chat with a GGUF model through llama.cpp, streaming, with the "
-        "model's chat template. /reset clears the conversation; Ctrl-C stops a reply; /exit or Ctrl-D quits.",
+        "chat", help="chat with a GGUF (llama.cpp) or a checkpoint directory",
+        description="Interactive chat with a GGUF model through llama.cpp, or with a checkpoint "
+        "directory through our fast generation path, streaming, with the model's chat template. /reset clears the conversation; Ctrl-C stops a reply; /exit or Ctrl-D quits.",
     )
     _common(chat)
     chat.set_defaults(func=run_chat, temperature_default=0.7)
 
     gen = subparsers.add_parser(
-        "generate", help="one-shot generation from a GGUF model (scriptable, --json)",
-        description="Generate a reply to PROMPT with a GGUF model through llama.cpp. The chat "
+        "generate", help="one-shot generation from a GGUF or a checkpoint directory (scriptable, --json)",
+        description="Generate a reply to PROMPT with a GGUF model (llama.cpp) or a checkpoint directory. The chat "
         "template is applied unless --raw. Greedy by default, so output is repeatable.",
     )
     _common(gen)
@@ -48,34 +53,88 @@ def _sampling(args: argparse.Namespace) -> dict:
     return {"max_tokens": args.max_tokens, "temperature": temperature, "top_p": args.top_p, "seed": args.seed}
 
 
+class _Gguf:
+    """A GGUF through llama.cpp, with the calls a CheckpointChat has."""
+
+    def __init__(self, llm, path: str):
+        self.llm, self.path = llm, path
+
+    def has_chat_template(self) -> bool:
+        from unsloth.export.chat import has_chat_template
+
+        return has_chat_template(self.llm)
+
+    def generate(self, prompt, **kw):
+        from unsloth.export.chat import generate
+
+        return generate(self.llm, self.path, prompt, **kw)
+
+    def stream(self, prompt, **kw):
+        from unsloth.export.chat import stream
+
+        return stream(self.llm, prompt, **kw)
+
+    def chat_stream(self, messages, **kw):
+        from unsloth.export.chat import chat_stream
+
+        return chat_stream(self.llm, messages, **kw)
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def _open(args: argparse.Namespace):
+    """A checkpoint directory on our generation path, anything else as a GGUF (a bad file: an ExportError)."""
+    from pathlib import Path
+
+    from unsloth.export.checkpoint_chat import is_checkpoint, open_checkpoint
+
+    path = Path(args.model)
+    if path.is_dir() and not any(path.glob("*.gguf")) and is_checkpoint(path):
+        return open_checkpoint(path, n_ctx=args.n_ctx, gpu=not args.cpu, load_in_4bit=args.load_in_4bit)
+    from unsloth.export.chat import open_model
+
+    return _Gguf(*open_model(args.model, n_ctx=args.n_ctx, gpu=not args.cpu))
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    from contextlib import closing
+
     from unsloth.export import ExportError
-    from unsloth.export.chat import generate, open_model, stream
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    llm, path = open_model(args.model, n_ctx=args.n_ctx, gpu=not args.cpu)  # a bad file: an ExportError
+    model = _open(args)
     try:
         if args.json:
-            result = generate(llm, path, prompt, raw=args.raw, system=args.system, **_sampling(args))
+            result = model.generate(prompt, raw=args.raw, system=args.system, **_sampling(args))
             print(json.dumps({"ok": True, **result.to_json()}, ensure_ascii=False))
         else:
-            for chunk in stream(llm, prompt, raw=args.raw, system=args.system, **_sampling(args)):
-                sys.stdout.write(chunk["text"])
-                sys.stdout.flush()
+            with closing(model.stream(prompt, raw=args.raw, system=args.system, **_sampling(args))) as chunks:
+                for chunk in chunks:
+                    sys.stdout.write(chunk["text"])
+                    sys.stdout.flush()
             sys.stdout.write("\n")
-    except ValueError as exc:  # llama-cpp-python: the prompt does not fit the context
+    except ValueError as exc:  # the prompt does not fit the context
         raise ExportError(str(exc), fix="shorten the prompt or --max-tokens, or raise --n-ctx "
                           "(at most the model's trained length)") from exc
     finally:
-        llm.close()
+        model.close()
     return 0
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from unsloth.export.chat import chat_stream, has_chat_template, open_model
+    from contextlib import closing
 
-    llm, path = open_model(args.model, n_ctx=args.n_ctx, gpu=not args.cpu)  # a bad file: an ExportError
-    if not has_chat_template(llm):
+    model = _open(args)
+    path = model.path
+    if not model.has_chat_template():
+        if not isinstance(model, _Gguf):
+            model.close()
+            from unsloth.export import ExportError
+
+            raise ExportError(f"{path}: its tokenizer has no chat template, so a conversation cannot be written "
+                              "for it", fix=f"use `unsloth generate {args.model} PROMPT --raw`, or save the "
+                              "tokenizer with a chat template (get_chat_template) next to the model")
         print(f"note: {path} has no chat template; llama-cpp-python falls back to a generic one", file=sys.stderr)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
@@ -97,11 +156,12 @@ def run_chat(args: argparse.Namespace) -> int:
             messages.append({"role": "user", "content": line})
             reply = []
             try:
-                for chunk in chat_stream(llm, messages, **_sampling(args)):
-                    reply.append(chunk["text"])
-                    sys.stdout.write(chunk["text"])
-                    sys.stdout.flush()
-            except ValueError as exc:  # llama-cpp-python: the conversation outgrew the context
+                with closing(model.chat_stream(messages, **_sampling(args))) as chunks:
+                    for chunk in chunks:
+                        reply.append(chunk["text"])
+                        sys.stdout.write(chunk["text"])
+                        sys.stdout.flush()
+            except ValueError as exc:  # the conversation outgrew the context
                 messages.pop()
                 print(f"\n{exc}; /reset the conversation or restart with a larger --n-ctx", file=sys.stderr)
                 continue
@@ -110,4 +170,4 @@ def run_chat(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
             messages.append({"role": "assistant", "content": "".join(reply)})
     finally:
-        llm.close()
+        model.close()

@@ -109,6 +109,8 @@ def fast_generate(backbone, plain, *args, **kwargs):
         return plain(*args, **kwargs)
     config = copy.deepcopy(kwargs.pop("generation_config", None) or backbone.generation_config)
     rest = config.update(**kwargs)  # generation options in kwargs move into the config; model inputs stay
+    if config.stop_strings and rest.get("tokenizer") is None and hasattr(backbone, "_unsloth_tokenizer"):
+        rest["tokenizer"] = backbone._unsloth_tokenizer  # stop strings are matched on text (TRL passes none)
     if _unsupported(config, rest) is not None:
         return plain(*args, generation_config=config, **rest)
     batch, prompt = input_ids.shape

@@ -163,6 +163,12 @@ def _published_quantization(model_name: str, dtype: torch.dtype, **hub):
     return Mxfp4Config(dequantize=True)
 
 
+def vllm_usable(model) -> bool:
+    """vLLM can generate for this model: installed, and the model is on a GPU."""
+    device = next(model.parameters()).device
+    return device.type == "cuda" and importlib.util.find_spec("vllm") is not None
+
+
 def _prepare_tokenizer(tokenizer, max_seq_length: int):
     tokenizer.model_max_length = max_seq_length
     if tokenizer.pad_token is None:  # batches need one; eos is the usual stand-in
@@ -185,13 +191,17 @@ def load_pretrained(
     use_gradient_checkpointing: bool | str = "unsloth",
     random_state: int = 3407,
     attn_implementation: str = "sdpa",
-    fast_inference: bool = False,  # changes nothing: grpo_trainer uses vLLM whenever installed, on a GPU
+    fast_inference: bool = False,
     rope_scaling=None,
     tokenizer_name: str | None = None,
     offload_embedding: bool | None = None,
     **kwargs,
 ):
     """Load a causal LM and its tokenizer, with our kernels patched in. Returns (model, tokenizer).
+
+    `fast_inference`: GRPO rollouts through vLLM (TRL's colocated engine) where it is installed and
+    the model is on a GPU; elsewhere through our own fast generation path, which `model.fast_generate`
+    always uses (unsloth.models.generation).
 
     `offload_embedding`: keep the (frozen) input embedding in pinned host memory during LoRA
     training (unsloth.models.embedding). None: whenever it can; False: never; True: also say why
@@ -245,6 +255,11 @@ def load_pretrained(
     if auto_dtype:  # the checkpoint's own dtype, for saves: float32 on a CPU is a compute choice, not the model's
         model._unsloth_source_dtype = _checkpoint_dtype(model_name, token, revision, trust_remote_code)
     model._unsloth_offload_embedding = offload_embedding
+    model._unsloth_fast_inference = bool(fast_inference)
+    if fast_inference and not vllm_usable(model):
+        log.info("unsloth: fast_inference=True: vLLM is not %s, so generation (GRPO rollouts, fast_generate) runs "
+                 "on unsloth's static-cache path%s.", "installed" if importlib.util.find_spec("vllm") is None
+                 else "used off a GPU", " with CUDA graphs" if torch.cuda.is_available() else "")
     patch_model(model)
     if full_finetuning:
         for p in model.parameters():

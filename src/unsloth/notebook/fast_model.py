@@ -10,7 +10,6 @@ comes first in every notebook.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import types
@@ -19,10 +18,12 @@ from collections.abc import Mapping
 from unsloth.export.merged import save_pretrained_merged
 from unsloth.models import generation
 from unsloth.models.loader import add_lora, is_bfloat16_supported, load_pretrained, model_config
-from unsloth.notebook import hub
+from unsloth.notebook import hub, vllm_compat
 from unsloth.training import trl_compat
 
-__all__ = ["FastLanguageModel", "FastModel", "FastVisionModel", "is_bfloat16_supported"]
+__all__ = ["FastLanguageModel", "FastModel", "FastVisionModel", "is_bfloat16_supported", "is_bf16_supported"]
+
+is_bf16_supported = is_bfloat16_supported  # the name the embedding notebooks import
 
 log = logging.getLogger("unsloth")
 
@@ -132,114 +133,6 @@ def _save_lora(model, save_directory, tokenizer=None, **kwargs):
     return save_directory
 
 
-class LoRARequest:
-    """What `load_lora` returns and `fast_generate(lora_request=...)` takes: adapters saved in a folder."""
-
-    def __init__(self, path: str, state: dict):
-        self.lora_path, self.state = path, state
-
-    def __repr__(self) -> str:
-        return f"LoRARequest({self.lora_path!r})"
-
-
-def _load_lora(model, save_directory, load_tensors: bool = False):
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    path = Path(save_directory)
-    weights = path / "adapter_model.safetensors"
-    if not weights.is_file():
-        raise FileNotFoundError(f"load_lora: no adapter_model.safetensors in {path} (save it with model.save_lora)")
-    return LoRARequest(str(path), load_file(str(weights)))
-
-
-def _generation_kwargs(sampling_params, kwargs: dict) -> dict:
-    """vLLM's SamplingParams (or a dict of the same names) as `generate` keywords."""
-    if sampling_params is None:
-        params = {}
-    elif isinstance(sampling_params, Mapping):
-        params = dict(sampling_params)
-    else:
-        params = {k: getattr(sampling_params, k) for k in ("temperature", "top_p", "top_k", "max_tokens",
-                                                             "repetition_penalty", "min_p", "seed")
-                  if getattr(sampling_params, k, None) is not None}
-    out = {"max_new_tokens": params.pop("max_tokens", 16)}
-    temperature = params.pop("temperature", 1.0)
-    out["do_sample"] = temperature > 0
-    if temperature > 0:
-        out["temperature"] = temperature
-        for key in ("top_p", "min_p", "repetition_penalty"):
-            if key in params:
-                out[key] = params[key]
-        if params.get("top_k", -1) and params.get("top_k", -1) > 0:
-            out["top_k"] = params["top_k"]
-    return {**out, **kwargs}
-
-
-class _Completion:
-    def __init__(self, text: str, token_ids: list[int]):
-        self.text, self.token_ids = text, token_ids
-
-
-class _RequestOutput:
-    """The shape of vLLM's RequestOutput that notebooks read: `outputs[0].text`."""
-
-    def __init__(self, prompt: str, completion: _Completion):
-        self.prompt, self.outputs = prompt, [completion]
-
-
-def _fast_generate(model, prompts, sampling_params=None, lora_request=None, use_tqdm=False, **kwargs):
-    """`model.fast_generate(texts, sampling_params=..., lora_request=...)`: vLLM's call, run by `generate`.
-
-    Without a LoRA request the base model answers (as with vLLM, where adapters are opt-in per request);
-    with one, those saved adapters do.
-    """
-    import torch
-
-    tokenizer = model._unsloth_tokenizer
-    texts = [prompts] if isinstance(prompts, str) else list(prompts)
-    options = _generation_kwargs(sampling_params, kwargs)
-    options.setdefault("pad_token_id", tokenizer.pad_token_id)
-    peft = hasattr(model, "disable_adapter")
-    if lora_request is None and peft:
-        context = model.disable_adapter()
-    elif lora_request is not None:
-        context = _adapters(model, lora_request.state)
-    else:
-        context = contextlib.nullcontext()
-    results = []
-    was_training = model.training
-    model.eval()
-    try:
-        with context, torch.no_grad():
-            for text in texts:
-                batch = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(_device(model))
-                out = model.generate(**batch, **options)[0, batch["input_ids"].shape[1]:]
-                results.append(_RequestOutput(text, _Completion(tokenizer.decode(out, skip_special_tokens=True),
-                                                                out.tolist())))
-    finally:
-        model.train(was_training)
-    return results
-
-
-@contextlib.contextmanager
-def _adapters(model, state: dict):
-    """The model's LoRA weights replaced by `state` (a saved adapter) for the duration."""
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
-
-    saved = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
-    set_peft_model_state_dict(model, state)
-    try:
-        yield
-    finally:
-        set_peft_model_state_dict(model, saved)
-
-
-def _device(model):
-    return next(model.parameters()).device
-
-
 def _generate_accepting_encodings(original):
     """`generate` that also takes a BatchEncoding (what apply_chat_template returns in transformers 5)
     where notebooks pass `input_ids`, positionally or by keyword."""
@@ -262,7 +155,7 @@ def _attach(model, tokenizer) -> None:
         model._unsloth_tokenizer = tokenizer
     for name, method in (("save_pretrained_merged", save_pretrained_merged),
                          ("save_pretrained_gguf", _save_pretrained_gguf), ("save_lora", _save_lora),
-                         ("load_lora", _load_lora), ("fast_generate", _fast_generate),
+                         ("load_lora", vllm_compat.load_lora), ("fast_generate", vllm_compat.fast_generate),
                          ("push_to_hub_merged", hub.push_to_hub_merged), ("push_to_hub_gguf", hub.push_to_hub_gguf)):
         setattr(model, name, types.MethodType(method, model))
     if not getattr(model.generate, "_unsloth_accepts_encodings", False):

@@ -14,18 +14,12 @@ as the full (tokens x vocab) logits; TRL releases with a fused LM head do the sa
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Callable
 
 import torch
 
 from unsloth.models import generation
-
-
-def vllm_usable(model) -> bool:
-    """vLLM generation: installed, and the model is on a GPU."""
-    device = next(model.parameters()).device
-    return device.type == "cuda" and importlib.util.find_spec("vllm") is not None
+from unsloth.models.loader import vllm_usable
 
 
 def grpo_trainer(model, tokenizer, dataset, reward_funcs: list[Callable] | Callable, callbacks=(), **arguments):

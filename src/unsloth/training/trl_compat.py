@@ -177,6 +177,45 @@ def grpo_batch(kwargs: dict, fields: dict) -> dict:
     return {**kwargs, "generation_batch_size": raised}
 
 
+def grpo_sampling(kwargs: dict, fields: dict) -> dict:
+    """Unsloth's `GRPOConfig(vllm_sampling_params=SamplingParams(...))` on a TRL without that field:
+    the rollout options it holds go to TRL's own fields (temperature, top_p, top_k, min_p,
+    repetition_penalty) unless the config sets them itself; stop strings and min_tokens go into
+    generation_kwargs, under vLLM's names when vLLM generates and transformers' otherwise."""
+    if "vllm_sampling_params" in fields:  # a TRL (or Unsloth) that has the field takes it as it is
+        return kwargs
+    from unsloth.models.sampling import sampling_fields, stop_strings
+
+    out = {k: v for k, v in kwargs.items() if k != "vllm_sampling_params"}
+    if kwargs.get("vllm_sampling_params") is None:
+        return out
+    params = sampling_fields(kwargs["vllm_sampling_params"])
+    values = {"temperature": params["temperature"], "top_p": params["top_p"],
+              "top_k": params["top_k"] if params["top_k"] and params["top_k"] > 0 else 0,
+              "min_p": params["min_p"] or None, "repetition_penalty": params["repetition_penalty"]}
+    out.update({k: v for k, v in values.items() if k in fields and k not in kwargs})
+    vllm = out.get("use_vllm", fields["use_vllm"].default)
+    extra = {}
+    if stop_strings(params):
+        extra["stop" if vllm else "stop_strings"] = stop_strings(params)
+    if params["min_tokens"]:
+        extra["min_tokens" if vllm else "min_new_tokens"] = params["min_tokens"]
+    if extra and "generation_kwargs" in fields:
+        out["generation_kwargs"] = {**extra, **(kwargs.get("generation_kwargs") or {})}
+    return out
+
+
+def grpo_rollouts(model, args) -> None:
+    """Where GRPO's completions come from: vLLM (TRL's colocated engine) for a model loaded with
+    fast_inference=True when vLLM can run and the config did not choose; else our fast path."""
+    if getattr(model, "_unsloth_fast_inference", False) and not getattr(args, "_unsloth_use_vllm_given", True):
+        from unsloth.models.loader import vllm_usable
+
+        args.use_vllm = vllm_usable(model)
+    if _ours_patched(model) and not args.use_vllm:
+        generation.enable(model)  # the rollouts' model.generate: our fast path
+
+
 # --- configs -------------------------------------------------------------------------------------
 
 def compat_config(base):
@@ -186,12 +225,17 @@ def compat_config(base):
     def __init__(self, *args, **kwargs):
         if args:  # output_dir, positionally
             kwargs = {"output_dir": args[0], **kwargs}
+        grpo = "num_generations" in _fields(base)
+        if grpo:
+            kwargs = grpo_sampling(kwargs, _fields(base))
         kwargs = normalize_config_kwargs(base, kwargs, name)
         kwargs = choose_precision(kwargs, name)
-        if "num_generations" in _fields(base):
+        if grpo:
             kwargs = grpo_batch(kwargs, _fields(base))
         kwargs.setdefault("report_to", "none")  # notebooks say so; a missing tracker must not stop the run
         base.__init__(self, **kwargs)
+        if grpo:
+            self._unsloth_use_vllm_given = "use_vllm" in kwargs
 
     return type(name, (base,), {"__init__": __init__, "__module__": __name__, "__qualname__": name,
                                 "__doc__": base.__doc__})
@@ -288,8 +332,8 @@ def compat_trainer(base, config_cls):
         kwargs = normalize_trainer_kwargs(base, config_cls, trainer_args, kwargs)
         if "model" in kwargs:
             _checkpointing_is_ours(kwargs["model"], kwargs["args"])
-            if name == "GRPOTrainer" and _ours_patched(kwargs["model"]) and not kwargs["args"].use_vllm:
-                generation.enable(kwargs["model"])  # the rollouts' model.generate: our fast path
+            if name == "GRPOTrainer":
+                grpo_rollouts(kwargs["model"], kwargs["args"])
         if is_sft and kwargs.get("train_dataset") is not None:
             field = kwargs["args"].dataset_text_field
             data = _text_field_first(kwargs["train_dataset"], field, kwargs.get("formatting_func"))
