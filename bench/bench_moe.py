@@ -6,13 +6,18 @@ Qwen3-30B-A3B shapes. One JSON line per measurement; ours and the alternative in
     the same math on `torch._grouped_mm` with the LoRA terms as separate grouped matmuls and
     autograd (`impl="torch"`): median of `triton.testing.do_bench`, peak extra memory. Target: ours
     at least 1.5x faster.
+(c) `--part tune`: sweeps the kernel's launch configurations (unsloth_kernels.moe.MOE_TUNING) on
+    the experts step at both shapes, checking each against torch, and prints the best with its
+    ratios against `torch._grouped_mm` (about 3-4 minutes; `--budget-s` caps the sweep).
 (b) `--part step`: a training step of the model built from its config with random weights and
     FEWER LAYERS (`--layers`, default 2: the full models do not fit a call's time), LoRA r=16 on
     attention and experts, batch 2 x 2048; `--impl ours|unsloth|hf` (hf = transformers + peft),
-    `--four-bit` for QLoRA (bitsandbytes NF4 of the linear layers). Median step and peak memory.
+    `--four-bit` for QLoRA (bitsandbytes NF4 of the linear layers; ours also quantizes the packed
+    expert stacks to NF4, as load_pretrained does). Median step, peak memory, expert stacks' GiB.
 
     python bench/bench_moe.py --part kernel                       # about 1 minute on an H200
     python bench/bench_moe.py --part step --impl ours [--four-bit]
+    python bench/bench_moe.py --part tune [--budget-s 200]        # sweep MOE_TUNING, print the best
     python bench/bench_moe.py --tiny --part kernel                # CPU check (TRITON_INTERPRET=1)
 """
 
@@ -118,6 +123,86 @@ def timed(step, tiny: bool) -> tuple[float, float]:
     return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median"), peak
 
 
+# --- (c) the launch configurations, swept on the GPU -----------------------------------------------
+
+# Candidates per kernel kind of unsloth_kernels.moe.MOE_TUNING (the first is the current default).
+# Each is timed on the whole experts step (fwd + bwd) at every shape, the other kinds held at their
+# best so far (coordinate descent, in this order: the big GEMMs first).
+TUNE_CANDIDATES = {
+    "gemm": [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4),
+             (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+             (128, 128, 32, 4, 4), (128, 256, 32, 8, 4), (256, 128, 64, 8, 3), (64, 64, 64, 4, 4)],
+    "skinny": [(64, 128, 64, 4, 3), (128, 128, 64, 4, 3), (128, 128, 128, 8, 3), (256, 128, 64, 8, 3),
+               (64, 128, 128, 4, 4), (32, 128, 128, 4, 3)],
+    "outer": [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (64, 64, 128, 4, 3),
+              (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (32, 128, 128, 4, 4)],
+    "act": [(32, 128, 4), (64, 128, 4), (16, 256, 4), (64, 256, 8)],
+}
+
+
+def bench_tune(args) -> None:
+    """Sweep MOE_TUNING on the experts step at every shape; one JSON line per (kind, config), then
+    the best configuration (lowest mean of ours / torch._grouped_mm over the shapes) and its ratios."""
+    import triton.testing
+
+    from unsloth_kernels import moe
+
+    dtype = torch.bfloat16 if device() == "cuda" else torch.float32
+    shapes = TINY if args.tiny else SHAPES
+    tokens = 8 if args.tiny else args.batch * args.seq
+    steps, reference, torch_ms = {}, {}, {}
+    for name, shape in shapes.items():
+        x, index, weights, (gate_up, down), leaves = experts_inputs(shape, tokens, args.rank, dtype)
+        dy = torch.randn(tokens, shape["hidden"], device=device(), dtype=dtype)
+
+        def step(impl="triton", x=x, index=index, weights=weights, gate_up=gate_up, down=down, leaves=leaves, dy=dy,
+                 shape=shape):  # fmt: skip
+            for t in (x, *leaves):
+                t.grad = None
+            out = moe.moe_experts(x, index, weights, gate_up, down, activation=shape["activation"],
+                                  layout=shape["layout"], impl=impl)  # fmt: skip
+            out.backward(dy)
+            return [out.detach().float(), *(t.grad.float() for t in (x, *leaves))]
+
+        steps[name] = step
+        reference[name] = step("torch")
+        torch_ms[name] = timed(lambda: step("torch"), args.tiny)[0]
+
+    def measure(tuning) -> dict | None:
+        moe.MOE_TUNING.update(tuning)
+        row = {}
+        for name, step in steps.items():
+            got = step()  # compiles, and checks the math: a bad config must not win by being wrong
+            err = max(((a - b).norm() / b.norm().clamp_min(1e-12)).item() for a, b in zip(got, reference[name]))
+            if not err < 0.02:
+                return {"error": f"{name}: relative difference {err:.3g} from torch"}
+            ms = timed(step, args.tiny)[0] if args.tiny else triton.testing.do_bench(step, warmup=5, rep=40,
+                                                                                   return_mode="median")  # fmt: skip
+            row[name] = round(ms, 3)
+        row["mean_ratio"] = round(statistics.mean(torch_ms[n] / row[n] for n in steps), 3)
+        return row
+
+    deadline = time.monotonic() + args.budget_s
+    best = dict(moe.MOE_TUNING)
+    best_row = measure(best)
+    print(json.dumps({"part": "tune", "kind": "default", "config": best, **best_row,
+                      "torch_grouped_mm_ms": {n: round(v, 3) for n, v in torch_ms.items()}}), flush=True)  # fmt: skip
+    for kind, candidates in TUNE_CANDIDATES.items():
+        for config in candidates[1:] if not args.tiny else candidates[1:2]:
+            if time.monotonic() > deadline:
+                print(json.dumps({"part": "tune", "stopped": "budget", "budget_s": args.budget_s}), flush=True)
+                break
+            try:
+                row = measure({**best, kind: config})
+            except Exception as e:  # noqa: BLE001 - a config the GPU cannot run (shared memory): the next one
+                row = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+            print(json.dumps({"part": "tune", "kind": kind, "config": config, **row}), flush=True)
+            if "error" not in row and row["mean_ratio"] > best_row["mean_ratio"]:
+                best, best_row = {**best, kind: config}, row
+    moe.MOE_TUNING.update(best)
+    print(json.dumps({"part": "tune", "best": best, **best_row}), flush=True)
+
+
 # --- (b) a training step --------------------------------------------------------------------------
 
 
@@ -173,6 +258,10 @@ def load(impl, path, args):
                                                      quantization_config=quantization(args, dtype))  # fmt: skip
         patch_model(model)
         model.requires_grad_(False)
+        if args.four_bit:  # as load_pretrained(load_in_4bit=True): the expert stacks in NF4 too
+            from unsloth.models.experts_4bit import quantize_packed_experts
+
+            quantize_packed_experts(model)
         return add_lora(model, r=args.rank, lora_alpha=args.rank, target_modules=TARGETS)
     if impl == "unsloth":
         from unsloth import FastLanguageModel  # the public package (PYTHONPATH without our source)
@@ -191,6 +280,14 @@ def load(impl, path, args):
     params = ["experts.gate_up_proj", "experts.down_proj"]
     return get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=TARGETS,
                                             target_parameters=params, task_type="CAUSAL_LM"))  # fmt: skip
+
+
+EXPERT_STACKS = ("gate_up_proj", "down_proj")  # the packed stacks' parameter names (under peft's base_layer)
+
+
+def stored_bytes(p) -> int:
+    """Bytes a parameter holds: an NF4 expert stack's packed bytes and scales, else its elements."""
+    return p.nbytes_stored() if hasattr(p, "nbytes_stored") else p.numel() * p.element_size()
 
 
 def quantization(args, dtype):
@@ -232,14 +329,16 @@ def bench_step(args) -> None:
             times.append(time.perf_counter() - start)
         losses.append(round(loss.item(), 4))
     peak = torch.cuda.max_memory_allocated() / 2**30 if device() == "cuda" else 0.0
+    experts_gib = sum(stored_bytes(p) for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in EXPERT_STACKS) / 2**30
     print(json.dumps({"part": "step", "shape": name, "impl": args.impl, "layers": args.layers,
                       "four_bit": args.four_bit, "batch": batch, "seq": seq, "median_step_s": round(statistics.median(times), 4),
-                      "peak_gib": round(peak, 2), "losses": losses}), flush=True)  # fmt: skip
+                      "peak_gib": round(peak, 2), "expert_stacks_gib": round(experts_gib, 3), "losses": losses}), flush=True)  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["kernel", "step"], default="kernel")
+    p.add_argument("--part", choices=["kernel", "step", "tune"], default="kernel")
+    p.add_argument("--budget-s", type=float, default=200, help="(tune) stop sweeping after this many seconds")
     p.add_argument("--impl", choices=["ours", "unsloth", "hf"], default="ours", help="(step) whose training step")
     p.add_argument("--only", choices=["triton", "torch"], help="(kernel) time one implementation only")
     p.add_argument("--shape", choices=sorted(SHAPES), default="gpt-oss-20b", help="(step) model shapes")
@@ -254,7 +353,7 @@ def main() -> None:
     args = p.parse_args()
     if args.tiny:
         args.steps, args.warmup = 1, 0
-    bench_kernel(args) if args.part == "kernel" else bench_step(args)
+    {"kernel": bench_kernel, "step": bench_step, "tune": bench_tune}[args.part](args)
 
 
 if __name__ == "__main__":

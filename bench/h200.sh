@@ -2,7 +2,7 @@
 # Everything measured on the lent H200, in one call per section, beside the anchors.
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
-# sections: machine, tests, kernels, trainer, profile, ab, host, moe, notebook, families, families_call, generation,
+# sections: machine, tests, kernels, trainer, profile, ab, host, moe, moetune, notebook, families, families_call, generation,
 # grpo, tts, fullft, vision, dpo; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
 set -u
@@ -123,6 +123,11 @@ vision() {  # Qwen2.5-VL-7B-shaped vision QLoRA (bench/bench_vision.py): ours, t
     --text-layers "$1" --vision-layers "$2" 2>&1 | tail -1 | tee -a "$OUT/vision.jsonl"
 }
 
+moetune() {  # the MoE kernel's launch configurations swept at both shapes (about 4 minutes); prints the
+  # best, with its ratios against torch._grouped_mm + LoRA matmuls measured in the same process
+  timeout 280 python3 bench/bench_moe.py --part tune --budget-s "${MOE_TUNE_BUDGET:-200}" 2>&1 | grep '^{' | tee -a "$OUT/moe_tune.jsonl"
+}
+
 families() {  # today's families (bench/bench_families.py): ours, ours with family patches off, Unsloth, HF
   # FAMILIES="qwen3_5 gemma4 phi3", SHAPES="qlora bf16", FAMILY_IMPLS: pick fewer to fit one call
   for family in ${FAMILIES:-qwen3_5 gemma4 phi3}; do
@@ -231,7 +236,7 @@ dpo() {  # DPO, QLoRA, Llama-3.1-8B shapes with DPO_LAYERS layers (default 8), 2
 [ $# -gt 0 ] || set -- all
 for section in "$@"; do
   case $section in
-    machine|tests|kernels|trainer|profile|ab|host|moe|notebook|families|families_call|generation|grpo|tts|fullft|vision|dpo) $section ;;
+    machine|tests|kernels|trainer|profile|ab|host|moe|moetune|notebook|families|families_call|generation|grpo|tts|fullft|vision|dpo) $section ;;
     all) machine; tests; kernels; trainer ;;
     *) echo "unknown section: $section" >&2; exit 2 ;;
   esac

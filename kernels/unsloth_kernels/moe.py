@@ -286,10 +286,18 @@ def _moe_act_kernel(
 
 # --- launchers ----------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Not yet tuned on a GPU: bench/bench_moe.py measures.
-_GEMM_CONFIG = (16, 32, 32, 4, 1) if INTERPRET else (64, 128, 64, 4, 3)
-_OUTER_CONFIG = (16, 32, 16, 4, 1) if INTERPRET else (64, 64, 64, 4, 3)
-_ACT_BLOCK = (16, 32) if INTERPRET else (32, 128)
+# Launch configurations by kernel kind, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for the GEMMs and
+# (BLOCK_M, BLOCK_N, warps) for the activation. Read at each launch, so `bench/bench_moe.py --part
+# tune` can sweep them on a GPU; the interpreter gets small tiles (its cost grows with tile size).
+#   gemm:   the expert projections, N = 2I, H or I
+#   skinny: the LoRA factors' grouped GEMMs, N = rank (x A^T, s dY B)
+#   outer:  the per-expert sums over rows (dA, dB, dW)
+MOE_TUNING: dict[str, tuple[int, ...]] = (
+    {"gemm": (16, 32, 32, 4, 1), "skinny": (16, 32, 32, 4, 1), "outer": (16, 32, 16, 4, 1), "act": (16, 32, 4)}
+    if INTERPRET else
+    {"gemm": (64, 128, 64, 4, 3), "skinny": (64, 128, 64, 4, 3), "outer": (64, 64, 64, 4, 3), "act": (32, 128, 4)}
+)  # fmt: skip
+SKINNY_MAX_N = 64  # a grouped GEMM with at most this many output columns uses the "skinny" config
 
 
 class _Act(NamedTuple):
@@ -314,7 +322,7 @@ def _grouped_gemm(x, routing: Routing, gather: bool, w, strides, n_cols, *, bias
     if rows == 0 or n_cols == 0:
         return out
     n_experts = routing.expert_end.numel()
-    block_m, block_n, block_k, warps, stages = _GEMM_CONFIG
+    block_m, block_n, block_k, warps, stages = MOE_TUNING["skinny" if n_cols <= SKINNY_MAX_N else "gemm"]
     block_n = min(block_n, max(16, block_size_for(n_cols)))
     block_k = min(block_k, max(16, block_size_for(k_dim)))
     lora = xa is not None
@@ -338,7 +346,7 @@ def _segment_outer(left, right, routing: Routing, gather_right: bool, out, out_s
     """out[e] (with (expert, m, n) strides `out_strides`) = scale * left_e^T right_e over expert e's rows."""
     n_experts = routing.expert_end.numel()
     m_dim, n_dim = left.shape[1], right.shape[1]
-    block_m, block_n, block_k, warps, stages = _OUTER_CONFIG
+    block_m, block_n, block_k, warps, stages = MOE_TUNING["outer"]
     block_m = min(block_m, max(16, block_size_for(m_dim)))
     block_n = min(block_n, max(16, block_size_for(n_dim)))
     grid = (cdiv(m_dim, block_m), cdiv(n_dim, block_n), n_experts)
@@ -356,11 +364,11 @@ def _act_launch(gu, h, act: _Act, backward: bool):
     if rows == 0:
         return
     interleaved = act.layout == "interleaved"
-    block_m, block_n = _ACT_BLOCK
+    block_m, block_n, warps = MOE_TUNING["act"]
     _moe_act_kernel[(cdiv(rows, block_m), cdiv(width, block_n))](
         gu, h, rows, width, gu.stride(0), h.stride(0), 1 if interleaved else width, act.alpha, act.limit,
         ACT=act.code, COL_STEP=2 if interleaved else 1, BACKWARD=backward, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=4,
+        num_warps=warps,
     )  # fmt: skip
 
 

@@ -50,11 +50,14 @@ def moe_config(family: str):
         return t.Gemma4TextConfig(**TINY, intermediate_size=48, enable_moe_block=True, num_experts=6, top_k_experts=2,
                                   moe_intermediate_size=16, layer_types=["sliding_attention", "full_attention"],
                                   sliding_window=8)  # fmt: skip
+    if family == "llama4_text":  # every layer MoE (top-1, as Scout), a shared expert, chunked attention
+        return t.Llama4TextConfig(**TINY, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=6,
+                                  num_experts_per_tok=1, interleave_moe_layer_step=1, attention_chunk_size=8)  # fmt: skip
     raise KeyError(family)
 
 
 TESTED = ["qwen3_moe", "gpt_oss", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe", "qwen3_5_moe_text",
-          "gemma4_text"]
+          "gemma4_text", "llama4_text"]
 MOE_LAYERS = {"deepseek_v3": 1, "glm4_moe": 1}  # first_k_dense_replace=1: the first layer is dense
 
 

@@ -89,12 +89,12 @@ def tiny_llama():
     return LlamaForCausalLM(config).eval()
 
 
-def save_tiny(family: str, directory):
-    """A loadable folder: the tiny random model of `family` and a word-level tokenizer of its vocab."""
+def save_tiny(family: str, directory, model=None):
+    """A loadable folder: the tiny random model of `family` (or `model`) and a word-level tokenizer of its vocab."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tiny_model(family).save_pretrained(directory)
+    (model if model is not None else tiny_model(family)).save_pretrained(directory)
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t1", unk_token="t0").save_pretrained(directory)

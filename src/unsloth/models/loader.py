@@ -59,8 +59,6 @@ _PREQUANTIZED = ("-unsloth-bnb-4bit", "-bnb-4bit")
 def resolve_model_name(model_name: str, load_in_4bit: bool) -> str:
     """A hub `...-bnb-4bit` name (a prequantized 4-bit checkpoint) loads as it is when 4-bit is wanted
     and bitsandbytes is there; otherwise its base model's name, with a note. Local folders are kept."""
-    import importlib.util
-
     if Path(model_name).expanduser().exists():
         return model_name
     suffix = next((s for s in _PREQUANTIZED if model_name.lower().endswith(s)), None)
@@ -311,7 +309,32 @@ def load_pretrained(
         _say_what_is_fast(model)
     else:
         model.requires_grad_(False)  # LoRA adapters come next and are the only trainable weights
+        if load_in_4bit:
+            _quantize_experts(model)
     return model, _prepare_tokenizer(tokenizer, max_seq_length)
+
+
+def _quantize_experts(model) -> None:
+    """QLoRA of packed MoE experts: bitsandbytes quantizes nn.Linear layers only, so their stacks
+    (most of the model) are quantized here, after the experts patch took them."""
+    from unsloth.models.patches.moe import experts_modules
+
+    experts = experts_modules(model)
+    if not experts:
+        return
+    if importlib.util.find_spec("bitsandbytes") is None:
+        log.warning("unsloth: bitsandbytes is not installed, so the MoE experts stay %s.", model.dtype)
+        return
+    from unsloth.models.experts_4bit import quantize_packed_experts
+
+    stacks = quantize_packed_experts(model)
+    unpatched = sum(1 for m in experts if "_unsloth_moe" not in m.__dict__)
+    if unpatched:
+        log.warning("unsloth: %d MoE experts modules run transformers' own code, so their weights stay %s "
+                    "(only the ones our kernel runs are quantized).", unpatched, model.dtype)  # fmt: skip
+    report = getattr(model, "_unsloth_patches", None)
+    if report is not None:
+        report.moe_4bit = stacks
 
 
 def add_lora(

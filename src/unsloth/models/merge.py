@@ -81,9 +81,51 @@ def _lora_weight(module: Any) -> torch.Tensor:
     return weight
 
 
+def _stored(param: torch.Tensor) -> TensorSource:
+    """A parameter as it is, or dense where it is a 4-bit expert stack (Nf4Stack)."""
+    from unsloth.models.experts_4bit import Nf4Stack
+
+    if isinstance(param, Nf4Stack):
+        return TensorSource(tuple(param.shape), param.dequantize)
+    return _as_is(param)
+
+
+def _param_lora_weight(param: torch.Tensor, wrapper: Any) -> torch.Tensor:
+    """A stack adapted by a peft ParamWrapper, its active adapters' delta added (in the stack's own orientation)."""
+    weight = _stored(param).load().to(torch.float32)
+    if wrapper is None or wrapper.disable_adapters:
+        return weight
+    for adapter in wrapper.active_adapters:
+        if adapter in wrapper.merged_adapters or adapter not in wrapper.lora_A:
+            continue
+        weight = weight + wrapper.get_delta_weight(adapter).detach().to(weight.device, torch.float32)
+    return weight
+
+
+def _param_wrapper_sources(wrapper: Any, prefix: str) -> dict[str, TensorSource]:
+    """The tensors of a module whose parameters peft adapts through `target_parameters` (packed MoE
+    experts): a chain of ParamWrappers, one per adapted parameter, around the module itself."""
+    from peft.tuners.lora import ParamWrapper
+
+    wrappers = {}
+    module = wrapper
+    while isinstance(module, ParamWrapper):
+        wrappers[module.parameter_name] = module
+        module = module.base_layer
+    sources = {}
+    for pname, param in module.named_parameters():
+        sources[f"{prefix}{pname}"] = TensorSource(tuple(param.shape),
+                                                   lambda p=param, w=wrappers.get(pname): _param_lora_weight(p, w))  # fmt: skip
+    for sub_name, sub in module.named_modules():
+        for bname, buf in sub.named_buffers(recurse=False):
+            if bname not in sub._non_persistent_buffers_set:
+                sources[f"{prefix}{sub_name}.{bname}" if sub_name else f"{prefix}{bname}"] = _as_is(buf)
+    return sources
+
+
 def merged_tensors(model: Any) -> dict[str, TensorSource]:
     """HF state-dict name -> a function returning that tensor with every active adapter merged in."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer, ParamWrapper
     from peft.utils import ModulesToSaveWrapper
 
     sources: dict[str, TensorSource] = {}
@@ -92,6 +134,10 @@ def merged_tensors(model: Any) -> dict[str, TensorSource]:
         if any(name.startswith(prefix) for prefix in covered):
             continue
         prefix = f"{name}." if name else ""
+        if isinstance(module, ParamWrapper):
+            covered.append(prefix)
+            sources.update(_param_wrapper_sources(module, prefix))
+            continue
         if isinstance(module, LoraLayer):
             covered.append(prefix)
             shape = _logical_shape(module.get_base_layer())
@@ -113,7 +159,7 @@ def merged_tensors(model: Any) -> dict[str, TensorSource]:
                 sources[f"{prefix}bias"] = _as_is(module.bias)
             continue
         for pname, param in module.named_parameters(recurse=False):
-            sources[f"{prefix}{pname}"] = _as_is(param)
+            sources[f"{prefix}{pname}"] = _stored(param)
         for bname, buf in module.named_buffers(recurse=False):
             if bname not in module._non_persistent_buffers_set:
                 sources[f"{prefix}{bname}"] = _as_is(buf)

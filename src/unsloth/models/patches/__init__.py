@@ -74,6 +74,10 @@ MOE_FAMILIES: dict[str, tuple[str, ...]] = {
     "deepseek_v3": MOE,
     "glm4_moe": MOE,
     "gemma4_text": MOE_NO_ROPE,  # its RoPE patch fails on a tiny model: apply_rotary_pos_emb differs
+    # Llama 4 text: complex-valued RoPE (stock); its MoE blocks run every expert over every token
+    # with the inputs scaled by the scores, which the patch turns into top-k routing
+    "llama4_text": MOE_NO_ROPE,
+    "llama4": MOE_NO_ROPE,
 }
 
 # Families whose decoder layer adds the MLP's output straight to the residual stream, with no norm
@@ -101,6 +105,7 @@ class PatchReport:
     rope: int = 0
     mlp: int = 0
     moe: int = 0
+    moe_4bit: int = 0  # packed expert stacks held in NF4 (QLoRA of the experts)
     loss: bool = False
     lora: dict[str, int] = field(default_factory=dict)
     lora_on_peft: int = 0  # LoRA layers whose base weight our kernels cannot read (8-bit): peft's forward
@@ -119,7 +124,7 @@ class PatchReport:
         if self.mlp:
             parts.append(f"{self.mlp} MLP")
         if self.moe:
-            parts.append(f"{self.moe} MoE experts")
+            parts.append(f"{self.moe} MoE experts" + (f" ({self.moe_4bit} stacks in NF4)" if self.moe_4bit else ""))
         if self.loss:
             parts.append("fused loss")
         parts += [f"{n} LoRA {kind}" for kind, n in self.lora.items() if n]

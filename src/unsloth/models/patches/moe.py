@@ -22,6 +22,7 @@ import types
 import torch
 from torch import nn
 
+from unsloth.models.experts_4bit import Nf4Stack
 from unsloth.models.patches.probe import same
 
 # Parameter names of the packed stacks, as `target_parameters` entries (peft matches by suffix).
@@ -58,7 +59,11 @@ def _expert_weights(module, spec, lora=None):
     for name in ("gate_up_proj", "down_proj"):
         A, B, scaling = lora.get(name, (None, None, 1.0))
         bias = getattr(module, f"{name}_bias", None) if getattr(module, "has_bias", False) else None
-        stacks.append(ExpertWeights(getattr(module, name), A, B, scaling, bias, transposed=spec["transposed"]))
+        weight = getattr(module, name)
+        quant_state = None
+        if isinstance(weight, Nf4Stack):  # QLoRA: the kernel reads the NF4 bytes
+            weight, quant_state = weight.packed, weight.quant_state
+        stacks.append(ExpertWeights(weight, A, B, scaling, bias, transposed=spec["transposed"], quant_state=quant_state))
     return stacks
 
 
@@ -87,7 +92,7 @@ def _probe_routing(module, tokens, device, dtype):
 
 def patch_moe_experts(model: nn.Module, device, dtype) -> int:
     """Give every packed experts module whose behaviour we reproduce the grouped-GEMM forward."""
-    patched = 0
+    patched = patch_dense_routed_moe(model, device, dtype)
     for module in model.modules():
         if not is_packed_experts(module) or "_unsloth_moe" in module.__dict__:
             continue
@@ -107,6 +112,67 @@ def patch_moe_experts(model: nn.Module, device, dtype) -> int:
                     patched += 1
                     break
     return patched
+
+
+# --- Llama 4: every expert runs over every token, inputs scaled by the router's scores --------------
+
+
+def is_dense_routed_moe(module: nn.Module) -> bool:
+    """A MoE block (Llama 4's) whose experts module takes (E * T, H) inputs, every token repeated for
+    every expert and scaled by its (zero off the top-k) sigmoid score, and whose `router` returns
+    (scores (T, E), logits (T, E)); a shared expert is added to the sum."""
+    experts, router = getattr(module, "experts", None), getattr(module, "router", None)
+    gate_up = getattr(experts, "gate_up_proj", None)
+    return (isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3 and isinstance(router, nn.Linear)
+            and hasattr(module, "shared_expert") and hasattr(module, "top_k") and not is_packed_experts(experts))  # fmt: skip
+
+
+def _dense_routed_forward(self, hidden_states):
+    """The block's math with only the top-k experts of each token run (the others' inputs are
+    zero, and so are their outputs: no biases), as one grouped GEMM over the (token, expert) pairs."""
+    x = hidden_states.reshape(-1, self.hidden_dim)
+    scores, logits = self.router(x)
+    index = logits.topk(self.top_k, dim=1).indices
+    picked = scores.gather(1, index)
+    # the score scales the expert's input, not its output: each pair gets its own scaled row
+    pairs = (x.unsqueeze(1) * picked.unsqueeze(-1)).reshape(-1, x.shape[-1])
+    ones = torch.ones(pairs.shape[0], 1, device=x.device, dtype=x.dtype)
+    routed = self.experts(pairs, index.reshape(-1, 1), ones).view(x.shape[0], self.top_k, -1).sum(1)
+    return self.shared_expert(x) + routed, logits
+
+
+def patch_dense_routed_moe(model: nn.Module, device, dtype) -> int:
+    """Llama 4's MoE blocks: the block's forward routes only the top-k pairs to our kernel; its
+    experts module takes our (hidden, top_k_index, top_k_weights) call (so peft's wrappers, the
+    LoRA fast path and the 4-bit stacks treat it as the other families' experts)."""
+    patched = 0
+    for block in model.modules():
+        if not is_dense_routed_moe(block) or "_unsloth_moe" in block.experts.__dict__:
+            continue
+        experts = block.experts
+        x = torch.randn(16, block.hidden_dim, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+        spec_base = {"transposed": True, "alpha": 1.702, "limit": 7.0}
+        with torch.no_grad():
+            expected = block(x)
+            for activation in _ACTIVATIONS:
+                experts._unsloth_moe = {**spec_base, "activation": activation, "layout": "concatenated"}
+                experts.forward = types.MethodType(_experts_forward, experts)
+                try:
+                    ok = same(_dense_routed_forward(block, x), expected)
+                except (ValueError, RuntimeError):
+                    ok = False
+                if ok:
+                    block.forward = types.MethodType(_dense_routed_forward, block)
+                    patched += 1
+                    break
+                del experts._unsloth_moe, experts.forward
+    return patched
+
+
+def experts_modules(model: nn.Module) -> list[nn.Module]:
+    """Every experts module of packed stacks in `model` (patched or not): the other families' and Llama 4's."""
+    found = [m for m in model.modules() if is_packed_experts(m)]
+    return found + [m.experts for m in model.modules() if is_dense_routed_moe(m)]
 
 
 # --- peft: experts adapted through target_parameters --------------------------------------------
@@ -130,12 +196,25 @@ def expert_lora_factors(wrapper):
         experts, rank = module.num_experts, module.r[name]
         if module.lora_B[name].bias is not None or not isinstance(module.lora_dropout[name], nn.Identity):
             return None
-        factors[module.parameter_name] = (A.view(experts, rank, A.shape[1]),
-                                          B.view(B.shape[0], rank, experts).permute(2, 0, 1), float(module.scaling[name]))  # fmt: skip
+        factors[module.parameter_name] = (A.view(experts, rank, A.shape[1]), B.view(B.shape[0], rank, experts).permute(2, 0, 1),
+                                          float(module.scaling[name]), module._did_swap_in_out_features)  # fmt: skip
         module = module.base_layer
     if "_unsloth_moe" not in module.__dict__ or not set(factors) <= {"gate_up_proj", "down_proj"}:
         return None
-    return module, factors
+    transposed = module._unsloth_moe["transposed"]
+    return module, {name: _kernel_factors(*f, transposed) for name, f in factors.items()}
+
+
+def _kernel_factors(A, B, scaling, peft_swapped: bool, transposed: bool):
+    """(A (E, r, in), B (E, out, r), scaling) for the kernel from peft's factors.
+
+    peft reads a stack as (E, in, out) when its module says `is_transposed`, else as (E, out, in)
+    (it "swaps"). Where that disagrees with the stack's real orientation (Llama 4's (E, in, out)
+    stacks have no such attribute), peft's delta B A lies in the stored orientation, (in, out),
+    so the kernel's (out, in) delta is its transpose: A^T and B^T trade places."""
+    if peft_swapped == transposed:
+        return B.transpose(1, 2), A.transpose(1, 2), scaling
+    return A, B, scaling
 
 
 def _lora_experts_forward(self, hidden_states, top_k_index=None, top_k_weights=None, *args, **kwargs):
@@ -167,7 +246,7 @@ def expert_target_parameters(model, target_modules) -> list[str]:
     through `target_parameters`."""
     if not target_modules or not _MLP_TARGETS & set(target_modules):
         return []
-    if not any(is_packed_experts(m) for m in model.modules()):
+    if not experts_modules(model):
         return []
     wanted = set(target_modules)
     names = []
