@@ -7,11 +7,13 @@ import copy
 import pytest
 import torch
 
-from tiny_families import VOCAB, tiny_model, with_lora
+from tiny_families import VOCAB, has_tiny_config, tiny_model, with_lora
 from unsloth.models.patches import FAMILIES, patch_model, patch_peft_model
 from unsloth.models.checkpointing import apply_gradient_checkpointing
 
-FAMILY_NAMES = sorted(f for f in FAMILIES if f not in ("qwen3_5", "gemma4"))  # multimodal: as their text models
+# The multimodal registry names (gemma4, qwen3_5, the vision families) are tested as their text models
+# here, and whole in tests/models/test_vision_models.py.
+FAMILY_NAMES = sorted(f for f in FAMILIES if has_tiny_config(f))
 
 
 def _attention_layers(config) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unsloth.export.architectures import ARCHITECTURES
+from unsloth.export.architectures import ARCHITECTURES, refuse_vision_language
 from unsloth.export.converter import write_gguf
 from unsloth.export.errors import ExportError
 from unsloth.export.files import atomic_output, ensure_free_space, scratch_file
@@ -137,6 +137,7 @@ def save_pretrained_gguf(
 def _llama_cpp_converter(model: Any) -> LlamaCppConverter | None:
     """None where our converter writes the architecture; else llama.cpp's, checked to support it."""
     base = base_model(model)
+    refuse_vision_language(base.config)  # llama.cpp's converter too needs a second, --mmproj pass: not yet
     if base.config.model_type in ARCHITECTURES:
         return None
     converter = find_converter()
