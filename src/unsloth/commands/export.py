@@ -39,7 +39,9 @@ def run(args: argparse.Namespace) -> Exported:
     from unsloth.export.files import ensure_free_space
     from unsloth.export.methods import export_bytes, resolve_all
 
-    logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
+    from unsloth.commands.render import log_handler
+
+    logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, handlers=[log_handler()])
     methods = [m for value in args.gguf for m in value.split(",") if m.strip()]
     # Everything that needs no model is checked first: a typo'd method, a damaged checkpoint, an output
     # folder that cannot be written or has no room. The CLI reports the ExportError.

@@ -69,9 +69,9 @@ def _quiet_libraries() -> None:
         except ImportError:
             pass
     if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
+        from unsloth.commands.render import log_handler
+
+        log.addHandler(log_handler())
     warnings.filterwarnings("ignore", category=FutureWarning)
     # bitsandbytes' CPU backend suggests an optional package on import; irrelevant to training here.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
