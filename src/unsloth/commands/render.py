@@ -239,7 +239,9 @@ def _(result: r.PlanReport) -> None:
                 "llama.cpp": sources.llama_cpp.line() if sources.llama_cpp else "left out (--without)"}
     for name, value in rows.items():
         table.add_row(name, Text(value))
-    console = Console(highlight=False)
+    # Piped or captured, each row stays one line (paths and URLs unbroken, for logs and grep); on a
+    # terminal the table wraps to its width.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 1000)
     console.print(table)
     advice(console, result.plan.warnings)
 
