@@ -17,11 +17,15 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    import os
-
-    os.environ.setdefault("UNSLOTH_KERNELS", "0")  # the mechanics are under test, not the kernels
     from unsloth import FastLanguageModel
 
+    # The mechanics are under test, not the kernels; the setting must not outlive this module's tests.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("UNSLOTH_KERNELS", "0")
+        yield _load(tmp_path_factory, FastLanguageModel)
+
+
+def _load(tmp_path_factory, FastLanguageModel):
     folder = write_model(tmp_path_factory.mktemp("m") / "Llama-3.2-1B-Instruct", "llama")
     model, tokenizer = FastLanguageModel.from_pretrained(model_name=folder, max_seq_length=64, load_in_4bit=False,
                                                          fast_inference=True, max_lora_rank=8,
