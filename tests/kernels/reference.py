@@ -86,6 +86,20 @@ def f64(*tensors: torch.Tensor):
 # --- references (float64 math; casting to the storage dtype is modelled only where the
 # kernel's contract is to reproduce it, e.g. Llama's cast of the normalised row) --------------
 
+def lm_head_inputs(n, hidden, vocab, dtype, *, seed=0, ignore=(), bias=False, device=None):
+    """Hidden rows, an LM head (weight, optional bias) and labels (-100 at `ignore`) for the loss kernels."""
+    g = torch.Generator().manual_seed(seed)
+    device = device or DEVICE
+    x = torch.randn(n, hidden, generator=g).to(device, dtype)
+    # Logit scale ~ 3: a realistic spread, so the softmax is neither flat nor one-hot.
+    w = (torch.randn(vocab, hidden, generator=g) * 3 / hidden**0.5).to(device, dtype)
+    b = (torch.randn(vocab, generator=g) * 0.5).to(device, dtype) if bias else None
+    labels = torch.randint(0, vocab, (n,), generator=g).to(device)
+    for i in ignore:
+        labels[i] = -100
+    return x, w, b, labels
+
+
 def rms_norm_ref(x, weight, eps=1e-6, offset=0.0, residual=None):
     """y = x / sqrt(mean(x^2) + eps) * (offset + weight); with residual, normalises x + residual."""
     if residual is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import DEVICE, assert_close_dtype, f64, needs_kernels, real_shapes
+from reference import DEVICE, assert_close_dtype, f64, lm_head_inputs, needs_kernels, real_shapes
 
 from unsloth_kernels.cross_entropy import chunk_rows, fused_linear_cross_entropy
 
@@ -23,16 +23,6 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 LOGIT_FACTOR = 4
 
 
-def make_inputs(n, hidden, vocab, dtype, *, seed=0, ignore=(), bias=False, device=DEVICE):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, hidden, generator=g).to(device, dtype)
-    # Logit scale ~ 3: a realistic spread, so the softmax is neither flat nor one-hot.
-    w = (torch.randn(vocab, hidden, generator=g) * 3 / hidden**0.5).to(device, dtype)
-    b = (torch.randn(vocab, generator=g) * 0.5).to(device, dtype) if bias else None
-    labels = torch.randint(0, vocab, (n,), generator=g).to(device)
-    for i in ignore:
-        labels[i] = -100
-    return x, w, b, labels
 
 
 def reference(x, w, b, labels, *, softcap=None, logit_scale=None, reduction="mean", total_tokens=None):
@@ -78,7 +68,7 @@ def test_matches_float64_reference(case, dtype):
     spec = dict(CASES[case])
     vocab, bias, train_weight = spec.pop("vocab"), spec.pop("bias", False), spec.pop("train_weight", False)
     # 3 tokens, one ignored; hidden 24 is not a power of two. Interpreter cost grows with N * V.
-    x, w, b, labels = make_inputs(3, 24, vocab, dtype, ignore=(1,), bias=bias)
+    x, w, b, labels = lm_head_inputs(3, 24, vocab, dtype, ignore=(1,), bias=bias)
     (loss, x, w, b), (ref, x_ref, w_ref, b_ref) = run_both(x, w, b, labels, train_weight=train_weight, **spec)
 
     assert loss.dtype == torch.float32
@@ -94,7 +84,7 @@ def test_matches_float64_reference(case, dtype):
 
 
 def test_ignored_row_has_no_gradient():
-    x, w, _, labels = make_inputs(4, 16, 500, torch.float32, ignore=(2,))
+    x, w, _, labels = lm_head_inputs(4, 16, 500, torch.float32, ignore=(2,))
     x.requires_grad_()
     fused_linear_cross_entropy(x, w, labels).backward()
     assert not x.grad[2].any() and x.grad[0].any()
@@ -103,7 +93,7 @@ def test_ignored_row_has_no_gradient():
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_all_labels_ignored_gives_zero_not_nan(reduction):
     # torch's mean would be 0/0 = NaN; packing can produce such batches, so we define it as 0.
-    x, w, _, labels = make_inputs(3, 16, 700, torch.bfloat16, ignore=(0, 1, 2))
+    x, w, _, labels = lm_head_inputs(3, 16, 700, torch.bfloat16, ignore=(0, 1, 2))
     x.requires_grad_()
     w.requires_grad_()
     loss = fused_linear_cross_entropy(x, w, labels, reduction=reduction)
@@ -121,7 +111,7 @@ def test_empty_batch_gives_zero():
 
 
 def test_chunking_does_not_change_the_result():
-    x, w, _, labels = make_inputs(7, 16, 300, torch.float32, ignore=(3,))
+    x, w, _, labels = lm_head_inputs(7, 16, 300, torch.float32, ignore=(3,))
     results = []
     for chunk in (None, 1, 2, 3):
         xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -137,7 +127,7 @@ def test_chunking_does_not_change_the_result():
 
 
 def test_upstream_gradient_scales_and_batch_shape_is_flattened():
-    x, w, _, labels = make_inputs(6, 16, 300, torch.float32)
+    x, w, _, labels = lm_head_inputs(6, 16, 300, torch.float32)
     x3 = x.reshape(2, 3, 16).clone().requires_grad_()
     (fused_linear_cross_entropy(x3, w, labels.reshape(2, 3)) * 2.5).backward()
     x_ref = x.double().requires_grad_()
@@ -147,7 +137,7 @@ def test_upstream_gradient_scales_and_batch_shape_is_flattened():
 
 
 def test_without_grad_returns_the_loss():
-    x, w, _, labels = make_inputs(3, 16, 300, torch.float32)
+    x, w, _, labels = lm_head_inputs(3, 16, 300, torch.float32)
     with torch.no_grad():
         loss = fused_linear_cross_entropy(x.requires_grad_(), w, labels)
     assert not loss.requires_grad
@@ -155,7 +145,7 @@ def test_without_grad_returns_the_loss():
 
 
 def test_backward_twice_is_refused():
-    x, w, _, labels = make_inputs(2, 16, 100, torch.float32)
+    x, w, _, labels = lm_head_inputs(2, 16, 100, torch.float32)
     loss = fused_linear_cross_entropy(x.requires_grad_(), w, labels)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="once"):
@@ -163,7 +153,7 @@ def test_backward_twice_is_refused():
 
 
 def test_bad_arguments_are_named():
-    x, w, _, labels = make_inputs(3, 16, 100, torch.float32)
+    x, w, _, labels = lm_head_inputs(3, 16, 100, torch.float32)
     with pytest.raises(ValueError, match="reduction"):
         fused_linear_cross_entropy(x, w, labels, reduction="none")
     with pytest.raises(ValueError, match="shift"):
@@ -191,7 +181,7 @@ def test_real_shape_on_gpu_memory_and_accuracy():
     # bf16 logits (its gradient is written over it) plus per-row statistics (1 MiB covers them),
     # 0.245 GiB where the unfused path needs ~23.5 GiB; loss/dX match an fp32 reference.
     n, hidden, vocab = 16384, 4096, 128256
-    x, w, _, labels = make_inputs(n, hidden, vocab, torch.bfloat16, ignore=range(0, n, 7), device="cuda")
+    x, w, _, labels = lm_head_inputs(n, hidden, vocab, torch.bfloat16, ignore=range(0, n, 7), device="cuda")
     x.requires_grad_()
     # Warm up first: Triton compilation and cuBLAS's workspace are one-time costs, not per call.
     fused_linear_cross_entropy(x[:64].detach().requires_grad_(), w, labels[:64]).backward()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import DEVICE, assert_close_dtype, f64, needs_kernels
+from reference import DEVICE, assert_close_dtype, f64, lm_head_inputs, needs_kernels
 
 from unsloth_kernels.log_probs import fused_linear_log_probs
 
@@ -19,14 +19,9 @@ LOGIT_FACTOR = 4
 
 
 def make_inputs(n, hidden, vocab, dtype, *, seed=0, ignore=(), bias=False, device=DEVICE):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, hidden, generator=g).to(device, dtype)
-    w = (torch.randn(vocab, hidden, generator=g) * 3 / hidden**0.5).to(device, dtype)
-    b = (torch.randn(vocab, generator=g) * 0.5).to(device, dtype) if bias else None
-    labels = torch.randint(0, vocab, (n,), generator=g).to(device)
-    for i in ignore:
-        labels[i] = -100
-    upstream = torch.randn(n, generator=g).to(device)
+    """The loss kernels' inputs, and an upstream gradient per row."""
+    x, w, b, labels = lm_head_inputs(n, hidden, vocab, dtype, seed=seed, ignore=ignore, bias=bias, device=device)
+    upstream = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     return x, w, b, labels, upstream
 
 
