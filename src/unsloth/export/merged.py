@@ -15,6 +15,7 @@ from torch import nn
 
 from unsloth.models.distributed import gathered, is_main_process
 from unsloth.models.merge import base_model, merged_tensors
+from unsloth.models.tokenizer_files import save_tokenizer
 
 
 def merged_state_dict(model: nn.Module, dtype: torch.dtype, copy: bool = False) -> dict[str, torch.Tensor]:
@@ -60,7 +61,7 @@ def save_pretrained_merged(self, save_directory: str, tokenizer=None, save_metho
     else:
         raise ValueError(f"save_method must be 'merged_16bit', 'merged_4bit' or 'lora', got {save_method!r}")
     if tokenizer is not None:
-        tokenizer.save_pretrained(save_directory)
+        save_tokenizer(tokenizer, save_directory)
     return save_directory
 
 
