@@ -31,6 +31,8 @@ from unsloth.export.modelfile import write_modelfile
 from unsloth.export.quantize import quantize
 from unsloth.export.runtime import require_llama_cpp
 from unsloth.export.validate import Validation, reference_run, validate
+from unsloth.export.vocab import uses_sentencepiece
+from unsloth.models.tokenizer_files import sentencepiece_model
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ def save_pretrained_gguf(
     """
     out_dir = Path(save_directory)
     methods = resolve_all(quantization_method)
-    converter = _llama_cpp_converter(model)  # unsupported architectures fail before any work
+    converter = _llama_cpp_converter(model, tokenizer)  # unsupported architectures fail before any work
     quantized = [m for m in methods if not m.converted]
     if quantized or validate_export:
         require_llama_cpp()
@@ -134,15 +136,29 @@ def save_pretrained_gguf(
 
 
 
-def _llama_cpp_converter(model: Any) -> LlamaCppConverter | None:
-    """None where our converter writes the architecture; else llama.cpp's, checked to support it."""
+def _llama_cpp_converter(model: Any, tokenizer: Any) -> LlamaCppConverter | None:
+    """None where our converter writes the model and its tokenizer; else llama.cpp's, checked to support it.
+
+    Our vocab writer does byte-level BPE only, so a SentencePiece tokenizer (Llama 2, Mistral v0.3,
+    Gemma) goes through llama.cpp's converter whatever the architecture; it reads the
+    tokenizer.model that the merged save copies beside tokenizer.json."""
     base = base_model(model)
     refuse_vision_language(base.config)  # llama.cpp's converter too needs a second, --mmproj pass: not yet
-    if base.config.model_type in ARCHITECTURES:
+    sentencepiece = uses_sentencepiece(tokenizer)
+    if base.config.model_type in ARCHITECTURES and not sentencepiece:
         return None
     converter = find_converter()
     require_support(converter, base)
-    log.info("%s goes through llama.cpp's converter (%s)", type(base).__name__, converter.origin)
+    if sentencepiece and sentencepiece_model(tokenizer) is None:
+        raise ExportError(
+            f"the tokenizer is a SentencePiece tokenizer, and the tokenizer.model it was made from is not "
+            "known (transformers 5 saves only tokenizer.json); llama.cpp's converter needs that file; "
+            "nothing was written",
+            fix="load the tokenizer from a folder that has tokenizer.model (the base model's, e.g. "
+            "AutoTokenizer.from_pretrained(base_model_name)) and pass it to save_pretrained_gguf",
+        )
+    reason = "its SentencePiece tokenizer" if sentencepiece else type(base).__name__
+    log.info("%s goes through llama.cpp's converter (%s)", reason, converter.origin)
     return converter
 
 

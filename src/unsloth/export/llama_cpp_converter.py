@@ -213,8 +213,26 @@ def require_support(converter: LlamaCppConverter, model: Any) -> str:
     return name
 
 
+def record_added_tokens(model_dir: Path) -> None:
+    """Write tokenizer.json's added tokens into tokenizer_config.json as ``added_tokens_decoder``.
+
+    llama.cpp's SentencePiece vocab reads the added tokens (chat markers such as <start_of_turn>,
+    [INST]) from there only; transformers 5 no longer writes that key, and without it they would be
+    ordinary text to llama.cpp's tokenizer."""
+    config_path, tokenizer_path = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
+    if not (config_path.is_file() and tokenizer_path.is_file()):
+        return
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if config.get("added_tokens_decoder"):
+        return
+    added = json.loads(tokenizer_path.read_text(encoding="utf-8")).get("added_tokens") or []
+    config["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
 def convert(converter: LlamaCppConverter, model_dir: Path, outfile: Path, outtype: str) -> None:
     """Run the converter on a saved (merged) model folder, writing ``outfile`` in f32/f16/bf16."""
+    record_added_tokens(model_dir)
     command = [sys.executable, "-m", "unsloth.export.llama_cpp_driver", str(converter.root), str(model_dir),
                str(outfile), outtype]
     env = {**os.environ, "NO_LOCAL_GGUF": "1"}  # the driver puts the converter's own gguf-py first itself

@@ -174,9 +174,12 @@ def compare_prompt(llm: Any, text: str, prompt: list[int], reference: list[int],
 
 def tokenizer_mismatches(tokenizer: Any, llm: Any, samples: tuple[str, ...] = TOKENIZER_SAMPLES) -> list[str]:
     problems = []
+    sentencepiece = _sentencepiece_encoder(tokenizer)
     for text in samples:
         ours = tokenizer(text)["input_ids"]
         theirs = llm.tokenize(text.encode(), add_bos=True, special=True)
+        if ours != theirs and sentencepiece is not None and sentencepiece(text, ours) == theirs:
+            continue  # llama.cpp follows SentencePiece itself where transformers departs from it
         if ours != theirs:
             problems.append(f"encode {text!r}: transformers {ours} != llama.cpp {theirs}")
             continue
@@ -184,6 +187,39 @@ def tokenizer_mismatches(tokenizer: Any, llm: Any, samples: tuple[str, ...] = TO
         if back != tokenizer.decode(ours):
             problems.append(f"decode {text!r}: transformers {tokenizer.decode(ours)!r} != llama.cpp {back!r}")
     return problems
+
+
+def _sentencepiece_encoder(tokenizer: Any):
+    """``(text, transformers' ids) -> ids`` from the tokenizer's own SentencePiece model, or None.
+
+    SentencePiece encodes the text between added tokens piece by piece, each with its "▁" prefix
+    (as transformers' legacy Llama tokenizer did, and llama.cpp does); transformers 5 drops that
+    prefix after an added token and before text that starts with a space. A GGUF that tokenizes
+    as the model's own SentencePiece model does is accepted."""
+    import re
+
+    from unsloth.models.tokenizer_files import sentencepiece_model
+
+    path = sentencepiece_model(tokenizer)
+    if path is None:
+        return None
+    import sentencepiece
+
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    added = dict(getattr(tokenizer, "added_tokens_encoder", {}))
+    split = re.compile("(" + "|".join(map(re.escape, sorted(added, key=len, reverse=True))) + ")") if added else None
+
+    def encode(text: str, ours: list[int]) -> list[int]:
+        ids = ours[:1] if ours and ours[0] == tokenizer.bos_token_id and len(ours) > len(
+            tokenizer(text, add_special_tokens=False)["input_ids"]) else []
+        for part in split.split(text) if split else [text]:
+            if part in added:
+                ids.append(added[part])
+            elif part:
+                ids.extend(processor.encode(part))
+        return ids
+
+    return encode
 
 
 def chat_prompt(tokenizer: Any) -> str | None:

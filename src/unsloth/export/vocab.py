@@ -2,7 +2,8 @@
 
 llama.cpp re-implements each pre-tokenizer by name ("tokenizer.ggml.pre"), so the tokenizer's
 split rule must be one it knows; an unknown one is refused rather than exported to tokenize
-differently.
+differently. SentencePiece tokenizers (Llama 2, Mistral v0.1-v0.3, Gemma) are not written here:
+llama.cpp's own converter reads their tokenizer.model (see ``is_sentencepiece``).
 """
 
 from __future__ import annotations
@@ -27,9 +28,21 @@ _QWEN2_SPLIT = (
 _SPLIT_PRE = {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2"}
 
 _UNSUPPORTED_FIX = (
-    "use a byte-level BPE tokenizer (GPT-2, Llama 3 or Qwen 2 style); SentencePiece tokenizers "
-    "(Llama 2, Mistral v0.1-v0.3, Gemma) are not supported by this exporter yet"
+    "use a byte-level BPE tokenizer (GPT-2, Llama 3 or Qwen 2 style), or a SentencePiece tokenizer "
+    "loaded with its tokenizer.model (Llama 2, Mistral v0.1-v0.3, Gemma)"
 )
+
+
+def is_sentencepiece(tokenizer_json: dict[str, Any]) -> bool:
+    """A SentencePiece-style tokenizer.json: Unigram, or BPE over "▁"-marked words with byte fallback."""
+    model = tokenizer_json.get("model") or {}
+    return model.get("type") == "Unigram" or (model.get("type") == "BPE" and bool(model.get("byte_fallback")))
+
+
+def uses_sentencepiece(tokenizer: Any) -> bool:
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor holds its tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and is_sentencepiece(json.loads(backend.to_str()))
 
 
 def pre_tokenizer_name(tokenizer_json: dict[str, Any]) -> str:
