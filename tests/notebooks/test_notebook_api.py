@@ -23,10 +23,16 @@ def test_configs_take_legacy_and_retired_arguments(trl, caplog):
     with caplog.at_level(logging.WARNING, logger="unsloth"):
         config = trl.SFTConfig(output_dir="o", max_seq_length=77, evaluation_strategy="no", warmup_ratio=0.1,
                                overwrite_output_dir=True, logging_dir="logs")
-    assert (config.max_length, config.eval_strategy, config.warmup_steps) == (77, "no", 0.1)
+    # Each value lands where the installed transformers reads it (both ends of the supported window).
+    from transformers import TrainingArguments
+
+    fields = TrainingArguments.__dataclass_fields__
+    assert (config.max_length, config.eval_strategy) == (77, "no")
+    assert (config.warmup_ratio if "warmup_ratio" in fields else config.warmup_steps) == 0.1
     assert config.bf16 is False and config.fp16 is False  # no bf16 here: the CPU starts
     warnings = [r.getMessage() for r in caplog.records if "retired" in r.getMessage()]
-    assert len(warnings) == 1 and "overwrite_output_dir" in warnings[0] and "logging_dir" in warnings[0]
+    retired = [name for name in ("overwrite_output_dir", "logging_dir") if name not in fields]
+    assert len(warnings) == (1 if retired else 0) and all(name in warnings[0] for name in retired)
 
 
 def test_unknown_and_doubled_keywords_are_clear_errors(trl):
@@ -36,8 +42,11 @@ def test_unknown_and_doubled_keywords_are_clear_errors(trl):
         trl.SFTConfig(output_dir="o", learnin_rate=1e-4)
     with pytest.raises(CompatError, match="same setting"):
         trl.SFTConfig(output_dir="o", max_seq_length=8, max_length=16)
-    with pytest.raises(CompatError, match="both set"):
-        trl.GRPOConfig(output_dir="o", warmup_ratio=0.1, warmup_steps=5)
+    from transformers import TrainingArguments
+
+    if "warmup_ratio" not in TrainingArguments.__dataclass_fields__:  # transformers 5: one field for both
+        with pytest.raises(CompatError, match="both set"):
+            trl.GRPOConfig(output_dir="o", warmup_ratio=0.1, warmup_steps=5)
 
 
 def test_grpo_batch_is_raised_to_whole_groups(trl):
