@@ -90,6 +90,41 @@ def test_every_named_template_renders_a_conversation(name):
     assert "Hi there" in text and "Hello" in text
 
 
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+                {"role": "assistant", "content": "Hello"}]
+# What the released models' own chat templates render for CONVERSATION (and, second, for its user turn
+# with the generation prompt), on a tokenizer of that family.
+OWN_RENDERING = {
+    ("chatml", "qwen2"): ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+                          "<|im_start|>assistant\nHello<|im_end|>\n",
+                          "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"),
+    ("qwen-2.5", "qwen2"): ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+                            "<|im_start|>assistant\nHello<|im_end|>\n",
+                            "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+                            "<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"),
+    ("gemma-3", "gemma3_text"): ("<bos><start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n<start_of_turn>model\n"
+                                 "Hello<end_of_turn>\n",
+                                 "<bos><start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n"),
+    ("llama-3", "llama"): ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+                           "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+                           "<|start_header_id|>assistant<|end_header_id|>\n\nHello<|eot_id|>",
+                           "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+                           "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+}
+
+
+@pytest.mark.parametrize(("name", "family"), sorted(OWN_RENDERING))
+def test_templates_render_the_models_own_text_and_tokens(name, family):
+    from unsloth.chat_templates import get_chat_template
+
+    tokenizer = get_chat_template(make_tokenizer(family), chat_template=name)
+    conversation, prompt = OWN_RENDERING[(name, family)]
+    assert tokenizer.apply_chat_template(CONVERSATION, tokenize=False) == conversation
+    assert tokenizer.apply_chat_template(CONVERSATION[1:2], tokenize=False, add_generation_prompt=True) == prompt
+    ids = tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True)["input_ids"]
+    assert list(ids) == tokenizer(conversation, add_special_tokens=False)["input_ids"]  # one BOS, from the text
+
+
 def test_gemma3_renders_content_lists_as_text_not_a_repr():
     from unsloth.chat_templates import get_chat_template
 
