@@ -47,15 +47,43 @@ def make_tokenizer(family: str):
                                    additional_special_tokens=[t for t in chat])
 
 
-def write_model(directory: Path, family: str, dtype="float32") -> str:
-    """A tiny random model of `family` and its tokenizer in `directory` (a local "hub id" for from_pretrained)."""
+def make_sentencepiece_tokenizer(family: str, directory: Path):
+    """A SentencePiece tokenizer as Gemma 3 and Mistral v0.3 ship one: a byte-fallback BPE tokenizer.model
+    (the family's specials in its id order, its chat markers as pieces) in `directory`, loaded by
+    transformers from that file."""
+    import sentencepiece as spm
+    import transformers
+
+    bos, eos, pad, chat, _ = SPECIALS[family]
+    gemma = family.startswith("gemma")
+    ids = (dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece=pad, eos_piece=eos, bos_piece=bos) if gemma
+           else dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1, bos_piece=bos, eos_piece=eos))
+    directory.mkdir(parents=True, exist_ok=True)
+    corpus = directory / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS * 10), encoding="utf-8")
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(directory / "tokenizer"), vocab_size=400, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, split_digits=True, add_dummy_prefix=not gemma,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, user_defined_symbols=chat,
+        minloglevel=2, **ids)
+    corpus.unlink()
+    (directory / "tokenizer.vocab").unlink()
+    tokenizer_class = transformers.GemmaTokenizer if gemma else transformers.LlamaTokenizer
+    return tokenizer_class.from_pretrained(directory, add_bos_token=True)
+
+
+def write_model(directory: Path, family: str, dtype="float32", sentencepiece: bool = False, **config_overrides) -> str:
+    """A tiny random model of `family` and its tokenizer in `directory` (a local "hub id" for from_pretrained);
+    `sentencepiece`: the tokenizer is a SentencePiece one with its tokenizer.model, as on the hub."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from tiny_families import family_config
 
-    tokenizer = make_tokenizer(family)
+    tokenizer = make_sentencepiece_tokenizer(family, directory) if sentencepiece else make_tokenizer(family)
     config = family_config(family)
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
     config.vocab_size = len(tokenizer)
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_id = tokenizer.eos_token_id
