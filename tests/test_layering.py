@@ -168,3 +168,50 @@ def test_the_print_check_allows_the_renderer_and_reading_the_terminal():
     source = ("import sys\nfrom unsloth.commands import render\n"
               "def f(console):\n    render.echo('x', end='')\n    console.input('ok? ')\n    sys.stdout.isatty()\n")
     assert not _direct_output(source)
+
+
+# unsloth.envs (install, update, rollback, uninstall) hands back outcomes (unsloth.envs.outcomes) and says
+# what it is doing only on the progress console the command hands it: it never prints, writes to a
+# standard stream, or makes a console of its own.
+def _own_output(source: str) -> list[str]:
+    found = [line for line in _direct_output(source) if not line.endswith((": .print()", "imports rich.console"))]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name == "Console":
+                found.append(f"line {node.lineno}: Console()")
+    return found
+
+
+def _env_modules():
+    return [p for p in _sources() if _within(_module_name(p), "unsloth.envs")]
+
+
+def test_the_env_modules_are_found():
+    assert {"unsloth.envs.manager", "unsloth.envs.build", "unsloth.envs.runner"} <= {
+        _module_name(p) for p in _env_modules()}
+
+
+@pytest.mark.parametrize("path", _env_modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_envs_print_only_on_the_progress_console_it_is_handed(path):
+    found = _own_output(path.read_text())
+    assert not found, f"{_module_name(path)} prints itself; return an outcome (unsloth.envs.outcomes) or say " \
+                      "it on the console the command hands in:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("source", [
+    "print('Ready')\n",
+    "import sys\ndef f():\n    sys.stdout.write('x')\n",
+    "from rich.console import Console\ndef f():\n    Console().print('x')\n",
+    "import rich.console\nc = rich.console.Console(stderr=True)\n",
+    "def f():\n    from unsloth.doctor import render\n",
+])
+def test_the_env_print_check_sees_output_of_its_own(source):
+    assert _own_output(source)
+
+
+def test_the_env_print_check_allows_the_handed_console():
+    source = ("from rich.console import Console\n"
+              "def build(console: Console):\n    console.print('building')\n    with console.status('x'):\n        pass\n")
+    assert not _own_output(source)

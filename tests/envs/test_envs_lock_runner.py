@@ -1,5 +1,6 @@
 """The install lock serializes processes; a failed step shows its tail, its log and the likely fix."""
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -101,6 +102,7 @@ def test_redact_hides_index_credentials_only():
 
 def test_tool_output_that_looks_like_markup_is_shown_verbatim(tmp_path, monkeypatch):
     """pip prints "[notice] ..."; a path may read "[/usr/lib]": rich must not eat or choke on them."""
+    from unsloth.commands import render
     from unsloth.envs import manager
     from unsloth.envs.steps import Request
     from unsloth.matrix import load_matrix
@@ -115,9 +117,10 @@ def test_tool_output_that_looks_like_markup_is_shown_verbatim(tmp_path, monkeypa
     monkeypatch.setattr(manager, "build", failing_build)
     platform = Platform(os="linux")
     screen = tmp_path / "screen"
-    with open(screen, "w") as out:
+    with open(screen, "w") as out, contextlib.redirect_stdout(out):
         options = manager.Options(request=Request(source=str(tmp_path)), root=tmp_path / "home")
-        code = manager.install(options, resolve(platform, load_matrix()), platform, Console(file=out, width=200))
+        outcome = manager.install(options, resolve(platform, load_matrix()), platform, Console(file=out, width=200))
+        code = render.show(outcome)
     assert code == 1
     text = screen.read_text()
     assert tail in text and "the [packages] failed" in text and "Likely fix: fix [/this]" in text
