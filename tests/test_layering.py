@@ -7,6 +7,7 @@ running back up a layer fails here rather than in a reviewer's head.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,31 @@ def test_the_env_print_check_allows_the_handed_console():
     source = ("from rich.console import Console\n"
               "def build(console: Console):\n    console.print('building')\n    with console.status('x'):\n        pass\n")
     assert not _own_output(source)
+
+
+# The README's layout table is the map a newcomer reads first: every folder and module at the top of
+# the repository and of the package has a row (or is named in one).
+def _layout_table() -> str:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("\n## Layout\n", 1)[1].split("\n\n", 2)
+    return next(part for part in table if part.lstrip().startswith("|"))
+
+
+def _named(table: str, path: str) -> bool:
+    spans = re.findall(r"`([^`]+)`", table)
+    return any(span.rstrip("/") == path or span.startswith(path + "/") for span in spans)
+
+
+def test_the_readme_layout_table_names_every_top_level_part():
+    table = _layout_table()
+    top = [p.name for p in ROOT.iterdir() if not p.name.startswith(".") and p.name not in ("README.md", "pyproject.toml")]
+    package = [p.name for p in SRC.iterdir() if p.name not in ("__init__.py", "__pycache__")]
+    missing = [name for name in top if not _named(table, name)]
+    missing += [f"src/unsloth/{name}" for name in package
+                if not (_named(table, f"src/unsloth/{name}") or _named(table, name))]
+    assert not missing, f"README.md's layout table has no row for {missing}"
+
+
+def test_the_layout_check_sees_a_missing_row():
+    assert _named("| `src/unsloth/envs/` | x |", "src/unsloth/envs") and _named("| `a.py`, `plan/` |", "plan")
+    assert not _named("| `src/unsloth/envs/` | x |", "src/unsloth/plan")

@@ -74,4 +74,5 @@ def test_dry_run_changes_nothing(tmp_path):
     done = subprocess.run(["sh", str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert f"package source: {REPO}" in done.stderr and "Dry run" in done.stderr  # progress: stderr, as installers do
+    assert done.stdout == ""  # stdout is `unsloth install`'s own (the plan, once the bootstrap exists)
     assert list(tmp_path.iterdir()) == []
