@@ -167,3 +167,30 @@ def test_the_installer_scripts_lock_is_inherited_by_the_install_it_starts_and_no
     assert holder.returncode == 0
     with InstallLock(lock):  # free once the installer ends: the inheriting child kept nothing
         pass
+
+
+def test_a_disk_too_small_for_the_environment_is_refused_before_building(tmp_path, monkeypatch, capsys):
+    """Estimated before anything is written (the plan's backend), through the real entry point."""
+    import shutil
+    from collections import namedtuple
+
+    from unsloth.cli import main
+    from unsloth.envs import manager
+    from unsloth.envs.paths import ENV_DISK_GIB
+
+    usage = namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * 2**30, 9 * 2**30, 2**30) if
+                        str(path).startswith(str(tmp_path)) else real(path))
+    monkeypatch.setattr(manager, "build", lambda *a, **k: pytest.fail("built on a disk without room"))
+    monkeypatch.setenv("UNSLOTH_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("UNSLOTH_BIN_DIR", str(tmp_path / "bin"))
+    (tmp_path / "src").mkdir()
+    code = main(["install", "--yes", "--source", str(tmp_path / "src"), "--ignore-pip-config", "--no-modify-path"])
+    out, err = capsys.readouterr()
+    assert code == 1 and "Traceback" not in out + err
+    need = ENV_DISK_GIB["cpu"]
+    assert (f"not enough free disk for a cpu environment: 1.0 GiB free in {tmp_path / 'home'}, it needs about {need} GiB; "
+            "nothing was installed") in err
+    assert "fix: free some space there, or set UNSLOTH_HOME" in err
+    assert not (tmp_path / "home" / "envs").exists() and not (tmp_path / "bin").exists()

@@ -21,12 +21,12 @@ from unsloth.envs.build import BuildFailed, build, default_python, has_newer, re
 from unsloth.envs.lock import InstallLock
 from unsloth.envs.outcomes import (BuildInterrupted, BuildRefused, Declined, Exposure, Installed, NothingToRollBack,
                                    RolledBack, Uninstalled, UpToDate)
-from unsloth.envs.paths import CACHE, CURRENT, LOCK_NAME, PREVIOUS, active_env, bin_dir, is_windows
+from unsloth.envs.paths import CACHE, CURRENT, ENV_DISK_GIB, LOCK_NAME, PREVIOUS, active_env, bin_dir, is_windows
 from unsloth.envs.receipt import hardware_fingerprint, read_receipt
 from unsloth.envs.runner import StepFailed
 from unsloth.envs.sources import Sources, parse_pip_config
 from unsloth.envs.steps import DIST_NAME, Request
-from unsloth.errors import UsageError
+from unsloth.errors import UnslothError, UsageError
 from unsloth.interrupts import signals_as_interrupt
 
 def folder_size(path: Path) -> int:
@@ -139,6 +139,7 @@ def install(options: Options, plan, platform, console: Console, confirm: Callabl
                 newer = has_newer(current, request, plan)
             if newer is False:  # decided before anything is built
                 return UpToDate(current.name, plan.torch.backend, _expose(options), newest=True)
+        enough_disk(root, plan.torch.backend, current)  # before asking, and before anything is written
         if confirm is not None and not confirm():
             return Declined()
         console.print(f"Building a new environment beside {'the current one' if current else 'nothing'} …")
@@ -159,6 +160,19 @@ def install(options: Options, plan, platform, console: Console, confirm: Callabl
         state.sweep(root, keep_finished=False)
         exposure = _expose(options)
     return Installed(env.name, plan.torch.backend, exposure, previous=kept)
+
+
+def enough_disk(root: Path, backend: str, current: Path | None) -> None:
+    """Refuse a build the disk under the install home cannot hold (a full disk mid-build is caught
+    again by the step that hits it: its likely fix says so)."""
+    need = ENV_DISK_GIB.get(backend, ENV_DISK_GIB["cpu"])
+    folder = next(path for path in (root, *root.parents) if path.exists())
+    free = shutil.disk_usage(folder).free
+    if free < need * 1024**3:
+        kept = f"nothing changed: {current.name} is still the active environment" if current else "nothing was installed"
+        raise UnslothError(f"not enough free disk for a {backend} environment: {free / 1024**3:.1f} GiB free in "
+                           f"{folder}, it needs about {need} GiB", "free some space there, or set UNSLOTH_HOME to a "
+                           f"folder on a disk with {need} GiB free", kept=kept)
 
 
 def _expose(options: Options) -> Exposure:
