@@ -170,3 +170,46 @@ def test_real_shape_on_gpu():
         nested=True,
     )  # fmt: skip
     assert torch.equal(dequantize_bnb_4bit(packed, state), flat_reference(packed, state))
+
+
+# --- a few rows times a 4-bit weight, without the dense weight (decoding a batch) ---
+
+
+def _small_matmul_case(m, n, k, nested, dtype, seed=0):
+    packed, state = quantize((n, k), 64, nested, dtype, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn((m, k), generator=generator).to(DEVICE, dtype)
+    dense = flat_reference(packed, state)
+    return x, nf4.prepare_bnb_4bit(packed, state), x.double() @ dense.double().T
+
+
+@needs_bnb
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
+@pytest.mark.parametrize("m, n, k", [(1, 96, 128), (5, 80, 256), (16, 33, 192)])
+@pytest.mark.parametrize("splits", [1, 2, None])
+def test_small_matmul_matches_the_dense_product(m, n, k, nested, dtype, splits):
+    # (16, 33, 192): a ragged last block of outputs, and K not a multiple of the 128 read per step
+    x, prepared, expected = _small_matmul_case(m, n, k, nested, dtype)
+    y = nf4.nf4_matmul_small(x, prepared, block_n=32, groups=2, splits=splits)
+    assert y.shape == (m, n) and y.dtype == dtype
+    # one rounding of each weight to 16 bits (truncation in the interpreter) and of the output
+    torch.testing.assert_close(y.double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+@needs_bnb
+def test_small_matmul_keeps_leading_dims_and_is_deterministic():
+    x, prepared, expected = _small_matmul_case(6, 64, 128, True, torch.bfloat16)
+    y = nf4.nf4_matmul_small(x.reshape(2, 3, 128), prepared, splits=2)
+    assert y.shape == (2, 3, 64)
+    assert torch.equal(y, nf4.nf4_matmul_small(x.reshape(2, 3, 128), prepared, splits=2))
+    torch.testing.assert_close(y.reshape(6, 64).double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+@needs_bnb
+def test_small_matmul_refuses_what_it_cannot_take():
+    x, prepared, _ = _small_matmul_case(17, 64, 128, False, torch.bfloat16)
+    with pytest.raises(ValueError, match="up to 16 rows"):
+        nf4.nf4_matmul_small(x, prepared)
+    with pytest.raises(ValueError, match="16 bits"):
+        nf4.nf4_matmul_small(x[:4].float(), prepared)
