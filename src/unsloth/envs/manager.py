@@ -117,7 +117,8 @@ def locked(root: Path, console: Console) -> InstallLock:
     return InstallLock(root / LOCK_NAME, on_wait=waiting)
 
 
-def install(options: Options, plan, platform, console: Console, confirm: Callable[[], bool] | None = None):
+def install(options: Options, plan, platform, console: Console, confirm: Callable[[], bool] | None = None
+            ) -> Installed | UpToDate | Declined | BuildRefused | BuildInterrupted:
     """Build and switch to a new environment unless the active one already matches; ``confirm`` asks first.
 
     Progress goes to ``console``; the outcome is returned (``unsloth.envs.outcomes``).
