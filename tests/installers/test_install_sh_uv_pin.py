@@ -103,3 +103,48 @@ def test_the_matching_wheel_is_unpacked_to_the_uv_folder(tmp_path, mirror):
     assert f"UV={uv}" in done.stdout
     assert subprocess.run([str(uv)], capture_output=True, text=True).stdout == "stand-in uv\n"
     assert sorted(p.name for p in uv.parent.iterdir()) == ["uv"] and list((tmp_path / "scratch").iterdir()) == []
+
+
+def _all_pins() -> list[tuple[str, str]]:
+    rows = [pinned(target) for target in TARGETS]
+    return rows + [(url, sha) for _, url, sha in
+                   re.findall(r"'(\w+-pc-windows-msvc)'\s*=\s*@\('(\S+)', '([0-9a-f]{64})'\)", PS1.read_text())]
+
+
+@pytest.mark.slow
+@pytest.mark.network
+@pytest.mark.parametrize("url, sha256", _all_pins(), ids=lambda value: value.rsplit("/", 1)[-1][:40])
+def test_each_pin_is_the_hash_of_the_wheel_pypi_serves(url, sha256):
+    """The pins are right: what PyPI serves at each URL hashes to the pinned value (a wrong pin would
+    refuse every standalone install on that platform)."""
+    import urllib.request
+
+    digest = hashlib.sha256()
+    with urllib.request.urlopen(url, timeout=120) as response:
+        for block in iter(lambda: response.read(1 << 20), b""):
+            digest.update(block)
+    assert digest.hexdigest() == sha256
+
+
+def _proxies() -> dict[str, str]:
+    import os
+
+    return {name: value for name, value in os.environ.items() if name.lower().endswith("_proxy")}
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_the_real_standalone_uv_installs_and_runs(tmp_path):
+    """This machine's target, from PyPI, through install.sh's own download_uv."""
+    import platform
+
+    if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
+        pytest.skip("the driver below names linux/x86_64")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    driver = 'OS=linux; ARCH=x86_64; UNSLOTH_HOME="$1"; download_uv; "$UV" --version\n'
+    done = subprocess.run(["sh", "-c", functions_then(driver), "sh", str(tmp_path / "home")], capture_output=True,
+                          text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                                                       "TMPDIR": str(scratch), **_proxies()})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"uv {VERSION} ") and list(scratch.iterdir()) == []
