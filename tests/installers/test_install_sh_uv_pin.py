@@ -5,6 +5,7 @@ uv itself comes from. A wrong hash refuses with one clear line and leaves nothin
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import subprocess
 import zipfile
@@ -127,8 +128,6 @@ def test_each_pin_is_the_hash_of_the_wheel_pypi_serves(url, sha256):
 
 
 def _proxies() -> dict[str, str]:
-    import os
-
     return {name: value for name, value in os.environ.items() if name.lower().endswith("_proxy")}
 
 
