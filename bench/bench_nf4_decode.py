@@ -16,7 +16,7 @@ import json
 import torch
 
 SHAPES = {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "gate_proj": (14336, 4096), "down_proj": (4096, 14336)}
-SWEEP = [(bn, g, w, lookup) for lookup in (1, 2) for bn in (32, 64, 128) for g in (1, 2) for w in (2, 4)]
+SWEEP = [(bn, g, w) for bn in (16, 32, 64) for g in (1, 2, 4) for w in (2, 4, 8)]
 
 
 def main(argv=None):
@@ -44,7 +44,7 @@ def main(argv=None):
             configs = SWEEP if args.sweep else [None]
             best = None
             for config in configs:
-                kw = {} if config is None else dict(block_n=config[0], groups=config[1], num_warps=config[2], lookup=config[3])
+                kw = {} if config is None else dict(block_n=config[0], groups=config[1], num_warps=config[2])
                 try:
                     y = nf4_matmul_small(x, prepared, **kw)
                     ms = do_bench(lambda: nf4_matmul_small(x, prepared, **kw))

@@ -270,44 +270,6 @@ SMALL_M = 16  # rows handled (tl.dot needs 16); more rows take the dense path
 
 
 @triton.jit
-def _select(bit, one, zero):
-    return tl.where(bit, one, zero)
-
-
-@triton.jit
-def _nf4_levels(idx):
-    """NF4_CODE[idx] as a tree of selects on idx's four bits: no memory read per weight."""
-    b0 = (idx & 1) != 0
-    b1 = (idx & 2) != 0
-    b2 = (idx & 4) != 0
-    b3 = (idx & 8) != 0
-    v01 = _select(b0, -0.6961928009986877, -1.0)
-    v23 = _select(b0, -0.39491748809814453, -0.5250730514526367)
-    v45 = _select(b0, -0.18477343022823334, -0.28444138169288635)
-    v67 = _select(b0, 0.0, -0.09105003625154495)
-    v89 = _select(b0, 0.16093020141124725, 0.07958029955625534)
-    vab = _select(b0, 0.33791524171829224, 0.24611230194568634)
-    vcd = _select(b0, 0.5626170039176941, 0.44070982933044434)
-    vef = _select(b0, 1.0, 0.7229568362236023)
-    low = _select(b2, _select(b1, v67, v45), _select(b1, v23, v01))
-    high = _select(b2, _select(b1, vef, vcd), _select(b1, vab, v89))
-    return _select(b3, high, low)
-
-
-@triton.jit
-def _levels(code_ptr, idx, LOOKUP: tl.constexpr):
-    # LOOKUP 0: a load per weight from the 16-entry code (FP4, or any code); 1: tl.gather from the
-    # code held in registers; 2: NF4's levels as selects
-    if LOOKUP == 2:
-        return _nf4_levels(idx)
-    if LOOKUP == 1:
-        table = tl.load(code_ptr + tl.arange(0, 16))
-        flat = tl.reshape(idx, (idx.numel,))
-        return tl.reshape(tl.gather(table, flat, 0), idx.shape)
-    return tl.load(code_ptr + idx)
-
-
-@triton.jit
 def _nf4_matmul_small_kernel(
     x_ptr,
     packed_ptr,
@@ -328,7 +290,6 @@ def _nf4_matmul_small_kernel(
     BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    LOOKUP: tl.constexpr,
 ):
     # out[split, m, n] = sum over this split's k of x[m, k] * w[n, k]; w row-major [N, K], K a
     # multiple of BLOCKSIZE, so a quantization block is BLOCKSIZE consecutive k of one row.
@@ -359,8 +320,8 @@ def _nf4_matmul_small_kernel(
                 scale = scale + tl.load(offset_ptr)
             else:
                 scale = tl.load(absmax_ptr + block, mask=n_live, other=0.0)
-            high = _levels(code_ptr, packed >> 4, LOOKUP) * scale[:, None]
-            low = _levels(code_ptr, packed & 0xF, LOOKUP) * scale[:, None]
+            high = tl.load(code_ptr + (packed >> 4)) * scale[:, None]
+            low = tl.load(code_ptr + (packed & 0xF)) * scale[:, None]
             # rounded to x's dtype as bitsandbytes' dequantization rounds (the CPU interpreter truncates)
             high, low = high.to(x_ptr.dtype.element_ty), low.to(x_ptr.dtype.element_ty)
             x_cols = x_ptr + rm[:, None] * stride_xm + kb + 2 * j[None, :]
@@ -374,8 +335,8 @@ def _nf4_matmul_small_kernel(
     tl.store(out, acc, mask=m_live[:, None] & n_live[None, :])
 
 
-def nf4_matmul_small(x: torch.Tensor, p: Prepared4bit, *, block_n: int = 64, groups: int = 1,
-                     splits: int | None = None, num_warps: int = 2, lookup: int | None = None) -> torch.Tensor:
+def nf4_matmul_small(x: torch.Tensor, p: Prepared4bit, *, block_n: int = 32, groups: int = 2,
+                     splits: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """x @ w.T for a 4-bit weight w of shape [N, K] and up to SMALL_M rows of x ([..., K]): the output
     has x's dtype. Deterministic: the K splits write fp32 partial sums that one torch sum adds."""
     if len(p.shape) != 2:
@@ -387,8 +348,6 @@ def nf4_matmul_small(x: torch.Tensor, p: Prepared4bit, *, block_n: int = 64, gro
         raise ValueError(f"nf4_matmul_small takes up to {SMALL_M} rows of {k} features in 16 bits (a multiple of "
                          f"the blocksize {p.blocksize}); got {tuple(x.shape)} {x.dtype}")
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    if lookup is None:  # NF4's levels as selects; any other code (FP4) read from memory
-        lookup = 2 if torch.equal(p.code, _nf4_code(p.code.device)) else 0
     step = p.blocksize * groups
     programs_n = cdiv(n, block_n)
     if splits is None:  # enough programs to fill the GPU twice over: the weight's bytes are the cost
@@ -402,7 +361,7 @@ def nf4_matmul_small(x: torch.Tensor, p: Prepared4bit, *, block_n: int = 64, gro
     _nf4_matmul_small_kernel[(programs_n, splits)](
         rows, p.data, p.scales, p.code, p.absmax2, p.code2, offset if p.nested else p.scales, partial, m, n, k,
         rows.stride(0), k_per_split, BLOCKSIZE=p.blocksize, BLOCKSIZE2=p.blocksize2, NESTED=p.nested,
-        BLOCK_N=block_n, GROUPS=groups, DOT_FP32=INTERPRET, LOOKUP=lookup,
+        BLOCK_N=block_n, GROUPS=groups, DOT_FP32=INTERPRET,
         num_warps=num_warps, **_NO_FMA,
     )  # fmt: skip
     out = partial[0] if splits == 1 else partial.sum(0)
