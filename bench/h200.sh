@@ -2,7 +2,7 @@
 # Everything measured on the lent H200, in one call per section, beside the anchors.
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
-# sections: machine, tests, kernels, trainer, profile, ab, host, moe, moetune, notebook, families, families_call, nf4decode, generation,
+# sections: machine, tests, kernels, trainer, profile, ab, host, moe, moetune, notebook, families, families_call, generation,
 # grpo, tts, fullft, vision, dpo; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
 set -u
@@ -176,11 +176,6 @@ families_call() {  # ours vs Unsloth, QLoRA + bf16, three families, within one d
   done
 }
 
-nf4decode() {  # a decode step's 4-bit matmuls: our fused kernel vs bitsandbytes (NF4_ARGS="--sweep --rows 8")
-  # shellcheck disable=SC2086
-  timeout 300 python3 bench/bench_nf4_decode.py ${NF4_ARGS:-} 2>&1 | grep '^{' | tee -a "$OUT/nf4decode.jsonl"
-}
-
 generation() {  # decoding after for_inference, LoRA attached, batch 1 and 8; GEN_ARGS="--four-bit" for 4-bit
   [ -f /tmp/llama8b/config.json ] || python3 .anchors/anchor_lora.py --impl make >/dev/null
   # shellcheck disable=SC2086
@@ -241,7 +236,7 @@ dpo() {  # DPO, QLoRA, Llama-3.1-8B shapes with DPO_LAYERS layers (default 8), 2
 [ $# -gt 0 ] || set -- all
 for section in "$@"; do
   case $section in
-    machine|tests|kernels|trainer|profile|ab|host|moe|moetune|notebook|families|families_call|nf4decode|generation|grpo|tts|fullft|vision|dpo) $section ;;
+    machine|tests|kernels|trainer|profile|ab|host|moe|moetune|notebook|families|families_call|generation|grpo|tts|fullft|vision|dpo) $section ;;
     all) machine; tests; kernels; trainer ;;
     *) echo "unknown section: $section" >&2; exit 2 ;;
   esac

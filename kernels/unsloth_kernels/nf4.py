@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ._launch import direct_launch
-from ._utils import INTERPRET, cdiv, check_device, num_sms, round_to_bf16
+from ._utils import INTERPRET, cdiv, check_device, round_to_bf16
 
 # The 16 NF4 levels (quantiles of N(0, 1) scaled to [-1, 1]) as bitsandbytes defines them.
 NF4_CODE = (
@@ -259,110 +259,3 @@ def dequantize_bnb_4bit(
     """Dequantize a bitsandbytes Params4bit with its QuantState (see `prepare_bnb_4bit`). `dtype`
     defaults to the dtype recorded in the state (the model's compute dtype)."""
     return dequantize_prepared(prepare_bnb_4bit(weight, quant_state), dtype or quant_state.dtype, out)
-
-
-# A few rows times a 4-bit weight (decoding a batch: one token per sequence), without the dense weight.
-# bitsandbytes' own path for more than one row dequantizes the whole weight to 16 bits and then
-# multiplies: it writes and reads back 4x the packed bytes every step. Here each program reads its
-# packed bytes once, dequantizes them in registers exactly as `dequantize_prepared` does (fp32
-# product, rounded to the compute dtype), and multiplies on the tensor cores.
-SMALL_M = 16  # rows handled (tl.dot needs 16); more rows take the dense path
-
-
-@triton.jit
-def _nf4_matmul_small_kernel(
-    x_ptr,
-    packed_ptr,
-    absmax_ptr,
-    code_ptr,
-    absmax2_ptr,
-    code2_ptr,
-    offset_ptr,
-    out_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    k_per_split,
-    BLOCKSIZE: tl.constexpr,
-    BLOCKSIZE2: tl.constexpr,
-    NESTED: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    GROUPS: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):
-    # out[split, m, n] = sum over this split's k of x[m, k] * w[n, k]; w row-major [N, K], K a
-    # multiple of BLOCKSIZE, so a quantization block is BLOCKSIZE consecutive k of one row.
-    # x is split into its even and odd columns: the high and low nibbles of a byte are w[n, 2j]
-    # and w[n, 2j + 1], so no interleave is needed.
-    HALF: tl.constexpr = BLOCKSIZE // 2
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_live = rn < N
-    rm = tl.arange(0, 16)
-    m_live = rm < M
-    j = tl.arange(0, HALF)
-    row_bytes = rn.to(tl.int64)[:, None] * (K // 2)
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    k_start = split * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    for k0 in range(k_start, k_end, BLOCKSIZE * GROUPS):
-        for g in tl.static_range(GROUPS):
-            kb = k0 + g * BLOCKSIZE
-            k_live = kb + 2 * j < k_end  # [HALF]: a group past this split's end reads nothing
-            w_live = n_live[:, None] & k_live[None, :]
-            packed = tl.load(packed_ptr + row_bytes + kb // 2 + j[None, :], mask=w_live, other=0).to(tl.int32)
-            block = (rn.to(tl.int64) * K + kb) // BLOCKSIZE
-            if NESTED:
-                scale_q = tl.load(absmax_ptr + block, mask=n_live, other=0).to(tl.int32)
-                scale = tl.load(code2_ptr + scale_q) * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=n_live, other=0.0)
-                scale = scale + tl.load(offset_ptr)
-            else:
-                scale = tl.load(absmax_ptr + block, mask=n_live, other=0.0)
-            high = tl.load(code_ptr + (packed >> 4)) * scale[:, None]
-            low = tl.load(code_ptr + (packed & 0xF)) * scale[:, None]
-            # rounded to x's dtype as bitsandbytes' dequantization rounds (the CPU interpreter truncates)
-            high, low = high.to(x_ptr.dtype.element_ty), low.to(x_ptr.dtype.element_ty)
-            x_cols = x_ptr + rm[:, None] * stride_xm + kb + 2 * j[None, :]
-            x_live = m_live[:, None] & k_live[None, :]
-            x_even = tl.load(x_cols, mask=x_live, other=0.0)
-            x_odd = tl.load(x_cols + 1, mask=x_live, other=0.0)
-            if DOT_FP32:  # the interpreter's 16-bit dot is not exact
-                x_even, x_odd, high, low = x_even.to(tl.float32), x_odd.to(tl.float32), high.to(tl.float32), low.to(tl.float32)
-            acc += tl.dot(x_even, tl.trans(high)) + tl.dot(x_odd, tl.trans(low))
-    out = out_ptr + split * M * N + rm[:, None] * N + rn[None, :]
-    tl.store(out, acc, mask=m_live[:, None] & n_live[None, :])
-
-
-def nf4_matmul_small(x: torch.Tensor, p: Prepared4bit, *, block_n: int = 32, groups: int = 2,
-                     splits: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """x @ w.T for a 4-bit weight w of shape [N, K] and up to SMALL_M rows of x ([..., K]): the output
-    has x's dtype. Deterministic: the K splits write fp32 partial sums that one torch sum adds."""
-    if len(p.shape) != 2:
-        raise ValueError(f"a 4-bit matmul needs a 2-D weight, got shape {p.shape}")
-    n, k = p.shape
-    rows = x.reshape(-1, x.shape[-1])
-    m = rows.shape[0]
-    if x.shape[-1] != k or m > SMALL_M or k % p.blocksize or x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"nf4_matmul_small takes up to {SMALL_M} rows of {k} features in 16 bits (a multiple of "
-                         f"the blocksize {p.blocksize}); got {tuple(x.shape)} {x.dtype}")
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    step = p.blocksize * groups
-    programs_n = cdiv(n, block_n)
-    if splits is None:  # enough programs to fill the GPU twice over: the weight's bytes are the cost
-        splits = max(1, min(cdiv(k, step), cdiv(2 * num_sms(x.device.index or 0), programs_n)))
-    k_per_split = cdiv(cdiv(k, splits), step) * step
-    splits = cdiv(k, k_per_split)
-    partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    offset = p.offset
-    if p.nested and not isinstance(offset, torch.Tensor):
-        offset = torch.full((1,), float(offset), device=x.device)
-    _nf4_matmul_small_kernel[(programs_n, splits)](
-        rows, p.data, p.scales, p.code, p.absmax2, p.code2, offset if p.nested else p.scales, partial, m, n, k,
-        rows.stride(0), k_per_split, BLOCKSIZE=p.blocksize, BLOCKSIZE2=p.blocksize2, NESTED=p.nested,
-        BLOCK_N=block_n, GROUPS=groups, DOT_FP32=INTERPRET,
-        num_warps=num_warps, **_NO_FMA,
-    )  # fmt: skip
-    out = partial[0] if splits == 1 else partial.sum(0)
-    return out.to(x.dtype).reshape(*x.shape[:-1], n)

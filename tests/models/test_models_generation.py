@@ -194,27 +194,24 @@ def test_greedy_tokens_match_transformers_in_4bit_with_adapters(tmp_path):
     assert torch.equal(_greedy(model, ids, mask), expected)
 
 
-def _decode_step_compiles_to_one_graph(backbone, batch=1, tolerance=None):
+def _decode_step_compiles_to_one_graph(backbone):
     """Prefill eagerly on a fresh static cache, then one token: eager vs torch.compile(fullgraph=True)
     (any graph break is an error), the same logits."""
     from transformers import StaticCache
 
-    ids, _ = _prompts(batch=batch, seq=5)
+    ids, _ = _prompts(batch=1, seq=5)
 
     def decode_step(forward):
         cache = StaticCache(config=backbone.config, max_cache_len=16)
         backbone(input_ids=ids, past_key_values=cache, use_cache=True)
         return forward(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True,
-                       cache_position=torch.tensor([5]), position_ids=torch.tensor([[5]] * batch)).logits
+                       cache_position=torch.tensor([5]), position_ids=torch.tensor([[5]])).logits
 
     with torch.no_grad():
         eager = decode_step(backbone)
         torch._dynamo.reset()
         compiled = decode_step(torch.compile(backbone, backend="eager", fullgraph=True))
-    if tolerance is None:
-        torch.testing.assert_close(compiled, eager)
-    else:  # our kernel's rounding differs between its eager and compiled calls only by the order of sums
-        torch.testing.assert_close(compiled, eager, rtol=tolerance, atol=tolerance * eager.abs().max().item())
+    torch.testing.assert_close(compiled, eager)
 
 
 @pytest.mark.slow
@@ -254,44 +251,3 @@ def test_the_4bit_quantizer_is_hidden_from_transformers_compile_check_only_on_a_
     eight = types.SimpleNamespace(device=torch.device("cuda"), hf_quantizer=types.SimpleNamespace(
         quantization_config=types.SimpleNamespace(load_in_4bit=False)))
     assert generation._hide_bitsandbytes_4bit(eight) is None
-
-
-@pytest.mark.slow
-def test_4bit_layers_decode_a_batch_through_our_kernel_in_one_graph(tmp_path, monkeypatch):
-    """A decode step of several rows on a 4-bit model goes through our fused 4-bit matmul (no dense
-    weight) instead of bitsandbytes' dequantize-then-multiply: the same logits to bf16 precision, in
-    one graph (the kernel is a custom op), the prompt and training still on bitsandbytes' path, and
-    `disable` gives the layers back."""
-    pytest.importorskip("bitsandbytes")
-    import unsloth_kernels.nf4 as nf4
-    from tiny_families import save_tiny
-    from unsloth.models import decode_4bit
-    from unsloth.models.loader import add_lora, load_pretrained
-
-    model, _ = load_pretrained(str(save_tiny("llama", tmp_path / "llama")), max_seq_length=64, dtype="bfloat16",
-                               load_in_4bit=True)
-    backbone = add_lora(model, r=4, lora_alpha=8).get_base_model().eval()
-    layer = backbone.model.layers[0].mlp.gate_proj.base_layer
-    x = torch.randn(8, 1, layer.in_features, dtype=torch.bfloat16)
-    with torch.no_grad():
-        stock = layer(x)
-        assert decode_4bit.install(backbone, devices=("cpu",)) == 7 * backbone.config.num_hidden_layers
-        calls = []
-        real = nf4.nf4_matmul_small
-
-        def counting(*args, **kwargs):
-            calls.append(1)
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(nf4, "nf4_matmul_small", counting)
-        ours = layer(x)
-        assert calls, "the 4-bit layer did not take our kernel"
-        torch.testing.assert_close(ours, stock, rtol=3e-2, atol=3e-2 * stock.abs().max().item())
-        calls.clear()
-        layer(torch.randn(1, 40, layer.in_features, dtype=torch.bfloat16))  # a prompt: bitsandbytes' path
-        assert not calls
-    calls.clear()
-    _decode_step_compiles_to_one_graph(backbone, batch=8, tolerance=3e-2)
-    assert calls, "the compiled decode step did not run our kernel"
-    generation.disable(backbone)
-    assert "forward" not in layer.__dict__

@@ -24,8 +24,6 @@ from collections.abc import Mapping
 import torch
 import torch._dynamo
 
-from unsloth.models import decode_4bit
-
 log = logging.getLogger("unsloth")
 
 __all__ = ["BUCKET", "cache_length", "disable", "enable", "enabled"]
@@ -61,7 +59,6 @@ def enable(model):
         fast = functools.wraps(plain)(functools.partial(fast_generate, backbone, plain))
         fast._unsloth_fast, fast._unsloth_plain = True, plain
         backbone.generate = fast
-    decode_4bit.install(backbone)
     return model
 
 
@@ -79,7 +76,6 @@ def disable(model):
             backbone.generate = plain
     # compiled decode steps hold graphs sized for inference; training never uses them
     backbone.__dict__.pop("_compiled_call", None)
-    decode_4bit.uninstall(backbone)
     return model
 
 
