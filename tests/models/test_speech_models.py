@@ -75,3 +75,15 @@ def test_csm_takes_our_kernels_in_backbone_and_depth_decoder_with_the_stock_loss
     for name, grad in ref_grads.items():
         assert grad is not None and grad.abs().sum() > 0, name
         torch.testing.assert_close(fast_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_text_to_speech_checkpoint_that_is_no_causal_lm_gets_its_class(tmp_path):
+    from transformers import CsmForConditionalGeneration
+
+    from tiny_csm import save_tiny_csm
+    from tiny_families import save_tiny
+    from unsloth.models.speech import speech_model_class
+
+    assert speech_model_class(save_tiny_csm(tmp_path / "csm")) is CsmForConditionalGeneration
+    assert speech_model_class(str(save_tiny("llama", tmp_path / "llama"))) is None  # FastLanguageModel's
+    assert speech_model_class(str(tmp_path / "missing")) is None  # the loader says what is wrong
