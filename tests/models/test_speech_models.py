@@ -87,3 +87,15 @@ def test_a_text_to_speech_checkpoint_that_is_no_causal_lm_gets_its_class(tmp_pat
     assert speech_model_class(save_tiny_csm(tmp_path / "csm")) is CsmForConditionalGeneration
     assert speech_model_class(str(save_tiny("llama", tmp_path / "llama"))) is None  # FastLanguageModel's
     assert speech_model_class(str(tmp_path / "missing")) is None  # the loader says what is wrong
+
+
+def test_audio_codes_audio_round_trip_through_the_models_own_codec():
+    from tiny_csm import CODEBOOK_SIZE, CODEBOOKS, SAMPLES_PER_FRAME, clip
+
+    model, processor = tiny_csm()
+    audio = processor.feature_extractor(clip(0.2), sampling_rate=24000, return_tensors="pt")["input_values"]
+    with torch.no_grad():
+        codes = model.codec_model.encode(audio).audio_codes  # 4800 samples: 3 frames (the last one partial)
+        assert codes.shape == (1, CODEBOOKS, 3) and 0 <= int(codes.min()) and int(codes.max()) < CODEBOOK_SIZE
+        wave = model.codec_model.decode(codes).audio_values
+    assert wave.shape == (1, 1, 3 * SAMPLES_PER_FRAME) and torch.isfinite(wave).all()
