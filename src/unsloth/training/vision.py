@@ -68,12 +68,15 @@ def message_images(messages: list[dict], extra=()) -> list:
 
 
 def _for_template(messages: list[dict]) -> list[dict]:
-    """Messages with inline images replaced by placeholders (chat templates render the placeholder)."""
+    """Messages with inline images replaced by placeholders (chat templates render the placeholder), and
+    the empty keys a `datasets` table gives every item dropped (Qwen's template takes a text item with
+    an "image": None key for an image)."""
     out = []
     for message in messages:
         content = message.get("content")
         if not isinstance(content, str):
-            content = [{"type": "image"} if isinstance(c, Mapping) and c.get("type") == "image" else c
+            content = [{"type": "image"} if isinstance(c, Mapping) and c.get("type") == "image"
+                       else {k: v for k, v in c.items() if v is not None} if isinstance(c, Mapping) else c
                        for c in content or ()]
         out.append({**message, "content": content})
     return out
