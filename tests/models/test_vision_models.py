@@ -138,17 +138,3 @@ def test_merged_16bit_save_reloads_with_the_same_logits(family, tmp_path, monkey
         got = reloaded(**batch).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert load_processor(str(tmp_path / "merged")).apply_chat_template(_chat(0)["messages"], tokenize=False)
-
-
-def test_gguf_export_and_chat_with_an_image_refuse_clearly(tmp_path, capsys):
-    """No mmproj writer yet: the export and `unsloth chat --image` say so and write nothing."""
-    from unsloth.cli import main
-    from unsloth.export import ExportError
-    from unsloth.export.gguf import save_pretrained_gguf
-
-    model, processor = tiny_vision_model("qwen2_5_vl")
-    with pytest.raises(ExportError, match="mmproj") as refused:
-        save_pretrained_gguf(model, tmp_path / "gguf", processor, "f16")
-    assert "convert_hf_to_gguf.py" in refused.value.fix and not (tmp_path / "gguf").exists()
-    assert main(["chat", str(tmp_path / "x.gguf"), "--image", str(tmp_path / "a.png")]) == 1
-    assert "mmproj" in capsys.readouterr().err

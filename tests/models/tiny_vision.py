@@ -60,13 +60,25 @@ _TOKENS = {
 _TOKENS["qwen3_vl"] = _TOKENS["qwen2_5_vl"]
 
 
-def build_tokenizer(family: str):
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def build_tokenizer(family: str, byte_level: bool = False):
+    """A word-level tokenizer of t0..t295 and the roles; `byte_level`: a byte-level BPE trained on
+    those words instead (what llama.cpp's converter and runtime can read, for the export tests)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials, named, bos, eos, pad, template = _TOKENS[family]
-    vocab = {f"t{i}": i for i in range(WORDS - 4)}
-    vocab.update({role: WORDS - 4 + i for i, role in enumerate(("system", "user", "assistant", "model"))})
+    words = [f"t{i}" for i in range(WORDS - 4)] + ["system", "user", "assistant", "model"]
+    if byte_level:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=WORDS + 256, special_tokens=specials, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator([" ".join(words), "\n".join(words)], trainer)
+        return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
+                                       extra_special_tokens=named or None, chat_template=template,
+                                       padding_side="right")
+    vocab = {word: i for i, word in enumerate(words)}
     vocab.update({token: WORDS + i for i, token in enumerate(specials)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -80,12 +92,12 @@ def _ids(tokenizer, *tokens):
     return [tokenizer.convert_tokens_to_ids(t) for t in tokens]
 
 
-def build_processor(family: str):
+def build_processor(family: str, byte_level: bool = False):
     import transformers as t
 
     from unsloth.models.vision import without_video
 
-    tokenizer = build_tokenizer(family)
+    tokenizer = build_tokenizer(family, byte_level)
     template = tokenizer.chat_template
     if family in ("qwen2_5_vl", "qwen3_vl"):
         patch = 8

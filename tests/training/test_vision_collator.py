@@ -123,3 +123,25 @@ def test_long_text_is_cut_but_images_are_kept():
     collator.max_seq_length = 4
     with pytest.raises(ValueError, match="max_seq_length=4"):
         collator([long])
+
+
+def test_rows_from_a_datasets_table_render_one_image_each(tmp_path):
+    """A `datasets` table gives every content item every key ("image": None on text items); Qwen's
+    template reads `'image' in item` as an image, so those keys must not reach it."""
+    from datasets import Dataset
+
+    qwen_style = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
+                  "{% if c['type'] == 'image' or 'image' in c %}<|vision_start|><|image_pad|><|vision_end|>"
+                  "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}")
+    collator, processor = _collator("qwen2_5_vl")
+    processor.chat_template = qwen_style
+    images(1)[0].save(tmp_path / "a.png")
+    rows = [{"messages": [{"role": "user", "content": [image, {"type": "text", "text": "t5"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "t7"}]}],
+             "images": [str(tmp_path / "a.png")] * (image.get("image") is None)}
+            for image in ({"type": "image", "image": str(tmp_path / "a.png")}, {"type": "image"})]
+    table = Dataset.from_list(rows)
+    assert table[0]["messages"][1]["content"][0] == {"type": "text", "text": "t7", "image": None}
+    batch = collator([table[0], table[1]])
+    starts = (batch["input_ids"] == processor.tokenizer.convert_tokens_to_ids("<|vision_start|>")).sum(dim=1)
+    assert starts.tolist() == [1, 1] and "t7" in _learnt(processor, batch, 1)

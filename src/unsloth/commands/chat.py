@@ -28,18 +28,31 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is there")
     p.add_argument("--load-in-4bit", action="store_true", help="a checkpoint directory: load its weights in 4-bit "
                    "(NF4, bitsandbytes) to fit a smaller GPU")
-    p.add_argument("--image", metavar="PATH", help="an image for a vision-language model (not supported yet)")
+    p.add_argument("--image", metavar="PATH", help="an image (PNG, JPEG, ...) for a vision-language model's GGUF "
+                   "with its projector file (mmproj-*.gguf) beside it; it goes with the first message")
 
 
-def _refuse_image(args: argparse.Namespace) -> None:
-    """Images need a GGUF with llama.cpp's projector file (mmproj), which our export does not write yet."""
-    if getattr(args, "image", None):
-        from unsloth.export import ExportError
+def _check_image(args: argparse.Namespace) -> None:
+    """--image: a readable file, a GGUF export (its projector file is found when it is opened), a chat template."""
+    image = getattr(args, "image", None)
+    if not image:
+        return
+    from pathlib import Path
 
-        raise ExportError("chat with an image needs the vision model's GGUF projector file (mmproj), which "
-                          "`unsloth export` does not write yet; nothing was run",
-                          fix="chat with the merged model in Python: FastVisionModel.for_inference(model), then "
+    from unsloth.export import ExportError
+    from unsloth.export.checkpoint_chat import is_checkpoint
+
+    if not Path(image).is_file():
+        raise ExportError(f"--image {image}: no such file", fix="pass the path of a PNG, JPEG or WebP image")
+    path = Path(args.model)
+    if path.is_dir() and not any(path.glob("*.gguf")) and is_checkpoint(path):
+        raise ExportError(f"--image runs on a GGUF export with its projector file; {path} is a checkpoint folder",
+                          fix=f"export it first (`unsloth export {path} --gguf q8_0 --out DIR`), then "
+                          "`unsloth chat DIR --image PATH`; in Python: FastVisionModel.for_inference(model), then "
                           "model.generate(**processor(image, text, return_tensors='pt'))")
+    if getattr(args, "raw", False):
+        raise ExportError("--image goes into the chat template, and --raw sends the prompt without it",
+                          fix="drop --raw")
 
 
 def register(subparsers) -> None:
@@ -109,7 +122,7 @@ def _open(args: argparse.Namespace):
         return open_checkpoint(path, n_ctx=args.n_ctx, gpu=not args.cpu, load_in_4bit=args.load_in_4bit)
     from unsloth.export.chat import open_model
 
-    return _Gguf(*open_model(args.model, n_ctx=args.n_ctx, gpu=not args.cpu))
+    return _Gguf(*open_model(args.model, n_ctx=args.n_ctx, gpu=not args.cpu, image=bool(getattr(args, "image", None))))
 
 
 def run_generate(args: argparse.Namespace) -> Generated | int:
@@ -117,13 +130,14 @@ def run_generate(args: argparse.Namespace) -> Generated | int:
 
     from unsloth.export import ExportError
 
-    _refuse_image(args)
+    _check_image(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model = _open(args)
+    image = {"image": args.image} if args.image else {}
     try:
         if args.json:
-            return Generated(model.generate(prompt, raw=args.raw, system=args.system, **_sampling(args)))
-        with closing(model.stream(prompt, raw=args.raw, system=args.system, **_sampling(args))) as chunks:
+            return Generated(model.generate(prompt, raw=args.raw, system=args.system, **image, **_sampling(args)))
+        with closing(model.stream(prompt, raw=args.raw, system=args.system, **image, **_sampling(args))) as chunks:
             for chunk in chunks:
                 render.echo(chunk["text"], end="")
         render.echo()
@@ -139,7 +153,7 @@ def run_chat(args: argparse.Namespace) -> int:
     """Interactive: each reply is streamed through the renderer's echo as it comes."""
     from contextlib import closing
 
-    _refuse_image(args)
+    _check_image(args)
     model = _open(args)
     path = model.path
     if not model.has_chat_template():
@@ -153,7 +167,8 @@ def run_chat(args: argparse.Namespace) -> int:
         render.echo(f"note: {path} has no chat template; llama-cpp-python falls back to a generic one", err=True)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
-    render.echo(f"chatting with {path} (/reset clears, /exit or Ctrl-D quits)", err=True)
+    about = f", about {args.image}" if args.image else ""
+    render.echo(f"chatting with {path}{about} (/reset clears, /exit or Ctrl-D quits)", err=True)
     try:
         while True:
             try:
@@ -168,7 +183,12 @@ def run_chat(args: argparse.Namespace) -> int:
                 continue
             if not line.strip():
                 continue
-            messages.append({"role": "user", "content": line})
+            if args.image and not any(m["role"] == "user" for m in messages):  # the image goes with the first turn
+                from unsloth.export.chat import messages_for
+
+                messages.append(messages_for(line, image=args.image)[-1])
+            else:
+                messages.append({"role": "user", "content": line})
             reply = []
             try:
                 with closing(model.chat_stream(messages, **_sampling(args))) as chunks:

@@ -275,7 +275,7 @@ def _(result: r.Exported) -> None:
     if export.modelfile:
         print(f"{export.modelfile}  (ollama create NAME -f {export.modelfile})")
     first = next(iter(export.files.values()))
-    print(f"try it: unsloth chat {first}")
+    print(f"try it: unsloth chat {first}" + (" --image PICTURE.png" if "mmproj" in export.files else ""))
     if not result.ok:
         _note("warning: a quantized file agrees with the 16-bit model less than expected; "
               "prefer a larger method (q8_0, q6_k)")

@@ -83,20 +83,7 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
-def refuse_vision_language(config: Any) -> None:
-    """Vision-language models need llama.cpp's projector file (mmproj) beside the text GGUF: not written yet."""
-    if getattr(config, "vision_config", None) is None:
-        return
-    raise ExportError(
-        f"GGUF export of vision-language models ({getattr(config, 'model_type', '?')}: the language model "
-        "plus llama.cpp's mmproj projector file) is not supported yet; nothing was written",
-        fix="save the merged 16-bit model (model.save_pretrained_merged(dir, tokenizer)) and convert it with "
-        "llama.cpp's convert_hf_to_gguf.py, once plainly and once with --mmproj",
-    )
-
-
 def architecture_for(config: Any) -> Architecture:
-    refuse_vision_language(config)
     model_type = getattr(config, "model_type", None)
     if model_type not in ARCHITECTURES:
         hint = " (export the text model: Gemma3ForCausalLM)" if model_type == "gemma3" else ""

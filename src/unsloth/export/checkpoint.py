@@ -76,21 +76,29 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> tuple
     path = resolve_checkpoint(path)
     base = adapter_base(path)
     tokenizer_dir = path if (path / "tokenizer_config.json").is_file() or not base else base
-    try:
-        from transformers import AutoConfig
+    auto_class, load_tokenizer = AutoModelForCausalLM, AutoTokenizer.from_pretrained
+    if _is_vision_language(base or path):  # its processor too: the export writes the projector file from it
+        from transformers import AutoModelForImageTextToText
 
-        from unsloth.export.architectures import refuse_vision_language
+        from unsloth.models.vision import load_processor
 
-        refuse_vision_language(AutoConfig.from_pretrained(base or path))
-    except (OSError, ValueError):  # unreadable here: from_pretrained below says why
-        pass
+        auto_class, load_tokenizer = AutoModelForImageTextToText, load_processor
     try:
-        model = AutoModelForCausalLM.from_pretrained(base or path, dtype=dtype or "auto")
+        model = auto_class.from_pretrained(base or path, dtype=dtype or "auto")
         if base:
             from peft import PeftModel
 
             model = PeftModel.from_pretrained(model, path)
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer = load_tokenizer(str(tokenizer_dir))
     except OSError as exc:  # a missing base model or tokenizer, offline hub lookups
         raise ExportError(f"could not load {path}: {exc}", fix=BASE_FIX) from exc
     return model.eval(), tokenizer
+
+
+def _is_vision_language(path) -> bool:
+    from transformers import AutoConfig
+
+    try:
+        return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+    except (OSError, ValueError):  # unreadable here: from_pretrained says why
+        return False

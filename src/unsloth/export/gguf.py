@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unsloth.export.architectures import ARCHITECTURES, refuse_vision_language
+from unsloth.export.architectures import ARCHITECTURES
 from unsloth.export.converter import write_gguf
 from unsloth.export.errors import ExportError
 from unsloth.export.files import atomic_output, ensure_free_space, scratch_file
@@ -29,8 +29,8 @@ from unsloth.export.methods import Method, export_bytes, resolve_all
 from unsloth.export.methods import reference_method as reference_method_for
 from unsloth.export.modelfile import write_modelfile
 from unsloth.export.quantize import quantize
-from unsloth.export.runtime import require_llama_cpp
-from unsloth.export.validate import Validation, reference_run, validate
+from unsloth.export.runtime import MMPROJ_PREFIX, require_llama_cpp
+from unsloth.export.validate import ProjectorCheck, Validation, check_projector, reference_run, validate
 from unsloth.export.vocab import uses_sentencepiece
 from unsloth.models.tokenizer_files import sentencepiece_model
 
@@ -39,8 +39,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ExportResult:
-    files: dict[str, Path] = field(default_factory=dict)  # method -> file
-    validations: dict[str, Validation] = field(default_factory=dict)
+    files: dict[str, Path] = field(default_factory=dict)  # method -> file ("mmproj": the projector file)
+    validations: dict[str, Validation | ProjectorCheck] = field(default_factory=dict)
     modelfile: Path | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -49,6 +49,10 @@ class ExportResult:
             "validation": {m: v.to_json() for m, v in self.validations.items()},
             "modelfile": str(self.modelfile) if self.modelfile else None,
         }
+
+
+def is_vision_language(model: Any) -> bool:
+    return getattr(base_model(model).config, "vision_config", None) is not None
 
 
 def gguf_filename(name: str, method: Method) -> str:
@@ -71,7 +75,10 @@ def save_pretrained_gguf(
     ``unsloth.export.methods``). The unquantized reference (f16, or bf16/f32 when asked for) is
     always written first and checked against transformers: if it disagrees, nothing is kept and
     ExportError says so. Quantized files are made from it by llama.cpp, and their agreement is
-    reported. Returns the files written and the validation reports.
+    reported. A vision-language model (through llama.cpp's converter) also gets its projector file,
+    ``mmproj-NAME.F16.gguf`` (the vision tower and projector, in the reference's precision, as llama.cpp
+    runs it beside any of the language model's files), checked too (validate.check_projector).
+    Returns the files written and the validation reports.
     """
     out_dir = Path(save_directory)
     methods = resolve_all(quantization_method)
@@ -87,14 +94,16 @@ def save_pretrained_gguf(
     ensure_free_space(out_dir, export_bytes(n_params, methods))
 
     result = ExportResult()
-    expected = reference_run(model, tokenizer) if validate_export else None  # transformers, once
+    vision = is_vision_language(model)
+    text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer) if vision else tokenizer  # a processor's own
+    expected = reference_run(model, text_tokenizer) if validate_export else None  # transformers, once
     reference_path = out_dir / gguf_filename(name, reference_method)
 
     def write_reference(target: Path) -> None:
         log.info("writing %s%s", reference_path, "" if keep_reference else " (the reference to quantize from; not kept)")
         write(target, reference_method)
         if expected is not None:
-            report = validate(expected, tokenizer, target, reference_method.name)
+            report = validate(expected, text_tokenizer, target, reference_method.name)
             report.file = str(reference_path)
             result.validations[reference_method.name] = report
             if not report.passed:
@@ -127,7 +136,20 @@ def save_pretrained_gguf(
             quantize(reference, path, method)
             result.files[method.name] = path
             if expected is not None:
-                result.validations[method.name] = validate(expected, tokenizer, path, method.name)
+                result.validations[method.name] = validate(expected, text_tokenizer, path, method.name)
+        if vision:
+            mmproj = out_dir / f"{MMPROJ_PREFIX}{gguf_filename(name, reference_method)}"
+            log.info("writing %s (the vision tower and projector)", mmproj)
+            with atomic_output(mmproj) as partial:
+                write(partial, reference_method, mmproj=True)
+                if validate_export:
+                    check = check_projector(model, reference, partial)
+                    result.validations["mmproj"] = check
+                    if not check.passed:
+                        raise ExportError(f"the projector file does not hold the model's vision tower: "
+                                          f"{check.summary()}; it was not kept",
+                                          fix="this is an exporter bug for this model, please report it")
+            result.files["mmproj"] = mmproj
 
     if modelfile:
         preferred = next(result.files[m.name] for m in methods)
@@ -143,9 +165,8 @@ def _llama_cpp_converter(model: Any, tokenizer: Any) -> LlamaCppConverter | None
     Gemma) goes through llama.cpp's converter whatever the architecture; it reads the
     tokenizer.model that the merged save copies beside tokenizer.json."""
     base = base_model(model)
-    refuse_vision_language(base.config)  # llama.cpp's converter too needs a second, --mmproj pass: not yet
     sentencepiece = uses_sentencepiece(tokenizer)
-    if base.config.model_type in ARCHITECTURES and not sentencepiece:
+    if base.config.model_type in ARCHITECTURES and not sentencepiece and not is_vision_language(model):
         return None
     converter = find_converter()
     require_support(converter, base)
@@ -165,17 +186,18 @@ def _llama_cpp_converter(model: Any, tokenizer: Any) -> LlamaCppConverter | None
 def _writer(model: Any, tokenizer: Any, sources: dict, name: str, out_dir: Path,
             converter: LlamaCppConverter | None, stack: ExitStack) -> Callable[[Path, Method], None]:
     """How to write one unquantized GGUF: our converter from the merged tensors, or llama.cpp's from a
-    merged 16-bit folder (saved once, on first use, beside the output and removed after)."""
+    merged 16-bit folder (saved once, on first use, beside the output and removed after); with
+    ``mmproj``, a vision-language model's projector file (llama.cpp's converter only)."""
     if converter is None:
-        return lambda target, method: write_gguf(model, tokenizer, sources, target, method, name=name)
+        return lambda target, method, mmproj=False: write_gguf(model, tokenizer, sources, target, method, name=name)
     merged: list[Path] = []
 
-    def write(target: Path, method: Method) -> None:
+    def write(target: Path, method: Method, mmproj: bool = False) -> None:
         if not merged:
             out_dir.mkdir(parents=True, exist_ok=True)
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=".unsloth-merged-", dir=out_dir)))
             save_pretrained_merged(model, str(folder / name), tokenizer, save_method="merged_16bit")
             merged.append(folder / name)
-        convert(converter, merged[0], target, method.name)
+        convert(converter, merged[0], target, method.name, mmproj=mmproj)
 
     return write

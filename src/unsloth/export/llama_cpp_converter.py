@@ -46,6 +46,11 @@ class LlamaCppConverter:
     def architectures(self) -> frozenset[str]:
         return supported_architectures(self.root)
 
+    @property
+    def mmproj_architectures(self) -> frozenset[str]:
+        """The architectures it writes a projector file (--mmproj) for."""
+        return _architectures(str(self.root), mmproj=True)
+
 
 def supported_architectures(root: Path) -> frozenset[str]:
     """The HF architecture names (``config.architectures``) the converter at ``root`` has a class for.
@@ -55,8 +60,11 @@ def supported_architectures(root: Path) -> frozenset[str]:
     return _architectures(str(root))
 
 
-@lru_cache(maxsize=8)
-def _architectures(root: str) -> frozenset[str]:
+@lru_cache(maxsize=16)
+def _architectures(root: str, mmproj: bool = False) -> frozenset[str]:
+    """Text classes: the TEXT_MODEL_MAP keys and every registered name (the older single-file layout).
+    Projector classes: the MMPROJ_MODEL_MAP keys, or the registered names of MmprojModel subclasses."""
+    table = "MMPROJ_MODEL_MAP" if mmproj else "TEXT_MODEL_MAP"
     names: set[str] = set()
     files = [Path(root) / SCRIPT, *sorted((Path(root) / "conversion").glob("*.py"))]
     for path in files:
@@ -64,11 +72,15 @@ def _architectures(root: str) -> frozenset[str]:
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "register":
-                names.update(a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str))
+            if isinstance(node, ast.ClassDef) and (not mmproj or any(getattr(b, "id", None) == "MmprojModel"
+                                                                     for b in node.bases)):
+                for decorator in node.decorator_list:
+                    if isinstance(decorator, ast.Call) and getattr(decorator.func, "attr", None) == "register":
+                        names.update(a.value for a in decorator.args
+                                     if isinstance(a, ast.Constant) and isinstance(a.value, str))
             elif isinstance(node, ast.AnnAssign | ast.Assign):
                 targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
-                if any(getattr(t, "id", None) == "TEXT_MODEL_MAP" for t in targets) and isinstance(node.value, ast.Dict):
+                if any(getattr(t, "id", None) == table for t in targets) and isinstance(node.value, ast.Dict):
                     names.update(k.value for k in node.value.keys if isinstance(k, ast.Constant))
     return frozenset(names)
 
@@ -210,6 +222,13 @@ def require_support(converter: LlamaCppConverter, model: Any) -> str:
             fix=f"update llama-cpp-python (`pip install -U llama-cpp-python`), or set {CONVERTER_ENV} to a newer "
             "llama.cpp checkout; save_pretrained_merged still saves the merged model",
         )
+    if getattr(model.config, "vision_config", None) is not None and name not in converter.mmproj_architectures:
+        raise ExportError(
+            f"GGUF export of {name} ({model.config.model_type!r}) needs llama.cpp's projector file (mmproj) for its "
+            f"vision tower, which llama.cpp's converter ({converter.origin}) cannot write; nothing was written",
+            fix="llama.cpp runs the vision models whose converter has an mmproj class (Qwen2.5-VL, Qwen3-VL, "
+            "Gemma 3, Gemma 4, ...); save_pretrained_merged still saves the merged model for transformers",
+        )
     return name
 
 
@@ -230,11 +249,12 @@ def record_added_tokens(model_dir: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
 
 
-def convert(converter: LlamaCppConverter, model_dir: Path, outfile: Path, outtype: str) -> None:
-    """Run the converter on a saved (merged) model folder, writing ``outfile`` in f32/f16/bf16."""
+def convert(converter: LlamaCppConverter, model_dir: Path, outfile: Path, outtype: str, mmproj: bool = False) -> None:
+    """Run the converter on a saved (merged) model folder, writing ``outfile`` in f32/f16/bf16: the
+    language model, or with ``mmproj`` the vision tower and projector (llama.cpp's --mmproj file)."""
     record_added_tokens(model_dir)
     command = [sys.executable, "-m", "unsloth.export.llama_cpp_driver", str(converter.root), str(model_dir),
-               str(outfile), outtype]
+               str(outfile), outtype, *(["mmproj"] if mmproj else [])]
     env = {**os.environ, "NO_LOCAL_GGUF": "1"}  # the driver puts the converter's own gguf-py first itself
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [line for line in done.stderr.strip().splitlines() if line.strip()]

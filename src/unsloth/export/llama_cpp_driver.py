@@ -1,6 +1,9 @@
 """Run llama.cpp's own HF -> GGUF converter on a saved model folder (a child process of the export).
 
-    python -m unsloth.export.llama_cpp_driver CONVERTER_DIR MODEL_DIR OUTFILE OUTTYPE
+    python -m unsloth.export.llama_cpp_driver CONVERTER_DIR MODEL_DIR OUTFILE OUTTYPE [mmproj]
+
+With `mmproj`, the vision-language model's projector file (its vision tower and projector, what
+llama.cpp's --mmproj writes) instead of the language model.
 
 CONVERTER_DIR is a llama.cpp tree (convert_hf_to_gguf.py, conversion/ or the classes inline, and
 gguf-py/). Its own gguf-py goes first on sys.path, so the converter runs with the gguf it was written
@@ -40,7 +43,7 @@ def _name_unknown_pre_tokenizers(model_class: type) -> None:
     owner.get_vocab_base_pre = get_vocab_base_pre
 
 
-def convert(converter_dir: Path, model_dir: Path, outfile: Path, outtype: str) -> int:
+def convert(converter_dir: Path, model_dir: Path, outfile: Path, outtype: str, mmproj: bool = False) -> int:
     sys.path[:0] = [str(converter_dir / "gguf-py"), str(converter_dir)]
     import gguf
     import torch
@@ -51,18 +54,19 @@ def convert(converter_dir: Path, model_dir: Path, outfile: Path, outtype: str) -
         from convert_hf_to_gguf import ModelBase, ModelType, get_model_architecture  # type: ignore[no-redef]
 
         def get_model_class(name: str, mmproj: bool = False) -> type:
-            return ModelBase.from_model_architecture(name, model_type=ModelType.TEXT)
+            return ModelBase.from_model_architecture(name, model_type=ModelType.MMPROJ if mmproj else ModelType.TEXT)
 
     hparams = ModelBase.load_hparams(model_dir, False)
-    architecture = get_model_architecture(hparams, ModelType.TEXT)
+    architecture = get_model_architecture(hparams, ModelType.MMPROJ if mmproj else ModelType.TEXT)
     try:
-        model_class = get_model_class(architecture)
+        model_class = get_model_class(architecture, mmproj=mmproj)
     except NotImplementedError:
         print(f"llama.cpp's converter has no class for {architecture}", file=sys.stderr)
         return EXIT_UNSUPPORTED
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16}[outtype]
-    _name_unknown_pre_tokenizers(model_class)
+    if not mmproj:
+        _name_unknown_pre_tokenizers(model_class)
     if getattr(model_class, "supports_mtp_export", False):
         # transformers drops multi-token-prediction heads on load, so a merged save has none (--no-mtp)
         model_class.no_mtp = True
@@ -75,9 +79,9 @@ def convert(converter_dir: Path, model_dir: Path, outfile: Path, outtype: str) -
 def main(argv: list[str]) -> int:
     from unsloth.errors import UnslothError
 
-    converter_dir, model_dir, outfile, outtype = argv
+    converter_dir, model_dir, outfile, outtype, *part = argv
     try:
-        return convert(Path(converter_dir), Path(model_dir), Path(outfile), outtype)
+        return convert(Path(converter_dir), Path(model_dir), Path(outfile), outtype, mmproj=part == ["mmproj"])
     except UnslothError as exc:
         print(ERROR_PREFIX + json.dumps({"problem": exc.problem, "fix": exc.fix}), file=sys.stderr)
         return EXIT_REFUSED

@@ -51,6 +51,12 @@ def save_pretrained_merged(self, save_directory: str, tokenizer=None, save_metho
             return save_directory
         for key in _tied_copies(base, config):
             state.pop(key, None)  # the loader ties them back to their sources
+        if getattr(config, "vision_config", None) is not None:
+            # the checkpoint's own key layout (visual.*, not model.visual.*), as save_pretrained writes it:
+            # llama.cpp's converter reads the vision tower for the projector file (mmproj) by those names
+            from transformers.core_model_loading import revert_weight_conversion
+
+            state = revert_weight_conversion(base, state)
         os.makedirs(save_directory, exist_ok=True)
         save_torch_state_dict(state, save_directory, max_shard_size=max_shard_size)
         config.save_pretrained(save_directory)

@@ -30,13 +30,23 @@ def require_llama_cpp() -> Any:
     return llama_cpp
 
 
-def load(path: str | Path, *, n_ctx: int = 2048, gpu: bool = True, logits_all: bool = False) -> Any:
-    """A ``llama_cpp.Llama`` for ``path``; all layers on the GPU when the build has one."""
+def load(path: str | Path, *, n_ctx: int = 2048, gpu: bool = True, logits_all: bool = False,
+         mmproj: str | Path | None = None) -> Any:
+    """A ``llama_cpp.Llama`` for ``path``; all layers on the GPU when the build has one. ``mmproj``: a
+    vision-language model's projector file, for chats with images (llama.cpp's multimodal library,
+    with the chat template stored in the model's GGUF)."""
     llama_cpp = require_llama_cpp()
     path = Path(path)
     if not path.is_file():
         raise ExportError(f"no GGUF file at {path}", fix="pass a .gguf file, or a directory written by `unsloth export`")
     gguf_file.read_header(path)  # a truncated or foreign file is named here, not deep inside llama.cpp
+    handler = None
+    if mmproj is not None:
+        require_multimodal()
+        gguf_file.read_header(mmproj)
+        from llama_cpp.llama_chat_format import MTMDChatHandler
+
+        handler = MTMDChatHandler(clip_model_path=str(mmproj), verbose=False, use_gpu=gpu)
     try:
         return llama_cpp.Llama(
             str(path),
@@ -46,12 +56,51 @@ def load(path: str | Path, *, n_ctx: int = 2048, gpu: bool = True, logits_all: b
             n_threads=os.cpu_count(),
             seed=0,
             verbose=False,
+            chat_handler=handler,
         )
     except (ValueError, RuntimeError) as exc:
         raise ExportError(
             f"llama.cpp could not load {path} ({exc})",
             fix="re-export the model, or update llama-cpp-python if the file comes from a newer llama.cpp",
         ) from exc
+
+
+def multimodal_available() -> bool:
+    """Whether this llama-cpp-python has llama.cpp's multimodal library (mtmd) to run a projector file."""
+    try:
+        require_llama_cpp()
+        import llama_cpp.mtmd_cpp  # noqa: F401  (loads libmtmd; a build without it fails here)
+        from llama_cpp.llama_chat_format import MTMDChatHandler  # noqa: F401
+    except (ImportError, OSError, RuntimeError, ExportError):
+        return False
+    return True
+
+
+def require_multimodal() -> None:
+    if not multimodal_available():
+        raise ExportError("this llama-cpp-python has no multimodal library (mtmd), so it cannot run a "
+                          "vision model's projector file",
+                          fix="update llama-cpp-python (`pip install -U llama-cpp-python`, 0.3.10 or newer), or "
+                          "chat with the merged checkpoint folder instead: `unsloth chat DIR --image PATH`")
+
+
+def image_url(image: Any) -> str:
+    """A PIL image or an image file's path as the data: URL llama-cpp-python's chat handlers read."""
+    import base64
+    import io
+
+    if isinstance(image, (str, Path)):
+        from PIL import Image
+
+        try:
+            image = Image.open(image)
+            image.load()
+        except (OSError, ValueError) as exc:
+            raise ExportError(f"{image}: not an image file this machine can read ({exc})",
+                              fix="pass a PNG, JPEG or WebP file") from None
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def context_length(path: str | Path) -> int | None:
@@ -63,7 +112,7 @@ def resolve_model_path(model: str | Path) -> Path:
     """A .gguf file, or a directory holding exactly one -> the file to run (several: the user picks)."""
     path = Path(model)
     if path.is_dir():
-        found = sorted(path.glob("*.gguf"))
+        found = sorted(p for p in path.glob("*.gguf") if not p.name.startswith(MMPROJ_PREFIX))
         if len(found) > 1:
             raise ExportError(
                 f"{path} holds several GGUF files: " + ", ".join(p.name for p in found),
@@ -75,6 +124,21 @@ def resolve_model_path(model: str | Path) -> Path:
     if not path.is_file():
         raise ExportError(f"no GGUF file at {path}", fix="pass a .gguf file, or a directory written by `unsloth export`")
     return path
+
+
+MMPROJ_PREFIX = "mmproj-"  # llama.cpp's name for a projector file, beside the model's GGUF
+
+
+def projector_for(model_path: str | Path) -> Path | None:
+    """The projector file (mmproj-*.gguf) beside a vision-language model's GGUF; None if there is none."""
+    model_path = Path(model_path)
+    found = sorted(model_path.parent.glob(f"{MMPROJ_PREFIX}*.gguf"))
+    if len(found) > 1:  # several exports in one folder: the one named after this model
+        found = [p for p in found if p.name.startswith(MMPROJ_PREFIX + model_path.name.split(".")[0] + ".")] or found
+    if len(found) > 1:
+        raise ExportError(f"{model_path.parent} holds several projector files: " + ", ".join(p.name for p in found),
+                          fix="keep one mmproj-*.gguf beside the model, or pass the model's folder with only its own")
+    return found[0] if found else None
 
 
 def next_token_logits(llm: Any, tokens: list[int]) -> np.ndarray:

@@ -11,6 +11,7 @@ The tokenizer is checked too: same ids for the same text, same text back from th
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -242,3 +243,93 @@ def validate(reference: Reference, tokenizer: Any, path: Path, method: str) -> V
     finally:
         llm.close()
     return Validation(method, str(path), results, reference.tie_tolerance, reference.dtype, mismatches)
+
+
+@dataclass
+class ProjectorCheck:
+    """The projector file (mmproj) of a vision-language export, checked: read with the gguf package
+    (a clip file with a vision encoder, its projector type, every block of the tower, as many weights
+    as the model's vision tower and projector hold), then, where llama-cpp-python has llama.cpp's
+    multimodal library, loaded beside the language model's GGUF with an image run through both."""
+
+    file: str
+    projector_type: str | None
+    blocks: int
+    expected_blocks: int | None
+    weights: int
+    expected_weights: int
+    image_tokens: int | None = None  # prompt tokens one image added in llama.cpp; None: not run here
+    reply_tokens: int | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        if self.image_tokens is not None:
+            ran = f"; llama.cpp ran an image through it ({self.image_tokens} image tokens, {self.reply_tokens} reply tokens)"
+        else:
+            ran = "" if self.problems else "; not run (llama-cpp-python has no multimodal library here)"
+        verdict = "ok" if self.passed else "FAILED: " + "; ".join(self.problems)
+        return (f"mmproj ({self.projector_type}): {self.blocks} vision blocks, {self.weights} weights{ran} "
+                f"-> {verdict}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "passed": self.passed}
+
+
+def _vision_depth(config: Any) -> int | None:
+    vision = getattr(config, "vision_config", None)
+    for key in ("depth", "num_hidden_layers"):
+        if isinstance(getattr(vision, key, None), int):
+            return getattr(vision, key)
+    return None
+
+
+def check_projector(model: Any, text_path: Path, mmproj_path: Path) -> ProjectorCheck:
+    """See ProjectorCheck. `model` is the exported (merged or adapted) vision-language model."""
+    import gguf
+
+    from unsloth.models.merge import base_model, merged_tensors
+    from unsloth.models.vision import is_vision_module
+
+    reader = gguf.GGUFReader(str(mmproj_path))
+    fields = {key: reader.fields[key].contents() for key in reader.fields if not key.startswith("GGUF.")}
+    blocks = {int(t.name.split(".")[2]) for t in reader.tensors if t.name.startswith("v.blk.")}
+    expected = sum(math.prod(t.shape) for name, t in merged_tensors(model).items() if is_vision_module(name))
+    check = ProjectorCheck(str(mmproj_path), fields.get("clip.projector_type"), len(blocks),
+                           _vision_depth(base_model(model).config), sum(int(np.prod(t.shape)) for t in reader.tensors),
+                           expected)
+    if fields.get("general.architecture") != "clip" or not fields.get("clip.has_vision_encoder"):
+        check.problems.append("not a clip file with a vision encoder")
+    if check.expected_blocks is not None and blocks != set(range(check.expected_blocks)):
+        check.problems.append(f"vision blocks {sorted(blocks)} in the file, {check.expected_blocks} in the model")
+    if check.weights != check.expected_weights:
+        check.problems.append(f"{check.weights} weights in the file, {check.expected_weights} in the model's vision "
+                              "tower and projector")
+    if not check.problems and runtime.multimodal_available():
+        check.image_tokens, check.reply_tokens = _run_image(text_path, mmproj_path)
+        if check.image_tokens <= 0 or check.reply_tokens <= 0:
+            check.problems.append("llama.cpp took no image tokens or gave no reply")
+    return check
+
+
+def _run_image(text_path: Path, mmproj_path: Path) -> tuple[int, int]:
+    """(prompt tokens the image added, reply tokens) of one greedy chat turn in llama.cpp."""
+    from PIL import Image
+
+    picture = Image.new("RGB", (64, 64))
+    picture.putdata([(4 * (i % 64), 4 * (i // 64), 128) for i in range(64 * 64)])
+    llm = runtime.load(text_path, n_ctx=1024, gpu=False, mmproj=mmproj_path)
+    try:
+        def turn(content):
+            out = llm.create_chat_completion([{"role": "user", "content": content}], max_tokens=4, temperature=0.0)
+            return out["usage"]["prompt_tokens"], out["usage"]["completion_tokens"]
+
+        text = [{"type": "text", "text": "What is in this picture?"}]
+        with_image, reply = turn([{"type": "image_url", "image_url": {"url": runtime.image_url(picture)}}, *text])
+        without, _ = turn(text)
+    finally:
+        llm.close()
+    return with_image - without, reply

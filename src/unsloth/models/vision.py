@@ -141,3 +141,15 @@ def load_vision_pretrained(model_name: str, **options):
 
     return load_pretrained(model_name, auto_class=AutoModelForImageTextToText, load_tokenizer=load_processor,
                            **options)
+
+
+def is_vision_language(model_name: str, **hub) -> bool:
+    """Whether a folder or hub name holds a vision-language model (its config has a vision tower).
+    False where the config cannot be read here: the text loader then says why."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_name, **hub)
+    except Exception:  # noqa: BLE001 - not found, offline, a config transformers rejects: the loader names it
+        return False
+    return getattr(config, "vision_config", None) is not None

@@ -2,7 +2,9 @@
 
     [model]    name, max_seq_length, dtype, load_in_4bit, load_in_8bit, full_finetuning, ...
     [dataset]  name (a hub dataset, or a local .jsonl / .json / .parquet / .csv), split, ...
-    [lora]     r, alpha, dropout, target_modules, ...
+    [lora]     r, alpha, dropout, target_modules, ...; for a vision-language model also
+               finetune_vision_layers, finetune_language_layers, finetune_attention_modules,
+               finetune_mlp_modules (which towers and module kinds get adapters)
     [training] any field of the method's TRL config (SFTConfig, DPOConfig, ...: learning_rate, max_steps,
                per_device_train_batch_size, beta, loss_type, ...)
     method, output_dir, gradient_checkpointing, packing, resume, save_merged   (top level)
@@ -65,10 +67,27 @@ class LoraSettings:
     r: int = 16
     alpha: int = 16
     dropout: float = 0.0
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    # None: q/k/v/o/gate/up/down for a text model; every linear layer of the parts the finetune_*
+    # switches pick for a vision-language one (a list narrows those to the names given)
+    target_modules: list[str] | None = None
     bias: str = "none"
     use_rslora: bool = False
+    # vision-language models only (None: true), as FastVisionModel.get_peft_model takes them
+    finetune_vision_layers: bool | None = None
+    finetune_language_layers: bool | None = None
+    finetune_attention_modules: bool | None = None
+    finetune_mlp_modules: bool | None = None
+
+    def switches(self) -> dict[str, bool]:
+        """The finetune_* switches as FastVisionModel takes them (unset: true)."""
+        return {name: getattr(self, name) is not False for name in FINETUNE_SWITCHES}
+
+    def switches_set(self) -> list[str]:
+        return [name for name in FINETUNE_SWITCHES if getattr(self, name) is not None]
+
+
+FINETUNE_SWITCHES = ("finetune_vision_layers", "finetune_language_layers", "finetune_attention_modules",
+                     "finetune_mlp_modules")
 
 
 # `unsloth train` methods: supervised fine-tuning, and the preference methods (training/preference.py).
@@ -213,6 +232,13 @@ def check_ranges(config: TrainConfig) -> None:
             raise ConfigError(f"lora.alpha = {lora.alpha}: must be above 0", "set lora.alpha = 16 (often equal to r)")
         if not 0 <= lora.dropout < 1:
             raise ConfigError(f"lora.dropout = {lora.dropout}: must be at least 0 and below 1", "set lora.dropout = 0")
+        switches = lora.switches()
+        if not (switches["finetune_vision_layers"] or switches["finetune_language_layers"]):
+            raise ConfigError("lora: finetune_vision_layers and finetune_language_layers are both false, so no "
+                              "layer would be trained", "set one of them to true")
+        if not (switches["finetune_attention_modules"] or switches["finetune_mlp_modules"]):
+            raise ConfigError("lora: finetune_attention_modules and finetune_mlp_modules are both false, so no "
+                              "layer would be trained", "set one of them to true")
     if config.dataset.limit is not None and config.dataset.limit < 1:
         raise ConfigError(f"dataset.limit = {config.dataset.limit}: must be 1 or more", "remove it to use every row")
     for key, (works, rule, example) in _TRAINING_RANGES.items():

@@ -120,9 +120,10 @@ def check_before_loading(config: TrainConfig) -> None:
                           f"its weights and trainer_state.json, written to the end); checkpoints: {found}")
 
 
-def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool):
+def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool, vision: bool = False):
     """The method's TRL config (SFTConfig, DPOConfig, ...) from our defaults plus [training]; unknown keys
-    are named with a suggestion."""
+    are named with a suggestion. `vision`: the batches come from the vision collator, which reads the
+    conversations and images itself (TRL neither drops the columns nor tokenizes them)."""
     from unsloth.training import preference
 
     if config.method == "sft":
@@ -163,6 +164,9 @@ def sft_arguments(config: TrainConfig, bf16: bool, fp16: bool):
         del arguments["packing"]
         arguments.update(preference.DEFAULTS[config.method])
     arguments.update(config.training)
+    if vision:
+        arguments.update(remove_unused_columns=False, dataset_text_field="",
+                         dataset_kwargs={"skip_prepare_dataset": True})
     if "optim" in arguments:
         arguments["optim"] = usable_optimizer(arguments["optim"], "training.optim")
     try:
@@ -214,13 +218,15 @@ def _callbacks(output_dir: str, echo: Callable[[str], None], losses: list[float]
     return Progress
 
 
-def load_model(config: TrainConfig):
-    """The model (with LoRA unless full fine-tuning) and tokenizer a config asks for."""
+def load_model(config: TrainConfig, vision: bool = False):
+    """The model (with LoRA unless full fine-tuning) and tokenizer a config asks for; `vision`: a
+    vision-language model and its processor, with adapters where the finetune_* switches say."""
     from unsloth.models.loader import add_lora, load_pretrained
+    from unsloth.models.vision import load_vision_pretrained, lora_target_regex
 
     m = config.model
     try:
-        model, tokenizer = load_pretrained(
+        model, tokenizer = (load_vision_pretrained if vision else load_pretrained)(
             m.name, max_seq_length=m.max_seq_length, dtype=m.dtype, load_in_4bit=m.load_in_4bit,
             load_in_8bit=m.load_in_8bit, full_finetuning=m.full_finetuning, trust_remote_code=m.trust_remote_code,
             revision=m.revision, use_gradient_checkpointing=config.gradient_checkpointing, random_state=config.seed,
@@ -232,8 +238,19 @@ def load_model(config: TrainConfig):
         tokenizer.chat_template = m.chat_template
     if not m.full_finetuning:
         lora = config.lora
+        targets = lora.target_modules
+        if vision:
+            switches = lora.switches()
+            try:
+                targets = lora_target_regex(model, switches["finetune_vision_layers"],
+                                            switches["finetune_language_layers"],
+                                            switches["finetune_attention_modules"], switches["finetune_mlp_modules"],
+                                            names=set(targets) if targets else None)
+            except ValueError as exc:
+                raise ConfigError(f"lora: {exc}", "widen lora.target_modules or the finetune_* switches",
+                                  kept=KEPT) from None
         model = add_lora(
-            model, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+            model, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
             bias=lora.bias, use_rslora=lora.use_rslora, use_gradient_checkpointing=config.gradient_checkpointing,
             random_state=config.seed,
         )
@@ -249,9 +266,16 @@ def train(config: TrainConfig, echo: Callable[[str], None] = print, callbacks=()
     from unsloth.training import preference
 
     check_before_loading(config)
+    vision = is_vision_config(config)
     columns = None if config.method == "sft" else preference.METHODS[config.method][2]
     dataset = load_dataset_from(config.dataset, columns)
-    model, tokenizer = load_model(config)
+    if vision:
+        from unsloth.training.vision import vision_dataset
+
+        local = Path(config.dataset.name).expanduser()
+        folder = (local if local.is_dir() else local.parent) if local.exists() else None
+        dataset = vision_dataset(dataset, folder, config.training.get("per_device_train_batch_size", 2))
+    model, tokenizer = load_model(config, vision)
     if ("messages" in dataset.column_names or "prompt" in dataset.column_names) and not tokenizer.chat_template \
             and isinstance(dataset[0].get("messages", dataset[0].get("prompt")), list):
         raise ConfigError(f"model {config.model.name}: its tokenizer has no chat template, and the dataset is "
@@ -260,11 +284,16 @@ def train(config: TrainConfig, echo: Callable[[str], None] = print, callbacks=()
     quantization = getattr(model.config, "quantization_config", None)
     four_bit = getattr(quantization, "load_in_4bit", False)  # an 8-bit config's compute dtype is unused
     compute = (getattr(quantization, "bnb_4bit_compute_dtype", None) if four_bit else None) or dtype
-    args = sft_arguments(config, bf16=compute == torch.bfloat16, fp16=compute == torch.float16)
+    args = sft_arguments(config, bf16=compute == torch.bfloat16, fp16=compute == torch.float16, vision=vision)
     losses: list[float] = []
     trainer_cls = SFTTrainer if config.method == "sft" else preference.trainer_class(config.method)
+    extra = {}
+    if vision:
+        from unsloth.training.vision import UnslothVisionDataCollator
+
+        extra["data_collator"] = UnslothVisionDataCollator(model, tokenizer, max_seq_length=config.model.max_seq_length)
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                          callbacks=list(callbacks))
+                          callbacks=list(callbacks), **extra)
     if not getattr(trainer, "checks_memory", False):  # the notebook trainers' train() checks it itself
         check_before_training(model, batch=args.per_device_train_batch_size, seq=config.model.max_seq_length,
                               optim=args.optim, checkpointing=config.gradient_checkpointing,
@@ -276,6 +305,27 @@ def train(config: TrainConfig, echo: Callable[[str], None] = print, callbacks=()
     model = trainer.model
     merged_dir = _save(model, tokenizer, trainer, config)
     return TrainResult(model, tokenizer, losses, config.output_dir, merged_dir, trainer)
+
+
+def is_vision_config(config: TrainConfig) -> bool:
+    """Whether the config's model is vision-language (then it trains through the vision loader and
+    collator); the settings that cannot go with that, or only with that, are refused here."""
+    from unsloth.models.vision import is_vision_language
+
+    m = config.model
+    vision = is_vision_language(m.name, revision=m.revision, trust_remote_code=m.trust_remote_code)
+    switches = config.lora.switches_set() if config.lora is not None else []
+    if not vision and switches:
+        raise ConfigError(f"lora.{switches[0]}: {m.name} is not a vision-language model, so it has no towers "
+                          "to choose between", "remove the finetune_* settings (lora.target_modules picks the "
+                          "layers of a text model)", kept=KEPT)
+    if vision and config.method != "sft":
+        raise ConfigError(f"method = {config.method!r}: {m.name} is a vision-language model, which "
+                          "`unsloth train` fine-tunes with method = \"sft\" only", "set method = \"sft\"", kept=KEPT)
+    if vision and config.packing:
+        raise ConfigError(f"packing: {m.name} is a vision-language model; its image + text examples are not packed",
+                          "set packing = false", kept=KEPT)
+    return vision
 
 
 def _checkpoints(output_dir: str) -> list[Path]:

@@ -68,12 +68,15 @@ def message_images(messages: list[dict], extra=()) -> list:
 
 
 def _for_template(messages: list[dict]) -> list[dict]:
-    """Messages with inline images replaced by placeholders (chat templates render the placeholder)."""
+    """Messages with inline images replaced by placeholders (chat templates render the placeholder), and
+    the empty keys a `datasets` table gives every item dropped (Qwen's template takes a text item with
+    an "image": None key for an image)."""
     out = []
     for message in messages:
         content = message.get("content")
         if not isinstance(content, str):
-            content = [{"type": "image"} if isinstance(c, Mapping) and c.get("type") == "image" else c
+            content = [{"type": "image"} if isinstance(c, Mapping) and c.get("type") == "image"
+                       else {k: v for k, v in c.items() if v is not None} if isinstance(c, Mapping) else c
                        for c in content or ()]
         out.append({**message, "content": content})
     return out
@@ -207,3 +210,74 @@ class UnslothVisionDataCollator:
 def _images_in(messages) -> int:
     return sum(1 for m in messages if not isinstance(m.get("content"), str)
                for c in m.get("content") or () if isinstance(c, Mapping) and c.get("type") == "image")
+
+
+DATASET_SHAPE = ('one JSON object per line: {"messages": [{"role": "user", "content": [{"type": "image", "image": '
+                 '"pictures/cat.png"}, {"type": "text", "text": "What is this?"}]}, {"role": "assistant", "content": '
+                 '[{"type": "text", "text": "A cat."}]}]}; or {"type": "image"} placeholders with the paths in an '
+                 '"images" list. Paths are relative to the dataset file\'s folder')
+
+
+def vision_dataset(dataset, folder, batch_size: int):
+    """A vision SFT dataset checked row by row before the model loads, with its image paths made
+    absolute against `folder` (the local dataset file's; None for a hub dataset).
+
+    Each row is a conversation whose images (inline items, or placeholders filled from `images`) all
+    exist; rows with and without images are not mixed in batches of more than one."""
+    from pathlib import Path
+
+    from unsloth.training.config import ConfigError
+
+    kept = "nothing was trained or written"
+
+    def located(value, row: int):
+        if not isinstance(value, str):
+            return value  # a PIL image or a `datasets` Image dict: checked when opened
+        path = Path(value).expanduser()
+        if not path.is_absolute() and folder is not None:
+            path = Path(folder) / path
+        if not path.is_file():
+            raise ConfigError(f"dataset row {row + 1}: image {value!r} not found (looked for {path})",
+                              "image paths are relative to the dataset file's folder (or absolute); "
+                              "correct the path or add the file", kept=kept)
+        return str(path)
+
+    def resolved(example, row: int):
+        try:
+            messages = conversation(example)
+        except ValueError as exc:
+            raise ConfigError(f"dataset row {row + 1}: {exc}", DATASET_SHAPE, kept=kept) from None
+        extra = [located(v, row) for v in example.get("images") or ()]
+        placeholders = 0
+        fixed = []
+        for message in messages:
+            content = message.get("content")
+            if not isinstance(content, str):
+                content = [dict(c) for c in content or ()]
+                for item in content:
+                    if item.get("type") == "image":
+                        if item.get("image") is None:
+                            placeholders += 1
+                        else:
+                            item["image"] = located(item["image"], row)
+            fixed.append({**message, "content": content})
+        if placeholders > len(extra):
+            raise ConfigError(f"dataset row {row + 1}: {placeholders} image placeholder(s) but "
+                              f"{len(extra)} image(s) in its 'images' list", DATASET_SHAPE, kept=kept)
+        out = {"messages": fixed}
+        if "images" in example:
+            out["images"] = extra
+        return out
+
+    with_images = []
+    for row, example in enumerate(dataset):
+        resolved(example, row)  # every row checked, so a bad one is named before minutes of loading
+        with_images.append(_images_in(conversation(example)) > 0)
+    if batch_size > 1 and any(with_images) and not all(with_images):
+        row = with_images.index(False) if with_images[0] else with_images.index(True)
+        raise ConfigError(f"dataset row {row + 1}: some rows have images and some do not, and a batch of "
+                          f"{batch_size} cannot mix them", "give every row an image, or set "
+                          "training.per_device_train_batch_size = 1", kept=kept)
+    if folder is None:
+        return dataset
+    return dataset.map(resolved, with_indices=True, desc="image paths")
