@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tiny_setup import write_dataset, write_tiny_model
 from unsloth.training.config import ConfigError
@@ -46,16 +48,19 @@ def tiny(tmp_path_factory):
     return write_tiny_model(root / "model"), write_dataset(root / "data.jsonl")
 
 
-def _config(tiny, tmp_path, max_steps: int) -> Path:
+def _config(tiny, tmp_path, max_steps: int, name: str = "out", top: str = "", model_lines: str = "",
+            saves: str = 'save_strategy = "no"', accumulation: int = 1) -> Path:
     model, data = tiny
-    path = tmp_path / "train.toml"
+    path = tmp_path / f"{name}.toml"
     path.write_text(f"""
-output_dir = "{tmp_path / 'out'}"
+output_dir = "{tmp_path / name}"
 save_merged = true
+{top}
 [model]
 name = "{model}"
 max_seq_length = 32
 dtype = "float32"
+{model_lines}
 [dataset]
 name = "{data}"
 [lora]
@@ -63,17 +68,17 @@ r = 4
 [training]
 max_steps = {max_steps}
 per_device_train_batch_size = 2
-gradient_accumulation_steps = 1
-save_strategy = "no"
+gradient_accumulation_steps = {accumulation}
+{saves}
 """)
     return path
 
 
-def _start(config: Path, tmp_path: Path, hooks: Path | None = None) -> subprocess.Popen:
+def _start(config: Path, tmp_path: Path, hooks: Path | None = None, flags=()) -> subprocess.Popen:
     paths = [str(hooks)] if hooks else []
     env = {**os.environ, "UNSLOTH_DISTRIBUTED_CPU": "1",
            "PYTHONPATH": os.pathsep.join(paths + [p for p in sys.path if p])}
-    return subprocess.Popen([sys.executable, "-m", "unsloth.cli", "train", str(config), "--gpus", "2"],
+    return subprocess.Popen([sys.executable, "-m", "unsloth.cli", "train", str(config), "--gpus", "2", *flags],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -92,6 +97,89 @@ def test_train_on_two_processes_end_to_end(tiny, tmp_path):
     assert [record["step"] for record in logged] == [1, 2]
     # Data parallel: a step is 2 ranks x 2 rows of the 24-row dataset, not one process's 2.
     assert logged[0]["epoch"] == pytest.approx(4 / 24)
+
+
+def _run(config: Path, tmp_path: Path, *flags: str) -> tuple[str, str]:
+    job = _start(config, tmp_path, flags=flags)
+    out, err = job.communicate(timeout=900)
+    assert job.returncode == 0, err[-4000:]
+    return out, err
+
+
+def _losses(output: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (output / "loss_log.jsonl").read_text().splitlines()]
+    return {record["step"]: record["loss"] for record in records if "loss" in record}
+
+
+def _sharded_checkpoint(folder: Path) -> bool:
+    return (folder / "sharded" / ".metadata").is_file() and len(list((folder / "sharded").glob("*.distcp"))) == 2
+
+
+@pytest.mark.slow
+def test_fsdp_trains_as_ddp_does_checkpoints_sharded_and_resumes(tiny, tmp_path):
+    """`distributed = "fsdp"`: the same losses and adapters as DDP on the same global batches; sharded
+    checkpoints (one shard file per rank) that `--resume` continues from with the uninterrupted losses;
+    adapters and merged weights gathered from the shards (merged = base + scale * B @ A)."""
+    from safetensors.torch import load_file
+
+    saves = 'save_strategy = "steps"\nsave_steps = 1'
+    fsdp_run = dict(max_steps=2, top='distributed = "fsdp"', saves=saves, accumulation=2)  # reduced once per step
+    _run(_config(tiny, tmp_path, max_steps=2, name="ddp", accumulation=2), tmp_path)
+    out, _ = _run(_config(tiny, tmp_path, name="fsdp", **fsdp_run), tmp_path)
+    fsdp = tmp_path / "fsdp"
+    assert out.count("done: adapters in") == 1  # rank 0 alone reports
+    assert _sharded_checkpoint(fsdp / "checkpoint-1") and _sharded_checkpoint(fsdp / "checkpoint-2")
+    want, got = _losses(tmp_path / "ddp"), _losses(fsdp)
+    assert list(got) == [1, 2]
+    torch.testing.assert_close(torch.tensor(list(got.values())), torch.tensor(list(want.values())), rtol=1e-4, atol=1e-6)
+    adapters = load_file(fsdp / "lora" / "adapter_model.safetensors")
+    ddp_adapters = load_file(tmp_path / "ddp" / "lora" / "adapter_model.safetensors")
+    assert adapters.keys() == ddp_adapters.keys() and len(adapters) == 2 * 7 * 2  # A and B, 7 targets, 2 layers
+    for name, tensor in ddp_adapters.items():
+        torch.testing.assert_close(adapters[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+
+    base, merged = load_file(Path(tiny[0]) / "model.safetensors"), load_file(fsdp / "merged" / "model.safetensors")
+    scale = 16 / 4  # lora.alpha (default) / lora.r
+    for name in [k for k in adapters if ".lora_A." in k]:
+        weight = name.removeprefix("base_model.model.").replace(".lora_A", "")
+        b = adapters[name.replace(".lora_A.", ".lora_B.")]
+        torch.testing.assert_close(merged[weight], base[weight] + scale * b @ adapters[name], rtol=1e-4, atol=1e-5)
+
+    # A run stopped after step 1, resumed from its sharded checkpoint: step 2 as uninterrupted.
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(fsdp / "checkpoint-1", resumed / "checkpoint-1")
+    config = _config(tiny, tmp_path, name="resumed", **fsdp_run)
+    out, err = _run(config, tmp_path, "--resume")
+    assert f"resuming from {resumed / 'checkpoint-1'}" in out + err
+    assert list(_losses(resumed)) == [2]
+    assert _losses(resumed)[2] == pytest.approx(got[2], rel=1e-5)
+    for name, tensor in load_file(resumed / "lora" / "adapter_model.safetensors").items():
+        torch.testing.assert_close(tensor, adapters[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, model_lines", [("qlora", "load_in_4bit = true"), ("full", "full_finetuning = true")])
+def test_fsdp_shards_qlora_and_full_finetuning(tiny, tmp_path, kind, model_lines):
+    """A 4-bit base (its packed bytes stored in the compute dtype) and full fine-tuning shard too: a sharded
+    checkpoint, and the final save gathered from the shards."""
+    from safetensors.torch import load_file
+
+    config = _config(tiny, tmp_path, max_steps=1, name=kind, top='distributed = "fsdp"', model_lines=model_lines,
+                     saves='save_strategy = "steps"\nsave_steps = 1')
+    _run(config, tmp_path)
+    output = tmp_path / kind
+    assert _sharded_checkpoint(output / "checkpoint-1") and list(_losses(output)) == [1]
+    base = load_file(Path(tiny[0]) / "model.safetensors")
+    saved = load_file(output / ("model.safetensors" if kind == "full" else "merged/model.safetensors"))
+    assert {name: t.shape for name, t in saved.items()} == {name: t.shape for name, t in base.items()}
+    changed = [name for name in base if not torch.equal(saved[name].float(), base[name])]
+    if kind == "full":  # every weight trained
+        assert len(changed) == len(base)
+    else:  # 4-bit: every weight merged from its dequantized NF4 base, close to the 16-bit one
+        assert (output / "lora" / "adapter_model.safetensors").is_file()
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert (saved[q].float() - base[q]).abs().max() < 0.1 * base[q].abs().max()
 
 
 def _hooks(tmp_path: Path, body: str) -> Path:
