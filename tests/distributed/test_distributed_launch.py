@@ -74,12 +74,12 @@ gradient_accumulation_steps = {accumulation}
     return path
 
 
-def _start(config: Path, tmp_path: Path, hooks: Path | None = None, flags=()) -> subprocess.Popen:
+def _start(config: Path, tmp_path: Path, hooks: Path | None = None, flags=(), preexec=None) -> subprocess.Popen:
     paths = [str(hooks)] if hooks else []
     env = {**os.environ, "UNSLOTH_DISTRIBUTED_CPU": "1",
            "PYTHONPATH": os.pathsep.join(paths + [p for p in sys.path if p])}
     return subprocess.Popen([sys.executable, "-m", "unsloth.cli", "train", str(config), "--gpus", "2", *flags],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
 
 
 @pytest.mark.slow
@@ -213,10 +213,13 @@ if os.environ.get("RANK") == "1":
 
 
 @pytest.mark.slow
-def test_sigterm_stops_every_rank(tiny, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_ctrl_c_stop_every_rank(tiny, tmp_path, signum):
     import psutil
 
-    job = _start(_config(tiny, tmp_path, max_steps=10_000), tmp_path)
+    # SIGINT as Ctrl-C sends it, to a launcher that does not ignore it (a `&` job's children would).
+    job = _start(_config(tiny, tmp_path, max_steps=10_000), tmp_path,
+                 preexec=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     log = tmp_path / "out" / "loss_log.jsonl"
     deadline = time.time() + 600
     while not (log.is_file() and log.read_text().strip()):  # the marker: training is under way
@@ -225,7 +228,32 @@ def test_sigterm_stops_every_rank(tiny, tmp_path):
         time.sleep(0.2)
     ranks = psutil.Process(job.pid).children(recursive=True)
     assert len([p for p in ranks if "unsloth.cli" in " ".join(p.cmdline())]) >= 2
-    job.send_signal(signal.SIGTERM)
+    job.send_signal(signum)
     job.communicate(timeout=60)
     gone, alive = psutil.wait_procs(ranks, timeout=30)
     assert not alive and job.returncode != 0
+
+
+@pytest.mark.slow
+def test_a_notebook_script_under_torchrun_with_ddp_and_with_fsdp(tiny, tmp_path):
+    """The issue's first failure (a notebook's LoRA SFT with our offloaded checkpointing, under torchrun,
+    stopped in DDP's first backward) runs; the FSDP2 trainer class gives the same losses and adapters."""
+    from safetensors.torch import load_file
+
+    model, data = tiny
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    script = Path(__file__).resolve().parent / "notebook_sft.py"
+    for strategy in ("ddp", "fsdp"):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               str(script), strategy, model, data, str(tmp_path / strategy)],
+                              env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-4000:]
+    ddp, fsdp = (json.loads((tmp_path / s / "losses.json").read_text()) for s in ("ddp", "fsdp"))
+    assert len(ddp) == 2
+    torch.testing.assert_close(torch.tensor(fsdp), torch.tensor(ddp), rtol=1e-4, atol=1e-6)
+    want = load_file(tmp_path / "ddp" / "lora" / "adapter_model.safetensors")
+    got = load_file(tmp_path / "fsdp" / "lora" / "adapter_model.safetensors")
+    assert got.keys() == want.keys() and want
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
