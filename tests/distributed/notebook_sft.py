@@ -1,4 +1,7 @@
-"""A notebook's LoRA SFT as a script, for `torchrun --nproc-per-node 2 notebook_sft.py ddp|fsdp MODEL DATA OUT`.
+"""A notebook's LoRA SFT as a script, on 2 processes:
+
+    accelerate launch --multi_gpu --num_processes 2 notebook_sft.py ddp|fsdp MODEL DATA OUT
+    torchrun --nproc-per-node 2 notebook_sft.py ddp|fsdp MODEL DATA OUT
 
 ddp: the notebook unchanged (TRL's SFTTrainer; the Trainer wraps the model in DDP, with its own
 find_unused_parameters choice for a PEFT model). fsdp: the one change FSDP2 takes, the trainer class.

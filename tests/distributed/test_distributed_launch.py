@@ -131,7 +131,7 @@ def test_fsdp_trains_as_ddp_does_checkpoints_sharded_and_resumes(tiny, tmp_path)
     assert _sharded_checkpoint(fsdp / "checkpoint-1") and _sharded_checkpoint(fsdp / "checkpoint-2")
     want, got = _losses(tmp_path / "ddp"), _losses(fsdp)
     assert list(got) == [1, 2]
-    torch.testing.assert_close(torch.tensor(list(got.values())), torch.tensor(list(want.values())), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.tensor([*got.values()]), torch.tensor([*want.values()]), rtol=1e-4, atol=1e-6)
     adapters = load_file(fsdp / "lora" / "adapter_model.safetensors")
     ddp_adapters = load_file(tmp_path / "ddp" / "lora" / "adapter_model.safetensors")
     assert adapters.keys() == ddp_adapters.keys() and len(adapters) == 2 * 7 * 2  # A and B, 7 targets, 2 layers
@@ -235,19 +235,22 @@ def test_sigterm_and_ctrl_c_stop_every_rank(tiny, tmp_path, signum):
 
 
 @pytest.mark.slow
-def test_a_notebook_script_under_torchrun_with_ddp_and_with_fsdp(tiny, tmp_path):
-    """The issue's first failure (a notebook's LoRA SFT with our offloaded checkpointing, under torchrun,
-    stopped in DDP's first backward) runs; the FSDP2 trainer class gives the same losses and adapters."""
+def test_a_notebook_script_under_accelerate_launch_and_torchrun(tiny, tmp_path):
+    """The issue's first failure (a notebook's LoRA SFT with our offloaded checkpointing, started on 2
+    processes, stopped in DDP's first backward) runs under `accelerate launch`; under `torchrun`, the
+    FSDP2 trainer class gives the same losses and adapters."""
     from safetensors.torch import load_file
 
     model, data = tiny
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     script = Path(__file__).resolve().parent / "notebook_sft.py"
-    for strategy in ("ddp", "fsdp"):
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               str(script), strategy, model, data, str(tmp_path / strategy)],
-                              env=env, capture_output=True, text=True, timeout=900)
+    launchers = {"ddp": ["accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                         "--mixed_precision", "no", "--dynamo_backend", "no"],
+                 "fsdp": ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"]}
+    for strategy, launcher in launchers.items():
+        done = subprocess.run([sys.executable, "-m", *launcher, str(script), strategy, model, data,
+                               str(tmp_path / strategy)], env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-4000:]
     ddp, fsdp = (json.loads((tmp_path / s / "losses.json").read_text()) for s in ("ddp", "fsdp"))
     assert len(ddp) == 2

@@ -8,7 +8,7 @@ wraps it in nothing. What that switch leaves out, we add:
     checkpoints  checkpoint-N/sharded: every rank writes its shards of the trained weights and their
                  optimizer states (torch.distributed.checkpoint), next to the Trainer's scheduler,
                  RNG and trainer_state files; resume reads them back into the sharded model
-    saves        `save_model` gathers the whole weights once, into rank 0, which writes them
+    saves        `save_model` gathers the weights once, into rank 0, which writes them
 """
 
 from __future__ import annotations
@@ -49,9 +49,12 @@ class ShardedTraining:
             self.model.set_requires_gradient_sync(True)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if _internal_call:  # a checkpoint: its weights are in its shards (_save_optimizer_and_scheduler)
+        """The whole weights (a PEFT model: its adapters), gathered into rank 0, which writes them as
+        the Trainer does; every rank calls it. A checkpoint keeps its weights in its shards instead
+        (_save_optimizer_and_scheduler), unless it keeps the model only (`save_only_model`)."""
+        if _internal_call and not self.args.save_only_model:
             return
-        state = full_state_dict(self.model, trainable_only=False)
+        state = full_state_dict(self.model, trainable_only=hasattr(self.model, "peft_config"))
         if self.args.should_save:
             self._save(output_dir, state_dict=state)
 
