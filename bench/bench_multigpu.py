@@ -81,7 +81,7 @@ def worker(args) -> None:
                                              use_gradient_checkpointing="unsloth", random_state=0)
     model.train()
     if args.strategy == "fsdp":
-        shard_model(model)
+        shard_model(model, mixed_precision=dtype if cuda else None)  # bf16 gathers, float32 reductions
         forward = model
     elif world > 1:
         forward = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)

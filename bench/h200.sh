@@ -3,7 +3,7 @@
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
 # sections: machine, tests, kernels, trainer, profile, ab, host, moe, moetune, notebook, families, families_call, generation,
-# grpo, tts, fullft, vision, dpo; all = machine tests kernels trainer)
+# grpo, tts, fullft, vision, dpo, multigpu; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
 set -u
 OUT=${OUT:-/tmp/h200-out}
@@ -233,10 +233,18 @@ dpo() {  # DPO, QLoRA, Llama-3.1-8B shapes with DPO_LAYERS layers (default 8), 2
   done
 }
 
+multigpu() {  # several GPUs (bench/bench_multigpu.py; a kind with 2+ GPUs): DDP LoRA on Llama-3.1-8B shapes on 1
+  # and MULTIGPU_GPUS GPUs (tokens/s, scaling efficiency), FSDP2 QLoRA on a 70B shape with MULTIGPU_LAYERS layers
+  # on 2 (peak per GPU); MULTIGPU_ONLY=ddp|fsdp runs one of the two (one device call each if both do not fit)
+  # shellcheck disable=SC2086
+  NCCL_NVLS_ENABLE=0 timeout "${MULTIGPU_TIMEOUT:-560}" python3 bench/bench_multigpu.py --gpus "${MULTIGPU_GPUS:-2}" \
+    --layers "${MULTIGPU_LAYERS:-8}" ${MULTIGPU_ONLY:+--only $MULTIGPU_ONLY} 2>&1 | grep '^{' | tee -a "$OUT/multigpu.jsonl"
+}
+
 [ $# -gt 0 ] || set -- all
 for section in "$@"; do
   case $section in
-    machine|tests|kernels|trainer|profile|ab|host|moe|moetune|notebook|families|families_call|generation|grpo|tts|fullft|vision|dpo) $section ;;
+    machine|tests|kernels|trainer|profile|ab|host|moe|moetune|notebook|families|families_call|generation|grpo|tts|fullft|vision|dpo|multigpu) $section ;;
     all) machine; tests; kernels; trainer ;;
     *) echo "unknown section: $section" >&2; exit 2 ;;
   esac

@@ -34,6 +34,14 @@ def test_windows_raphael_igpu_and_7900xtx(matrix):
     assert plan.env == {}
 
 
+def test_windows_plan_says_several_gpus_do_not_train_together(matrix):
+    first, second = (nvidia("sm_89", name="NVIDIA GeForce RTX 4090", vram_gib=24, index=i) for i in (0, 1))
+    [advice] = resolve(machine("windows", first, second), matrix).warnings
+    assert "2 NVIDIA GPUs" in advice.message and "not supported on Windows" in advice.message
+    assert "WSL or Linux" in advice.fix
+    assert resolve(machine("linux", first, second), matrix).warnings == []
+
+
 def test_linux_amd_igpu_is_hidden_from_hip(matrix):
     igpu = amd("gfx1036", name="AMD Radeon(TM) Graphics", integrated=True, vram_gib=0.5, index=0)
     dgpu = amd("gfx1100", name="AMD Radeon RX 7900 XTX", vram_gib=24, index=1)

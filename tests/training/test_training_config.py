@@ -92,11 +92,24 @@ def test_the_learning_rate_flag_reaches_the_trainer_as_a_number(tmp_path):
      "gradient_checkpointing: 'sometimes' is not one of"),
     ({"model": {"name": "m"}, "dataset": {"name": "d"}, "lora": {"target_modules": "q_proj"}},
      "lora.target_modules: expected a list"),
+    ({"model": {"name": "m"}, "dataset": {"name": "d"}, "distributed": "fsdp2"},
+     "distributed = 'fsdp2': not a way to train on several GPUs (did you mean 'fsdp'?)"),
+    ({"model": {"name": "m"}, "dataset": {"name": "d"}, "distributed": "fsdp", "method": "dpo"},
+     "method = 'dpo' is not sharded yet"),
+    ({"model": {"name": "m", "load_in_8bit": True}, "dataset": {"name": "d"}, "distributed": "fsdp"},
+     "8-bit weights (load_in_8bit) cannot be sharded"),
 ])
 def test_mistakes_are_named(raw, message):
     with pytest.raises(ConfigError, match=None) as error:
         from_dict(raw)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
+def test_distributed_reads_both_ways_and_defaults_to_ddp(distributed):
+    raw = {"model": {"name": "m", "load_in_4bit": True}, "dataset": {"name": "d"}}
+    assert from_dict(raw).distributed == "ddp"
+    assert from_dict({**raw, "distributed": distributed}).distributed == distributed
 
 
 def test_file_problems_are_named(tmp_path):

@@ -189,3 +189,12 @@ def test_training_is_refused_before_the_first_step_when_it_cannot_fit(tmp_path, 
     with pytest.raises(memory.NotEnoughMemory, match="1024 B|0.00 GiB is free"):
         train(config, echo=lambda _: None)
     assert not (tmp_path / "out" / "loss_log.jsonl").exists()
+
+
+def test_a_sharded_run_counts_one_gpus_share_of_the_training_state():
+    whole = memory.MemoryEstimate(weights=10 * memory.GIB, gradients=3, optimizer=7, activations=5 * memory.GIB,
+                                  optimizer_kind="AdamW")
+    share = memory.sharded_estimate(whole, 4)
+    assert (share.weights, share.gradients, share.optimizer) == (10 * memory.GIB // 4, 1, 2)  # rounded up
+    assert share.activations == whole.activations  # each GPU's own batch
+    assert memory.sharded_estimate(whole, 1) == whole

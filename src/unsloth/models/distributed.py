@@ -159,3 +159,12 @@ def load_sharded(model: nn.Module, optimizer, directory: str | Path) -> None:
     # Not strict about the frozen weights left out; dcp.load has already insisted on every trainable one.
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=_state_dict_options(strict=False))
+
+
+def full_state_dict(model: nn.Module, trainable_only: bool) -> dict:
+    """The whole weights of an FSDP2-sharded model (`trainable_only`: the trained ones), gathered one
+    tensor at a time into rank 0's host memory; every rank calls it, the others get {}."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    return get_model_state_dict(model, options=options)

@@ -87,6 +87,11 @@ def choose_device(inputs: Inputs) -> tuple[DeviceChoice, Notes]:
     if len(candidates) == 1:
         return DeviceChoice(best, f"{best.label}: the only GPU", {}), notes
     others = [c for c in candidates if c is not best]
+    peers = [o for o in others if o.gpu.vendor == best.gpu.vendor and o.cell and not o.gpu.integrated]
+    if peers and inputs.os == "windows":
+        notes = notes.warn(f"{len(peers) + 1} {best.gpu.vendor.upper()} GPUs, but training on several is not supported "
+                           "on Windows (PyTorch has no NCCL there): one GPU trains.",
+                           "For `unsloth train --gpus N`, install in WSL or Linux on this machine.")
     why = []
     for other in others:
         if other.cell is None:

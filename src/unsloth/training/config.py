@@ -7,10 +7,14 @@
                finetune_mlp_modules (which towers and module kinds get adapters)
     [training] any field of the method's TRL config (SFTConfig, DPOConfig, ...: learning_rate, max_steps,
                per_device_train_batch_size, beta, loss_type, ...)
-    method, output_dir, gradient_checkpointing, packing, resume, save_merged   (top level)
+    method, output_dir, gradient_checkpointing, packing, resume, save_merged, distributed   (top level)
 
 `method` is "sft" (the default), or a preference method: "dpo", "orpo", "kto", "simpo", whose
 dataset has prompt / chosen / rejected columns (KTO: prompt / completion / label).
+
+`distributed` is how a job of several processes (`--gpus N`, torchrun) shares the work: "ddp" (the
+default: every rank holds the whole model) or "fsdp" (FSDP2: each rank holds a shard of every weight,
+its gradients and optimizer states; for models that do not fit one GPU). One process ignores it.
 
 Every error names the key, what was wrong and how to fix it.
 """
@@ -92,6 +96,8 @@ FINETUNE_SWITCHES = ("finetune_vision_layers", "finetune_language_layers", "fine
 
 # `unsloth train` methods: supervised fine-tuning, and the preference methods (training/preference.py).
 METHODS = ("sft", "dpo", "orpo", "kto", "simpo")
+# How several processes share the training (a job of one process ignores it).
+DISTRIBUTED = ("ddp", "fsdp")
 
 
 @dataclass
@@ -106,6 +112,7 @@ class TrainConfig:
     packing: bool = False  # padding-free packing: several sequences per row, no pad tokens
     resume: Union[bool, str] = False  # true = the latest checkpoint in output_dir, or a checkpoint path
     save_merged: bool = False  # also write 16-bit merged weights to output_dir/merged
+    distributed: str = "ddp"  # one of DISTRIBUTED
     seed: int = 3407
 
 
@@ -191,6 +198,7 @@ def from_dict(raw: dict) -> TrainConfig:
     if config.method != "sft" and config.packing:
         raise ConfigError(f"packing: method = {config.method!r} trains on prompt / answer pairs, which are not packed",
                           "remove packing (or set packing = false)")
+    check_distributed(config)
     if config.lora is None and not config.model.full_finetuning:
         raise ConfigError("lora: missing; add a [lora] table, or set model.full_finetuning = true")
     if config.model.load_in_4bit and config.model.load_in_8bit:
@@ -203,6 +211,23 @@ def from_dict(raw: dict) -> TrainConfig:
                           "set model.max_seq_length = 2048 (the longest example you train on, in tokens)")
     check_ranges(config)
     return config
+
+
+def check_distributed(config: TrainConfig) -> None:
+    if config.distributed not in DISTRIBUTED:
+        close = difflib.get_close_matches(config.distributed, DISTRIBUTED, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"distributed = {config.distributed!r}: not a way to train on several GPUs{hint}",
+                          "set distributed = \"ddp\" (each GPU holds the model) or \"fsdp\" (the model sharded)")
+    if config.distributed != "fsdp":
+        return
+    # What sharding has not been made to carry (each is refused here, not minutes into a run).
+    if config.method != "sft":
+        raise ConfigError(f"distributed = \"fsdp\": method = {config.method!r} is not sharded yet (its reference "
+                          "pass is untested under FSDP2)", "set distributed = \"ddp\" for preference methods")
+    if config.model.load_in_8bit:
+        raise ConfigError("distributed = \"fsdp\": 8-bit weights (load_in_8bit) cannot be sharded by FSDP2",
+                          "use load_in_4bit = true (QLoRA, which shards) or distributed = \"ddp\"")
 
 
 # key -> (does a value work, the rule in words, a good value). Values of the wrong type are left to

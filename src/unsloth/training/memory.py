@@ -286,10 +286,19 @@ def out_of_memory_advice(batch_size: int | None = None, max_seq_length: int | No
     return "Out of GPU memory. Try, in this order:\n" + "\n".join(f"  - {t}" for t in tips)
 
 
+def sharded_estimate(whole: MemoryEstimate, shards: int) -> MemoryEstimate:
+    """One GPU's part of a run whose weights, gradients and optimizer states are split over `shards`."""
+    return replace(whole, weights=math.ceil(whole.weights / shards), gradients=math.ceil(whole.gradients / shards),
+                   optimizer=math.ceil(whole.optimizer / shards))
+
+
 def check_before_training(model, *, batch: int, seq: int, optim, checkpointing, full_finetuning: bool,
-                          load_in_4bit: bool, echo=None) -> MemoryEstimate | None:
+                          load_in_4bit: bool, echo=None, shards: int = 1) -> MemoryEstimate | None:
     """On a GPU: estimate the run, say it, and refuse it at once (NotEnoughMemory) when it cannot fit the
-    free memory. UNSLOTH_MEMORY_CHECK=0 skips the refusal (the estimate is still said)."""
+    free memory. UNSLOTH_MEMORY_CHECK=0 skips the refusal (the estimate is still said).
+
+    `shards`: the processes an FSDP2-sharded model is split over; each GPU holds that share of the
+    weights, gradients and optimizer states (the activations are its own)."""
     import os
 
     import torch
@@ -300,7 +309,7 @@ def check_before_training(model, *, batch: int, seq: int, optim, checkpointing, 
     facts = model_facts(model)
     settings = RunSettings(batch=batch, seq=seq, optim=str(getattr(optim, "value", optim)),
                            checkpointing=checkpointing, offload=True)
-    estimated = estimate(facts, settings)
+    estimated = sharded_estimate(estimate(facts, settings), shards)
     free, _ = torch.cuda.mem_get_info(device)
     if echo is not None:
         echo(f"memory: {estimated.summary()}; {gib(free)} free on {torch.cuda.get_device_name(device)}")

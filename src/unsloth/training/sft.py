@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from unsloth.models.distributed import is_main_process, world_size
 from unsloth.training.config import ConfigError, DatasetConfig, TrainConfig, check_value
 from unsloth.training.inputs import KEPT, check_data_file, check_data_folder, check_model
 from unsloth.training.memory import check_before_training
 from unsloth.training.optimizers import usable_optimizer
+from unsloth.training.sharded import SHARDS, sharded_trainer_class
 
 # Known local data files -> the `datasets` builder that reads them.
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -287,18 +289,22 @@ def train(config: TrainConfig, echo: Callable[[str], None] = print, callbacks=()
     args = sft_arguments(config, bf16=compute == torch.bfloat16, fp16=compute == torch.float16, vision=vision)
     losses: list[float] = []
     trainer_cls = SFTTrainer if config.method == "sft" else preference.trainer_class(config.method)
-    extra = {}
+    options = {}
     if vision:
         from unsloth.training.vision import UnslothVisionDataCollator
 
-        extra["data_collator"] = UnslothVisionDataCollator(model, tokenizer, max_seq_length=config.model.max_seq_length)
+        options["data_collator"] = UnslothVisionDataCollator(model, tokenizer, max_seq_length=config.model.max_seq_length)
+    if sharded(config):
+        trainer_cls = sharded_trainer_class(trainer_cls)
+        options["mixed_precision"] = compute if compute in (torch.bfloat16, torch.float16) else None
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                          callbacks=list(callbacks), **extra)
+                          callbacks=list(callbacks), **options)
     if not getattr(trainer, "checks_memory", False):  # the notebook trainers' train() checks it itself
         check_before_training(model, batch=args.per_device_train_batch_size, seq=config.model.max_seq_length,
                               optim=args.optim, checkpointing=config.gradient_checkpointing,
                               full_finetuning=config.model.full_finetuning,
-                              load_in_4bit=config.model.load_in_4bit, echo=echo)
+                              load_in_4bit=config.model.load_in_4bit, echo=echo,
+                              shards=world_size() if sharded(config) else 1)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(_callbacks(config.output_dir, echo, losses))
     trainer.train(resume_from_checkpoint=resume_point(config, echo))
@@ -328,15 +334,20 @@ def is_vision_config(config: TrainConfig) -> bool:
     return vision
 
 
+def sharded(config: TrainConfig) -> bool:
+    """Whether this run trains an FSDP2-sharded model: `distributed = "fsdp"` in a job of several processes."""
+    return config.distributed == "fsdp" and world_size() > 1
+
+
 def _checkpoints(output_dir: str) -> list[Path]:
     """checkpoint-N folders, oldest step first (checkpoint-10 after checkpoint-9)."""
     found = [p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and p.name.partition("-")[2].isdigit()]
     return sorted(found, key=lambda p: int(p.name.partition("-")[2]))
 
 
-# One of these holds a checkpoint's weights (LoRA adapters, or a full model, sharded or not).
+# One of these holds a checkpoint's weights (LoRA adapters, or a full model, in files or in FSDP2 shards).
 _WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin", "model.safetensors", "model.safetensors.index.json",
-            "pytorch_model.bin")
+            "pytorch_model.bin", f"{SHARDS}/.metadata")
 
 
 def complete_checkpoint(folder: Path) -> bool:
@@ -357,7 +368,8 @@ def resume_point(config: TrainConfig, echo: Callable[[str], None]) -> str | None
         return None
     if isinstance(config.resume, str):
         return config.resume
-    last = remove_cut_checkpoints(config.output_dir, echo)  # one exists: checked before loading
+    # rank 0 alone removes cut folders (all ranks at once would race in rmtree); the others only find it
+    last = remove_cut_checkpoints(config.output_dir, echo if is_main_process() else None)
     echo(f"resuming from {last}")
     return str(last)
 
@@ -389,19 +401,25 @@ def disk_full(exc: BaseException) -> bool:
 
 
 def _save(model, tokenizer, trainer, config: TrainConfig) -> str | None:
-    from unsloth.models.distributed import is_main_process
+    """The final saves, written by rank 0. Data parallel: every rank holds the same weights, so the others
+    return at once; sharded: every rank takes part in gathering the weights (once per save)."""
+    from unsloth.models.distributed import full_state_dict
 
     output = Path(config.output_dir)
-    if not is_main_process():  # data parallel: every rank holds the same weights; rank 0 writes them
+    if not is_main_process() and not sharded(config):
         return None
     if config.model.full_finetuning:
-        trainer.save_model(str(output))
-        tokenizer.save_pretrained(str(output))
+        trainer.save_model(str(output))  # sharded: ShardedTraining.save_model gathers
+        if is_main_process():
+            tokenizer.save_pretrained(str(output))
         return str(output)
-    model.save_pretrained(str(output / "lora"))
-    tokenizer.save_pretrained(str(output / "lora"))
+    adapters = full_state_dict(model, trainable_only=True) if sharded(config) else None
+    if is_main_process():
+        model.save_pretrained(str(output / "lora"), state_dict=adapters)
+        tokenizer.save_pretrained(str(output / "lora"))
     if config.save_merged:
         from unsloth.export.merged import save_pretrained_merged
 
-        return save_pretrained_merged(model, str(output / "merged"), tokenizer)
+        merged = save_pretrained_merged(model, str(output / "merged"), tokenizer if is_main_process() else None)
+        return merged if is_main_process() else None
     return None

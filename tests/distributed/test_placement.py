@@ -1,0 +1,51 @@
+"""Where a rank runs: the CPUs on its GPU's NUMA node (sysfs), so its pinned offload buffers land there."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import psutil
+import pytest
+import torch
+
+from unsloth.models import distributed
+
+
+def test_linux_cpu_lists_read_as_numbers():
+    assert distributed.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert distributed.parse_cpulist("5") == [5]
+
+
+def test_the_gpus_numa_cpus_come_from_its_pci_address(tmp_path, monkeypatch):
+    (tmp_path / "0000:41:00.0").mkdir()
+    (tmp_path / "0000:41:00.0" / "local_cpulist").write_text("16-19\n")
+    props = SimpleNamespace(pci_domain_id=0, pci_bus_id=0x41, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    assert distributed.gpu_local_cpus(0, sysfs=tmp_path) == [16, 17, 18, 19]
+    assert distributed.gpu_local_cpus(0, sysfs=tmp_path / "elsewhere") == []  # cannot tell: unchanged
+
+
+class FakeProcess:
+    def __init__(self, allowed):
+        self.allowed = list(allowed)
+
+    def cpu_affinity(self, cpus=None):
+        if cpus is None:
+            return self.allowed
+        self.allowed = list(cpus)
+
+
+@pytest.mark.parametrize("world, numa, allowed, chosen", [
+    ("2", [4, 5, 6, 7, 12], range(8), [4, 5, 6, 7]),  # the node's CPUs this process may use
+    ("1", [4, 5, 6, 7], range(8), []),  # one process: left alone
+    ("2", [], range(8), []),  # the node unknown
+    ("2", [20, 21], range(8), []),  # none of the node's CPUs allowed: left alone rather than pinned to nothing
+    ("2", [0, 1, 2, 3], range(4), []),  # already there
+])
+def test_a_rank_binds_to_its_gpus_numa_node_only_when_it_helps(monkeypatch, world, numa, allowed, chosen):
+    process = FakeProcess(allowed)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setattr(distributed, "gpu_local_cpus", lambda index: numa)
+    monkeypatch.setattr(psutil, "Process", lambda: process)
+    assert distributed.bind_to_gpu_numa_node(0) == chosen
+    assert process.allowed == (chosen or list(allowed))
