@@ -231,10 +231,21 @@ def _named(table: str, path: str) -> bool:
     return any(span.rstrip("/") == path or span.startswith(path + "/") for span in spans)
 
 
+def _tracked(folder: Path) -> list[str]:
+    """The names in `folder` that the repository holds (not build outputs such as an editable
+    install's egg-info, or caches); every name there when git cannot tell."""
+    import subprocess
+
+    done = subprocess.run(["git", "ls-files", "."], cwd=folder, capture_output=True, text=True)
+    if done.returncode != 0 or not done.stdout.strip():
+        return [p.name for p in folder.iterdir() if not p.name.endswith(".egg-info") and p.name != "__pycache__"]
+    return sorted({line.split("/")[0] for line in done.stdout.splitlines()})
+
+
 def test_the_readme_layout_table_names_every_top_level_part():
     table = _layout_table()
-    top = [p.name for p in ROOT.iterdir() if not p.name.startswith(".") and p.name not in ("README.md", "pyproject.toml")]
-    package = [p.name for p in SRC.iterdir() if p.name not in ("__init__.py", "__pycache__")]
+    top = [n for n in _tracked(ROOT) if not n.startswith(".") and n not in ("README.md", "pyproject.toml")]
+    package = [n for n in _tracked(SRC) if n not in ("__init__.py", "__pycache__")]
     missing = [name for name in top if not _named(table, name)]
     missing += [f"src/unsloth/{name}" for name in package
                 if not (_named(table, f"src/unsloth/{name}") or _named(table, name))]
