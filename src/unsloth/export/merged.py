@@ -50,6 +50,7 @@ def save_pretrained_merged(self, save_directory: str, tokenizer=None, save_metho
             return save_directory
         if getattr(config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # the loader ties it back to the embeddings
+        state = _checkpoint_layout(base, state)
         os.makedirs(save_directory, exist_ok=True)
         save_torch_state_dict(state, save_directory, max_shard_size=max_shard_size)
         config.save_pretrained(save_directory)
@@ -62,6 +63,18 @@ def save_pretrained_merged(self, save_directory: str, tokenizer=None, save_metho
     if tokenizer is not None:
         tokenizer.save_pretrained(save_directory)
     return save_directory
+
+
+def _checkpoint_layout(base: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict under the checkpoint's own names and layout, as save_pretrained writes it:
+    transformers loads some families' experts into packed stacks (Mixtral's per-expert w1 / w2 / w3
+    into gate_up_proj / down_proj) and reverts that on save; converters such as llama.cpp's read the
+    published layout."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    reverted = revert_weight_conversion(base, state)
+    # a split stack comes back as views into it; safetensors writes only tensors that own their storage
+    return {name: t if t.untyped_storage().nbytes() == t.nbytes else t.clone() for name, t in reverted.items()}
 
 
 def _save_merged_4bit(model, save_directory: str, max_shard_size: str) -> None:
