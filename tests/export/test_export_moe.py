@@ -15,21 +15,14 @@ from export_models import make_model, make_tokenizer
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = ("The capital of France is", "def add(a, b):", "Once upon a time")
 N_TOKENS = 12
-_TOP2 = dict(num_experts_per_tok=2)
-# Shapes on top of export_models' COMMON (hidden 256, 2 layers), as llama.cpp assumes them where it
-# does (Qwen3-MoE renormalizes its top-k weights; DeepSeek-V3 / GLM-4 MoE: one group, a dense first layer).
+# Shapes on top of export_models' COMMON (hidden 256, 2 layers). The families exported and compared
+# here; llama.cpp's converter also lists OLMoE (its GGUF of the tiny model does not load in
+# llama-cpp-python 0.3.36: the export fails with that message), DeepSeek-V3, GLM-4 MoE and Llama 4
+# (not run yet).
 MOE = {
     "gpt_oss": {},
     "qwen3_moe": {},
-    "mixtral": dict(num_local_experts=4, **_TOP2),
-    "olmoe": dict(num_experts=4, **_TOP2),
-    "deepseek_v3": dict(num_key_value_heads=4, moe_intermediate_size=128, n_routed_experts=4, n_group=1, topk_group=1,
-                        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=64,
-                        qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64, **_TOP2),  # fmt: skip
-    "glm4_moe": dict(head_dim=64, moe_intermediate_size=128, n_routed_experts=4, n_group=1, topk_group=1,
-                     n_shared_experts=1, first_k_dense_replace=1, **_TOP2),  # fmt: skip
-    "llama4_text": dict(head_dim=64, intermediate_size=128, intermediate_size_mlp=512, num_local_experts=4,
-                        num_experts_per_tok=1, interleave_moe_layer_step=1, attention_chunk_size=64),  # fmt: skip
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
 }
 
 
