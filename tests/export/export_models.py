@@ -41,6 +41,11 @@ LLAMA_CPP_PER_ARCH = {
     "olmo3": {},
     "granite": dict(logits_scaling=4.0, residual_multiplier=0.5, embedding_multiplier=2.0),
     "ministral3": dict(head_dim=64),
+    # Gemma 4 text: per-layer input embeddings, a sliding and a full layer (llama.cpp's gemma4 graph)
+    "gemma4_text": dict(head_dim=64, global_head_dim=128, sliding_window=64, vocab_size_per_layer_input=384,
+                        hidden_size_per_layer_input=16, final_logit_softcapping=30.0,
+                        layer_types=["sliding_attention", "full_attention"], pad_token_id=0, bos_token_id=2),
+    "glm4": dict(head_dim=64, pad_token_id=None),  # GLM-4 dense: post-norms, partial interleaved rotary
 }
 PER_ARCH.update(LLAMA_CPP_PER_ARCH)
 LLAMA_CPP_ARCHITECTURES = tuple(LLAMA_CPP_PER_ARCH)
@@ -57,23 +62,52 @@ CORPUS = [
 ]
 
 
-def make_tokenizer(pre_tokenizer=None, tokenizer_class=None):
+def make_tokenizer(pre_tokenizer=None, tokenizer_class=None, extra_specials=()):
     """``tokenizer_class``: the transformers class to wrap it in (PreTrainedTokenizerFast by default), for
-    converters that read the class name (llama.cpp takes Phi-4's BPE vocab only from a GPT2Tokenizer)."""
+    converters that read the class name (llama.cpp takes Phi-4's BPE vocab only from a GPT2Tokenizer).
+    ``extra_specials``: special tokens a converter looks up by name (GLM-4's ``<|endoftext|>``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizer or pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>", *extra_specials]
     trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 20, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", 0)])
     return (tokenizer_class or PreTrainedTokenizerFast)(
         tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=CHAT_TEMPLATE,
+        additional_special_tokens=["<|im_start|>", "<|im_end|>", *extra_specials], chat_template=CHAT_TEMPLATE,
     )
+
+
+def make_spm_tokenizer():
+    """A SentencePiece-style BPE tokenizer (spaces as U+2581, unknown bytes as <0xNN> tokens, BOS added),
+    as Gemma ships: the only kind llama.cpp's Gemma 4 converter reads. Ids as Gemma's: pad 0, eos 1, bos 2."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    learner = Tokenizer(models.BPE(unk_token="<unk>"))
+    learner.normalizer = normalizers.Replace(" ", "\u2581")
+    learner.pre_tokenizer = pre_tokenizers.Split("\n", behavior="isolated")  # llama.cpp splits at newlines
+    learner.train_from_iterator(CORPUS * 20, trainers.BpeTrainer(vocab_size=COMMON["vocab_size"] - 256,
+                                                                 special_tokens=specials))
+    learnt = json.loads(learner.to_str())["model"]
+    vocab = {token: i for i, token in enumerate(specials + [f"<0x{b:02X}>" for b in range(256)])}
+    for token, _ in sorted(learnt["vocab"].items(), key=lambda item: item[1]):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learnt["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                       special_tokens=[("<bos>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>", chat_template=CHAT_TEMPLATE)
 
 
 def make_model(arch: str, seed: int = 0, **overrides):
@@ -86,7 +120,8 @@ def make_model(arch: str, seed: int = 0, **overrides):
     gemma = arch.startswith("gemma")
     with torch.no_grad():
         norm = model.model.norm.weight
-        norm.copy_((norm + 1) * 8 - 1 if gemma else norm * 8)  # gemma stores w - 1
+        stores_w_minus_1 = gemma and arch != "gemma4_text"  # Gemma 4's norms multiply by w itself
+        norm.copy_((norm + 1) * 8 - 1 if stores_w_minus_1 else norm * 8)
         if gemma:
             model.get_input_embeddings().weight.mul_(0.1)
         for param in model.parameters():

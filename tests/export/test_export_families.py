@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from export_models import LLAMA_CPP_ARCHITECTURES, fake_tree, make_model, make_tokenizer
+from export_models import LLAMA_CPP_ARCHITECTURES, fake_tree, make_model, make_spm_tokenizer, make_tokenizer
 
 N_TOKENS = 12
 PROMPTS = ("The capital of France is", "def add(a, b):", "Once upon a time")
@@ -147,7 +147,10 @@ def test_family_exports_through_llama_cpp_and_matches_transformers(arch, convert
 
     model = make_model(arch)
     assert hf_architecture(model) in converter.architectures, f"{converter.origin} lacks {arch}"
-    tokenizer = make_tokenizer(tokenizer_class=_tokenizer_class(arch))
+    if arch == "gemma4_text":  # llama.cpp's Gemma 4 converter reads Gemma's SentencePiece-style BPE only
+        tokenizer = make_spm_tokenizer()
+    else:
+        tokenizer = make_tokenizer(tokenizer_class=_tokenizer_class(arch), extra_specials=EXTRA_SPECIALS.get(arch, ()))
     result = save_pretrained_gguf(model, tmp_path, tokenizer, "f16")
     report = result.validations["f16"]
     assert report.passed and report.tokenizer_mismatches == [], report.summary()
@@ -170,6 +173,10 @@ def test_family_exports_through_llama_cpp_and_matches_transformers(arch, convert
     # already allowed only near ties, so most steps must agree before any divergence.
     assert agree >= 0.75 * total, (arch, agree, total)
     assert len(seen) > 4, "the model is degenerate; the comparison would prove nothing"
+
+
+# llama.cpp's GLM-4 converter sets EOS, BOS and EOT from these added tokens of GLM-4's tokenizer
+EXTRA_SPECIALS = {"glm4": ("<|endoftext|>", "<|user|>")}
 
 
 def _tokenizer_class(arch):

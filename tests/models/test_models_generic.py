@@ -14,8 +14,8 @@ from unsloth.models.patches import family_patches, patch_model, patch_peft_model
 
 # What each stresses: LayerNorm and an ungated MLP (phi), logits divided by a config scale (granite),
 # a mixture of experts with eager attention only (gpt_oss), per-layer input embeddings that every
-# checkpointed layer takes as an argument (gemma4_text), Gated DeltaNet layers (qwen3_5_text). The
-# last two have family patches, switched off here as `bench_families.py --generic` does.
+# checkpointed layer takes as an argument (gemma4_text), Gated DeltaNet layers (qwen3_5_text). All
+# but phi have family patches, switched off here as `bench_families.py --generic` does.
 GENERIC = ["phi", "granite", "gpt_oss", "gemma4_text", "qwen3_5_text"]
 # On a GPU machine the kernels run for real there (the interpreter is set only without one).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

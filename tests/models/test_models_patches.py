@@ -6,9 +6,10 @@ import copy
 
 import pytest
 import torch
+from peft.tuners.lora import LoraLayer
 
-from tiny_families import VOCAB, has_tiny_config, tiny_model, with_lora
-from unsloth.models.patches import FAMILIES, patch_model, patch_peft_model
+from tiny_families import VOCAB, decoder_linears, has_tiny_config, target_names, tiny_model, with_lora
+from unsloth.models.patches import FAMILIES, MLP_FEEDS_RESIDUAL, patch_model, patch_peft_model
 from unsloth.models.checkpointing import apply_gradient_checkpointing
 
 # The multimodal registry names (gemma4, qwen3_5, the vision families) are tested as their text models
@@ -22,9 +23,13 @@ def _attention_layers(config) -> int:
     return sum(t != "linear_attention" for t in types) or config.num_hidden_layers
 
 
+# Gemma 4 rotates q and k in separate calls (another signature); GLM and GLM-4 rotate interleaved
+# pairs: their RoPE stays stock
+STOCK_ROPE = {"gemma4_text", "glm", "glm4"}
+
+
 def _rope_layers(config) -> int:
-    # Gemma 4 rotates q and k in separate calls (another signature), so its RoPE stays stock
-    return 0 if config.model_type == "gemma4_text" else _attention_layers(config)
+    return 0 if config.model_type in STOCK_ROPE else _attention_layers(config)
 
 
 def _batch(seed=1, batch=2, seq=12):
@@ -56,10 +61,11 @@ def test_patched_matches_unpatched(family, checkpointing, monkeypatch):
     reference = tiny_model(family)
     patched = copy.deepcopy(reference)
     report = patch_model(patched)
-    layers = reference.config.num_hidden_layers
+    config = reference.config.get_text_config()  # Mistral 3: its text model's
+    layers = config.num_hidden_layers
     assert report.skipped is None
     assert report.rms_norm >= 2 * layers + 1  # two per layer and the final norm (more with q/k norms)
-    assert report.rope == _rope_layers(reference.config)
+    assert report.rope == _rope_layers(config)
     assert report.mlp == layers
     assert report.loss
 
@@ -68,13 +74,22 @@ def test_patched_matches_unpatched(family, checkpointing, monkeypatch):
         torch.testing.assert_close(patched(input_ids=ids).logits, reference(input_ids=ids).logits,
                                    rtol=1e-4, atol=1e-4)
 
-    reference, patched = with_lora(reference), with_lora(patched)
-    # every LoRA layer on a fused path: one MLP (gate, up, down) per layer and q, k, v, o per attention
-    attention = _attention_layers(reference.config)
+    targets = decoder_linears(reference)
+    reference, patched = with_lora(reference, targets), with_lora(patched, targets)
+    # every LoRA layer on a fused path: one MLP kernel (gate, up, down) per layer and q, k, v, o per
+    # attention; where gate and up are one projection (Phi-4, GLM, Granite 4), all are LoRA linears
+    attention = _attention_layers(config)
     lora = {kind: n for kind, n in patch_peft_model(patched).lora.items() if n}  # dense Gemma 4: no experts
-    assert lora == {"MLP": layers, "linear": 4 * attention}
-    if checkpointing:
-        assert apply_gradient_checkpointing(patched.get_base_model(), checkpointing) == layers
+    lora_layers = sum(isinstance(m, LoraLayer) for m in patched.modules())
+    names = target_names(targets)
+    if {"gate_proj", "up_proj"} <= names:
+        assert lora == {"MLP": layers, "linear": 4 * attention}
+    else:
+        assert lora == {"linear": lora_layers} and lora_layers == (len(names) - 2) * attention + 2 * layers
+    if checkpointing:  # a vision-language model's tower layers are checkpointed too
+        tower = getattr(reference.config, "vision_config", None)
+        assert apply_gradient_checkpointing(patched.get_base_model(), checkpointing) == (
+            layers + (tower.num_hidden_layers if tower is not None else 0))
     for model in (reference, patched):
         model.train()
         model.zero_grad()
@@ -91,8 +106,49 @@ def test_patched_matches_unpatched(family, checkpointing, monkeypatch):
         # fp32 throughout; the fused loss and LoRA backward sum in another order, and that difference
         # grows through the layers' backward to ~1e-5 relative (1e-5 fails for some families): 1e-4.
         torch.testing.assert_close(fast_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    # q, k, v and o of every layer were replayed, not recomputed
-    assert sum(replayed) == (4 * attention if checkpointing else 0)
+    # the projections on the linear path (q, k, v and o of every layer) were replayed, not recomputed
+    assert sum(replayed) == (lora["linear"] if checkpointing else 0)
+
+
+def _lora_grads(model, ids, labels) -> dict[str, torch.Tensor]:
+    model.train()
+    model.zero_grad()
+    model(input_ids=ids, labels=labels).loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+# The families whose MLP_FEEDS_RESIDUAL membership this pass decided; the older ones are decided
+# by test_patched_matches_unpatched's checkpointed run.
+DECIDED = ["smollm3", "ministral", "ministral3", "mistral3", "granite", "olmo2", "olmo3", "phi3", "glm", "glm4",
+           "granitemoehybrid"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", DECIDED)
+def test_mlp_feeds_residual_holds_exactly_where_the_registry_says(family):
+    """Skipping the MLP's output in the recompute pass keeps the gradients exactly for the families in
+    MLP_FEEDS_RESIDUAL, and breaks them for the others (OLMo's norm after the MLP reads it), so the
+    registry's choice is what the model needs. Phi-4, GLM and Granite 4 have no LoRA MLP kernel
+    (gate and up are one projection): the flag has nothing to act on there."""
+    reference = tiny_model(family)
+    patched = copy.deepcopy(reference)
+    patch_model(patched)
+    targets = decoder_linears(reference)
+    reference, patched = with_lora(reference, targets), with_lora(patched, targets)
+    patch_peft_model(patched)
+    mlps = [m for m in patched.modules() if hasattr(m, "_unsloth_mlp_feeds_residual")]
+    if not {"gate_proj", "up_proj"} <= target_names(targets):
+        assert not mlps and family not in MLP_FEEDS_RESIDUAL
+        return
+    assert len(mlps) == reference.config.get_text_config().num_hidden_layers
+    assert all(m._unsloth_mlp_feeds_residual == (family in MLP_FEEDS_RESIDUAL) for m in mlps)
+    for m in mlps:  # the skip forced on, whatever the registry says
+        m._unsloth_mlp_feeds_residual = True
+    apply_gradient_checkpointing(patched.get_base_model(), "unsloth")
+    ids, labels = _batch()
+    expected, actual = _lora_grads(reference, ids, labels), _lora_grads(patched, ids, labels)
+    holds = all(torch.allclose(actual[n], g, rtol=1e-4, atol=1e-6) for n, g in expected.items())
+    assert holds == (family in MLP_FEEDS_RESIDUAL)
 
 
 def test_without_kernels_a_model_trains_unpatched_and_says_so(caplog, monkeypatch):
@@ -129,6 +185,38 @@ def test_unpatched_model_of_a_patched_family_keeps_the_stock_rope():
             assert len(calls) == patched.config.num_hidden_layers
     finally:
         rope._fast_rope = original
+
+
+@pytest.mark.parametrize("family", ["phi3", "qwen3_5_text"])
+def test_partial_rotary_runs_our_kernel(family, monkeypatch):
+    """Phi-4-mini (3/4 of each head) and Qwen3.5 rotate part of each head: the dispatcher takes those
+    calls only because the partial probe matched, and the logits stay the stock model's."""
+    from unsloth.models.patches import rope
+
+    reference = tiny_model(family)
+    config = reference.config
+    assert config.rope_parameters["partial_rotary_factor"] < 1
+    patched = copy.deepcopy(reference)
+    patch_model(patched)
+    calls = []
+    original = rope._fast_rope
+    monkeypatch.setattr(rope, "_fast_rope", lambda q, *a: calls.append(q.shape[-1]) or original(q, *a))
+    ids = _batch()[0]
+    with torch.no_grad():
+        torch.testing.assert_close(patched(input_ids=ids).logits, reference(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+    assert len(calls) == _attention_layers(config)
+
+
+def test_a_partial_probe_is_needed_for_partial_calls():
+    """Llama's function cannot rotate part of a head: its partial probe fails, so its dispatcher is made
+    with partial=False and leaves such calls to the stock function."""
+    import transformers.models.llama.modeling_llama as llama
+
+    from unsloth.models.patches.rope import _matches
+
+    assert _matches(llama.apply_rotary_pos_emb, 16, "cpu", torch.float32)
+    assert not _matches(llama.apply_rotary_pos_emb, 16, "cpu", torch.float32, rot=8)
 
 
 def test_lora_layers_take_the_fused_paths_and_fall_back_when_disabled():

@@ -42,14 +42,32 @@ def family_config(family: str):
         return t.SmolLM3Config(**COMMON, pad_token_id=None)
     if family == "olmo2":
         return t.Olmo2Config(**COMMON)
-    if family == "phi3":
-        return t.Phi3Config(**COMMON, pad_token_id=None)
+    if family == "olmo3":  # a sliding and a full layer
+        return t.Olmo3Config(**COMMON, pad_token_id=None, sliding_window=64,
+                             layer_types=["sliding_attention", "full_attention"])
+    if family == "phi3":  # Phi-4-mini rotates 3/4 of each head
+        return t.Phi3Config(**COMMON, pad_token_id=None, partial_rotary_factor=0.75)
     if family == "granite":
         return t.GraniteConfig(**COMMON, logits_scaling=4.0, residual_multiplier=0.5, embedding_multiplier=2.0)
+    if family == "granitemoehybrid":  # Granite 4 dense: no experts, attention layers with RoPE
+        return t.GraniteMoeHybridConfig(**COMMON, shared_intermediate_size=128, num_local_experts=0,
+                                        layer_types=["attention", "attention"], position_embedding_type="rope",
+                                        residual_multiplier=0.5, embedding_multiplier=2.0, logits_scaling=4.0)
     if family == "glm4":
         return t.Glm4Config(**COMMON, head_dim=16, pad_token_id=None)
+    if family == "glm":
+        return t.GlmConfig(**COMMON, head_dim=16, pad_token_id=None)
+    if family == "ministral":
+        return t.MinistralConfig(**COMMON, head_dim=16, sliding_window=64,
+                                 layer_types=["sliding_attention", "full_attention"])
     if family == "ministral3":
         return t.Ministral3Config(**COMMON, head_dim=16)
+    if family == "mistral3":  # Mistral 3 / Ministral 3: a Ministral 3 text model behind a Pixtral tower
+        return t.Mistral3Config(text_config=t.Ministral3Config(**COMMON, head_dim=16),
+                                vision_config=t.PixtralVisionConfig(hidden_size=32, intermediate_size=64,
+                                                                    num_hidden_layers=1, num_attention_heads=2,
+                                                                    image_size=32, patch_size=8),
+                                tie_word_embeddings=False)
     if family == "gpt_oss":
         return t.GptOssConfig(**{**COMMON, "intermediate_size": 64}, head_dim=16, num_local_experts=4,
                               num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])
@@ -65,12 +83,14 @@ def has_tiny_config(family: str) -> bool:
 
 
 def tiny_model(family: str, seed: int = 0, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
+    """The family's causal LM (a vision-language one, Mistral 3, as its image-text-to-text class)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
     config = family_config(family)
     config._attn_implementation = "eager" if family in ("gemma2", "gpt_oss") else "sdpa"
-    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    causal = type(config) in AutoModelForCausalLM._model_mapping
+    model = (AutoModelForCausalLM if causal else AutoModelForImageTextToText).from_config(config).to(dtype)
     with torch.no_grad():  # random norm weights, so a wrong (1 + w) convention cannot hide
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -103,6 +123,27 @@ def save_tiny(family: str, directory, model=None, **save_options):
 
 
 DECODER_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def decoder_linears(model) -> list[str] | str:
+    """The names of the nn.Linear layers inside the decoder layers (fused qkv_proj / gate_up_proj in
+    Phi-4 and GLM, input_linear / output_linear in Granite 4's MLP): the LoRA targets of a family; in a
+    vision-language model, a pattern that keeps them to its language model."""
+    from unsloth.models.patches import text_part
+
+    text = text_part(model)
+    layers = text.model.layers if text is model else text.layers
+    names = sorted({name.rsplit(".", 1)[-1] for name, m in layers.named_modules() if isinstance(m, torch.nn.Linear)})
+    if set(DECODER_TARGETS) <= set(names):  # Llama's layout (Qwen3.5's Gated DeltaNet projections left out)
+        names = DECODER_TARGETS
+    if text is model:
+        return names
+    return r".*language_model\.layers\..*\.(" + "|".join(names) + ")"
+
+
+def target_names(targets: list[str] | str) -> set[str]:
+    """The module names in `decoder_linears`' answer."""
+    return set(targets) if isinstance(targets, list) else set(targets.rsplit("(", 1)[1].rstrip(")").split("|"))
 
 
 def with_lora(model, target_modules=DECODER_TARGETS, b_std: float = 0.1):

@@ -49,6 +49,24 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     # input embeddings go through our checkpoint as layer arguments, softcapping into the fused loss.
     "gemma4_text": ALL,
     "gemma4": ALL,
+    # Llama 3.2 / 3.3 are "llama". Phi-4 (phi3): fused qkv and gate_up projections, the MLP through
+    # the fused-layout patch; its partial rotary (Phi-4-mini rotates 3/4 of each head) through our RoPE.
+    "phi3": ALL,
+    "mistral3": ALL,  # Mistral 3 / Ministral 3: the text model inside (mistral or ministral3) trains
+    "ministral3": ALL,
+    "ministral": ALL,
+    "smollm3": ALL,  # its NoPE layers never call RoPE
+    # OLMo 2 / 3: q/k norms over all heads and norms after attention and MLP: all RMSNorms
+    "olmo2": ALL,
+    "olmo3": ALL,
+    "granite": ALL,  # its embedding, attention, residual and logits multipliers stay in stock code
+    # Granite 4: dense when num_local_experts=0 (the shared MLP is the fused layout); Mamba layers
+    # and experts of the hybrid variants run stock
+    "granitemoehybrid": ALL,
+    # GLM-4 dense and GLM: the MLP is the fused layout; their RoPE is interleaved and partial, which our
+    # kernel does not reproduce, so it stays stock (the probe says so)
+    "glm4": ALL,
+    "glm": ALL,
     # Vision-language models: the patches go into their language model only (`text_part`); the vision
     # tower runs stock. Qwen2.5-VL / Qwen3-VL build their 3-D (multimodal) cos/sin tables first and
     # rotate with the plain apply_rotary_pos_emb, which our RoPE kernel takes.
@@ -56,6 +74,8 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "qwen3_vl": ALL,
     "gemma3": ALL,
     "mllama": ALL,
+    # Sesame CSM: a Llama backbone and a Llama depth decoder (`text_parts`); its Mimi codec runs stock.
+    "csm": ALL,
 }
 
 # Mixture-of-experts families: their packed experts also run as our grouped GEMMs ("moe"); the
@@ -83,7 +103,11 @@ MOE_FAMILIES: dict[str, tuple[str, ...]] = {
 # Families whose decoder layer adds the MLP's output straight to the residual stream, with no norm
 # after it (Gemma 2 and 3 have one): a checkpoint's recompute pass never reads that output, so the
 # fused MLP skips its down projection there. tests/models checks each family's gradients with it.
-MLP_FEEDS_RESIDUAL = {"llama", "mistral", "qwen2", "qwen3", "gemma", "qwen3_5_text", "qwen3_5"}
+# Granite's multiplier scales the output before the residual, which needs no value in backward. Not
+# OLMo 2/3 and GLM-4 (a norm after the MLP); Phi-4, GLM and Granite 4 fuse gate and up in one
+# projection, so their MLP is not on the LoRA MLP kernel this flag tunes.
+MLP_FEEDS_RESIDUAL = {"llama", "mistral", "qwen2", "qwen3", "gemma", "qwen3_5_text", "qwen3_5",
+                      "mistral3", "ministral3", "ministral", "smollm3", "granite"}
 
 
 def family_patches(family: str) -> tuple[str, ...] | None:
@@ -168,9 +192,17 @@ def text_part(model: nn.Module) -> nn.Module:
     return getattr(inner, "language_model", None) or getattr(model, "language_model", None) or model
 
 
+def text_parts(model: nn.Module) -> list[nn.Module]:
+    """Where the family patches go: a vision-language model's language model; a speech model's
+    parts other than its audio codec (CSM: backbone and depth decoder); else the whole model."""
+    from unsloth.models.speech import codec_of, outside_codec
+
+    return outside_codec(model) if codec_of(model) is not None else [text_part(model)]
+
+
 def patch_model(model: nn.Module) -> PatchReport:
-    """Put our kernels into a loaded causal LM (before LoRA); returns what was done. In a
-    vision-language model the family patches go into its language model; the loss is the whole model's."""
+    """Put our kernels into a loaded causal LM (before LoRA); returns what was done. The family
+    patches go into its `text_parts`; the loss is the whole model's."""
     family = getattr(model.config, "model_type", type(model).__name__)
     report = PatchReport(family)
     wanted = family_patches(family)
@@ -186,15 +218,15 @@ def patch_model(model: nn.Module) -> PatchReport:
     elif not family_patches_enabled():
         report.generic_only = "family patches off: UNSLOTH_FAMILY_PATCHES=0"
     else:
-        text = text_part(model)
-        if "rms_norm" in wanted:
-            report.rms_norm = patch_rms_norms(text)
-        if "rope" in wanted:
-            report.rope = patch_rope(text, device, dtype)
-        if "mlp" in wanted:
-            report.mlp = patch_mlps(text, device, dtype)
-        if "moe" in wanted:
-            report.moe = patch_moe_experts(text, device, dtype)
+        for text in text_parts(model):
+            if "rms_norm" in wanted:
+                report.rms_norm += patch_rms_norms(text)
+            if "rope" in wanted:
+                report.rope += patch_rope(text, device, dtype)
+            if "mlp" in wanted:
+                report.mlp += patch_mlps(text, device, dtype)
+            if "moe" in wanted:
+                report.moe += patch_moe_experts(text, device, dtype)
     model._unsloth_patches = report
     log.info(report.summary())
     return report

@@ -2,7 +2,10 @@
 
 The module keeps its projections (so LoRA wrappers on them still apply); only the
 `act(gate) * up` in the middle becomes one kernel. The kind of activation is read off the
-module's own `act_fn` on a probe, never off a class name.
+module's own activation on a probe, never off a class name. Two layouts: separate gate_proj /
+up_proj / down_proj (Llama), or one projection to 2 x intermediate that is split in two, then a
+down projection (Phi-3/4's gate_up_proj, GLM's, Granite 4's shared MLP): which of the two halves
+is the gate is found on the probe too.
 """
 
 from __future__ import annotations
@@ -51,31 +54,83 @@ def _gated_mlp_forward(self, x):
     return self.down_proj(gated(self._unsloth_act, self.gate_proj(x), self.up_proj(x)))
 
 
+def _fused_gated_mlp_forward(self, x):
+    gate_up, down, gate_first = self._unsloth_fused
+    first, second = getattr(self, gate_up)(x).chunk(2, dim=-1)
+    gate, up = (first, second) if gate_first else (second, first)
+    return getattr(self, down)(gated(self._unsloth_act, gate, up))
+
+
 def _is_gated_mlp(module: nn.Module) -> bool:
     return all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+
+
+def _fused_layout(module: nn.Module) -> tuple[str, str] | None:
+    """(gate_up, down) names when the module's only Linear children are one projection to twice the
+    width the other projects back from: the fused gate/up layout."""
+    linears = [(name, child) for name, child in module.named_children() if isinstance(child, nn.Linear)]
+    if len(linears) != 2:
+        return None
+    for (a, first), (b, second) in (linears, linears[::-1]):
+        if first.out_features == 2 * second.in_features and second.out_features == first.in_features:
+            return a, b
+    return None
+
+
+def _activation(module: nn.Module, device, dtype) -> str | None:
+    """The activation kind of the one child module (act_fn, activation_fn, activation...) that is one:
+    a child without parameters that computes one of ours on a probe."""
+    kinds = set()
+    for child in module.children():
+        if next(child.parameters(), None) is None:
+            try:
+                kinds.add(activation_kind(child, device, dtype))
+            except Exception:  # not elementwise: not an activation
+                pass
+    kinds.discard(None)
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def _keep_if_same(module: nn.Module, forward, x: torch.Tensor) -> bool:
+    """Install `forward` if it reproduces the module's own output on the probe `x`."""
+    with torch.no_grad():
+        try:  # a module that takes more than x (an attention with two Linear children) is no MLP
+            ok = same(forward(module, x), module(x))
+        except Exception:
+            ok = False
+    if ok:
+        module.forward = types.MethodType(forward, module)
+    return ok
 
 
 def patch_mlps(model: nn.Module, device, dtype) -> int:
     """Give every gated MLP whose activation we recognise the fused forward (checked on a probe)."""
     patched = 0
     for module in model.modules():
-        if not _is_gated_mlp(module) or hasattr(module, "_unsloth_act"):
+        if hasattr(module, "_unsloth_act"):
             continue
-        kind = activation_kind(module.act_fn, device, dtype)
+        if _is_gated_mlp(module):
+            kind = activation_kind(module.act_fn, device, dtype)
+            if kind is None:
+                continue
+            module._unsloth_act = kind
+            x = torch.randn(2, 3, module.gate_proj.in_features, device=device, dtype=dtype)
+            if _keep_if_same(module, _gated_mlp_forward, x):
+                patched += 1
+            else:
+                del module._unsloth_act
+            continue
+        layout = _fused_layout(module)
+        kind = _activation(module, device, dtype) if layout else None
         if kind is None:
             continue
-        in_features = module.gate_proj.in_features
-        x = torch.randn(2, 3, in_features, device=device, dtype=dtype)
-        with torch.no_grad():
-            expected = module(x)
-            module._unsloth_act = kind
-            try:
-                ok = same(_gated_mlp_forward(module, x), expected)
-            except Exception:
-                ok = False
-        if not ok:
-            del module._unsloth_act
-            continue
-        module.forward = types.MethodType(_gated_mlp_forward, module)
-        patched += 1
+        module._unsloth_act = kind
+        x = torch.randn(2, 3, getattr(module, layout[0]).in_features, device=device, dtype=dtype)
+        for gate_first in (True, False):
+            module._unsloth_fused = (*layout, gate_first)
+            if _keep_if_same(module, _fused_gated_mlp_forward, x):
+                patched += 1
+                break
+        else:
+            del module._unsloth_act, module._unsloth_fused
     return patched

@@ -41,21 +41,23 @@ def _fast_rope(q, k, cos, sin):
     return apply_rope(q, k, cos, sin, inplace=not keeping_for_recompute())
 
 
-def _plain_call(q, cos, args, kwargs) -> bool:
-    """The HF call our kernel reproduces: (q, k, cos, sin), full rotary dim, cos/sin broadcast over heads."""
+def _plain_call(q, cos, args, kwargs, partial: bool) -> bool:
+    """The HF call our kernel reproduces: (q, k, cos, sin), cos/sin broadcast over heads, the full
+    rotary dim, or (`partial`: the original was checked on one) the first cos.shape[-1] dims of each head."""
+    rot = cos.shape[-1]
     return (
         not args
         and set(kwargs) <= {"unsqueeze_dim"}
         and kwargs.get("unsqueeze_dim", 1) == 1
         and q.dim() == 4
-        and cos.shape[-1] == q.shape[-1]
+        and (rot == q.shape[-1] or (partial and rot < q.shape[-1] and rot % 2 == 0))
     )
 
 
-def _dispatcher(original):
+def _dispatcher(original, partial: bool):
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if not compiling() and getattr(_inside, "depth", 0) > 0 and _plain_call(q, cos, args, kwargs):
+        if not compiling() and getattr(_inside, "depth", 0) > 0 and _plain_call(q, cos, args, kwargs, partial):
             return _fast_rope(q, k, cos, sin)
         return original(q, k, cos, sin, *args, **kwargs)
 
@@ -63,10 +65,12 @@ def _dispatcher(original):
     return apply_rotary_pos_emb
 
 
-def _matches(original, head_dim: int, device, dtype) -> bool:
-    seq = 7
+def _matches(original, head_dim: int, device, dtype, rot: int | None = None) -> bool:
+    """Whether our kernel gives the original's output on a probe rotating the first `rot` dims of each
+    head (all of them by default; Phi-4-mini rotates 3/4, and a Llama-style function none but all)."""
+    seq, rot = 7, rot or head_dim
     positions = torch.arange(seq, device=device, dtype=torch.float32)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2, device=device, dtype=torch.float32) / rot))
     freqs = torch.outer(positions, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)[None]
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
@@ -95,7 +99,7 @@ def _head_dim(attention: nn.Module) -> int | None:
 def patch_rope(model: nn.Module, device, dtype) -> int:
     """Route RoPE of every attention module whose modeling file we can check; returns how many."""
     patched = 0
-    verdicts: dict[str, bool] = {}
+    verdicts: dict[str, bool] = {}  # modeling module -> full rotary matches (then: partial too?)
     for module in model.modules():
         if getattr(module, "_unsloth_rope", False) or not type(module).__name__.endswith("Attention"):
             continue
@@ -109,7 +113,8 @@ def patch_rope(model: nn.Module, device, dtype) -> int:
         if name not in verdicts:
             verdicts[name] = _matches(original, head_dim, device, dtype)
             if verdicts[name]:
-                modeling.apply_rotary_pos_emb = _dispatcher(original)
+                partial = head_dim >= 4 and _matches(original, head_dim, device, dtype, rot=2 * (head_dim // 4))
+                modeling.apply_rotary_pos_emb = _dispatcher(original, partial)
         if not verdicts[name]:
             continue
         module.register_forward_pre_hook(_enter)
