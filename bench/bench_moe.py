@@ -13,7 +13,8 @@ Qwen3-30B-A3B shapes. One JSON line per measurement; ours and the alternative in
     FEWER LAYERS (`--layers`, default 2: the full models do not fit a call's time), LoRA r=16 on
     attention and experts, batch 2 x 2048; `--impl ours|unsloth|hf` (hf = transformers + peft),
     `--four-bit` for QLoRA (bitsandbytes NF4 of the linear layers; ours also quantizes the packed
-    expert stacks to NF4, as load_pretrained does). Median step, peak memory, expert stacks' GiB.
+    expert stacks to NF4 as they load, as load_pretrained does). Median step, peak memory (of the
+    steps, and of loading), expert stacks' GiB.
 
     python bench/bench_moe.py --part kernel                       # about 1 minute on an H200
     python bench/bench_moe.py --part step --impl ours [--four-bit]
@@ -251,17 +252,17 @@ def load(impl, path, args):
         # load_pretrained's steps without its tokenizer (the random checkpoint has none)
         from transformers import AutoModelForCausalLM
 
-        from unsloth.models.loader import add_lora
+        from unsloth.models.loader import _experts_in_4bit_while_loading, _quantize_experts, add_lora
         from unsloth.models.patches import patch_model
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device(),
-                                                     quantization_config=quantization(args, dtype))  # fmt: skip
+        # as load_pretrained(load_in_4bit=True): the expert stacks in NF4 too, quantized as they load
+        with _experts_in_4bit_while_loading(args.four_bit):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device(),
+                                                         quantization_config=quantization(args, dtype))  # fmt: skip
         patch_model(model)
         model.requires_grad_(False)
-        if args.four_bit:  # as load_pretrained(load_in_4bit=True): the expert stacks in NF4 too
-            from unsloth.models.experts_4bit import quantize_packed_experts
-
-            quantize_packed_experts(model)
+        if args.four_bit:
+            _quantize_experts(model)
         return add_lora(model, r=args.rank, lora_alpha=args.rank, target_modules=TARGETS)
     if impl == "unsloth":
         from unsloth import FastLanguageModel  # the public package (PYTHONPATH without our source)
@@ -305,7 +306,10 @@ def bench_step(args) -> None:
 
     name = "tiny" if args.tiny else args.shape
     path = build_model_dir(name, args.layers, args.tiny, os.path.join(tempfile.gettempdir(), f"moe-{name}-{args.layers}"))
+    if device() == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     model = load(args.impl, path, args)
+    load_peak = torch.cuda.max_memory_allocated() / 2**30 if device() == "cuda" else 0.0
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     batch, seq = (2, 16) if args.tiny else (args.batch, args.seq)
@@ -332,7 +336,7 @@ def bench_step(args) -> None:
     experts_gib = sum(stored_bytes(p) for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in EXPERT_STACKS) / 2**30
     print(json.dumps({"part": "step", "shape": name, "impl": args.impl, "layers": args.layers,
                       "four_bit": args.four_bit, "batch": batch, "seq": seq, "median_step_s": round(statistics.median(times), 4),
-                      "peak_gib": round(peak, 2), "expert_stacks_gib": round(experts_gib, 3), "losses": losses}), flush=True)  # fmt: skip
+                      "peak_gib": round(peak, 2), "load_peak_gib": round(load_peak, 2), "expert_stacks_gib": round(experts_gib, 3), "losses": losses}), flush=True)  # fmt: skip
 
 
 def main() -> None:

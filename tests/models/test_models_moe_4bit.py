@@ -178,3 +178,128 @@ def test_merged_state_dict_of_expert_lora_is_the_adapted_model(family, four_bit)
         torch.testing.assert_close(plain(input_ids=ids).logits, adapted, rtol=1e-4, atol=1e-4)
         with model.disable_adapter():  # the delta is really there: without it the logits move
             assert not torch.allclose(model(input_ids=ids).logits, adapted, atol=1e-3)
+
+
+def test_stacks_quantized_expert_by_expert_are_bitsandbytes_own_bytes():
+    """Nf4Stack.quantize works one expert at a time (to bound its float32 working copies); the bytes,
+    scales and nested scales are those of one bitsandbytes quantize_4bit call on the whole stack."""
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    for shape, dtype in [((6, 32, 64), torch.float32), ((4, 48, 128), torch.bfloat16), ((3, 5, 7), torch.float32)]:
+        dense = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+        stack = Nf4Stack.quantize(dense)
+        packed, state = quantize_4bit(dense, blocksize=64, compress_statistics=True, quant_type="nf4",
+                                      quant_storage=torch.uint8)  # fmt: skip
+        assert stack.packed.shape == packed.shape and torch.equal(stack.packed, packed), shape
+        ours = stack.quant_state
+        assert torch.equal(ours.absmax, state.absmax) and torch.equal(ours.offset, state.offset), shape
+        assert torch.equal(ours.state2.absmax, state.state2.absmax) and ours.shape == state.shape, shape
+        assert torch.equal(stack.dequantize(), dequantize_4bit(packed, state)), shape
+
+
+def _cpu_allocation_peak(load):
+    """(load(), the peak of torch's CPU allocations while it ran, above what was allocated before), from
+    the profiler's running total of allocated bytes. A checkpoint's file mapping is page cache: the
+    profiler reports it with a total of 0, and it is left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = load()
+    events, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        node = pending.pop()
+        pending.extend(node.children)
+        fields = node.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation" and fields.total_allocated:
+            events.append((node.start_time_ns, fields.total_allocated, fields.alloc_size))
+    events.sort()
+    before = events[0][1] - events[0][2]  # the reporter's total counts what earlier profiled code still holds
+    return result, max(total for _, total, _ in events) - before
+
+
+def _stored_bytes(model):
+    return sum(p.nbytes_stored() if isinstance(p, Nf4Stack) else p.numel() * p.element_size()
+               for p in model.parameters())  # fmt: skip
+
+
+@pytest.mark.slow
+def test_experts_are_quantized_as_the_checkpoint_loads_so_it_never_holds_the_16bit_experts(tmp_path):
+    """A sharded 16-bit MoE checkpoint loaded with 4-bit experts peaks at about the 4-bit model plus
+    one layer's 16-bit experts; quantizing after the load (as before) peaks above all the 16-bit experts."""
+    import transformers as t
+
+    from unsloth.models.experts_4bit import quantize_experts_on_load
+    from unsloth.models.loader import _quantization_config
+    from unsloth.models.patches.moe import holds_expert_stacks
+
+    layers = 8
+    config = t.Qwen3MoeConfig(vocab_size=64, hidden_size=128, intermediate_size=64, moe_intermediate_size=128,
+                              num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                              num_experts=16, num_experts_per_tok=2, norm_topk_prob=True)  # fmt: skip
+    torch.manual_seed(0)
+    t.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="1MB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > layers
+
+    def load():
+        return t.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
+                                                      quantization_config=_quantization_config(True, False, torch.bfloat16))  # fmt: skip
+
+    after, peak_after = _cpu_allocation_peak(load)
+    experts_16bit = sum(p.numel() * 2 for n, p in after.named_parameters() if n.endswith(("gate_up_proj", "down_proj")))
+    model_16bit = _stored_bytes(after)
+    assert peak_after >= model_16bit  # the check can fail: a plain load holds every 16-bit stack
+    with quantize_experts_on_load(holds_expert_stacks):
+        on_load, peak = _cpu_allocation_peak(load)
+    stacks = [p for p in on_load.parameters() if isinstance(p, Nf4Stack)]
+    assert len(stacks) == 2 * layers and not any(p.requires_grad for p in stacks)
+    model_4bit, one_layer = _stored_bytes(on_load), experts_16bit // layers
+    # one layer in flight: its per-expert tensors, their stack, the joined gate/up stack
+    assert peak <= model_4bit + 2 * one_layer, (peak, model_4bit, one_layer)
+    assert peak < 0.5 * model_16bit, (peak, model_16bit)
+    for dense, stack in zip([p for n, p in after.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))], stacks):
+        assert torch.equal(stack.dequantize(), Nf4Stack.quantize(dense.data).dequantize())
+
+
+@pytest.mark.slow
+def test_load_in_4bit_quantizes_while_loading_as_the_after_load_path_did(tmp_path, monkeypatch):
+    """load_pretrained(load_in_4bit=True) on a sharded checkpoint: transformers hands back experts
+    already in NF4; the model (bytes, outputs) equals the one quantized after the load."""
+    import contextlib
+
+    from transformers import AutoModelForCausalLM
+
+    from tiny_families import save_tiny
+    from unsloth.models import loader
+
+    path = save_tiny("qwen3_moe", tmp_path / "qwen3_moe", model=tiny_moe("qwen3_moe"), max_shard_size="20KB")
+    assert len(list(path.glob("*.safetensors"))) > 2
+    loaded = []
+
+    class Recorded:  # AutoModelForCausalLM, noting which stacks came back from transformers' load in NF4
+        _model_mapping = AutoModelForCausalLM._model_mapping
+
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            model = AutoModelForCausalLM.from_pretrained(*args, **kwargs)
+            loaded.append(sum(isinstance(p, Nf4Stack) for p in model.parameters()))
+            return model
+
+    def load():
+        return loader.load_pretrained(str(path), max_seq_length=64, dtype="float32", load_in_4bit=True,
+                                      auto_class=Recorded)[0]  # fmt: skip
+
+    on_load = load()
+    monkeypatch.setattr(loader, "_experts_in_4bit_while_loading", lambda wanted: contextlib.nullcontext())
+    after = load()
+    stacks = 2 * on_load.config.num_hidden_layers
+    assert loaded == [stacks, 0]
+    assert on_load._unsloth_patches.moe_4bit == after._unsloth_patches.moe_4bit == stacks
+    ours = {n: p for n, p in on_load.named_parameters() if isinstance(p, Nf4Stack)}
+    theirs = {n: p for n, p in after.named_parameters() if isinstance(p, Nf4Stack)}
+    assert ours.keys() == theirs.keys() and len(ours) == stacks
+    for name, stack in ours.items():
+        assert torch.equal(stack.packed, theirs[name].packed), name
+        assert torch.equal(stack.quant_state.absmax, theirs[name].quant_state.absmax), name
+    ids, _ = _batch()
+    with torch.no_grad():
+        assert torch.equal(on_load(input_ids=ids).logits, after(input_ids=ids).logits)

@@ -109,12 +109,13 @@ def tiny_llama():
     return LlamaForCausalLM(config).eval()
 
 
-def save_tiny(family: str, directory, model=None):
-    """A loadable folder: the tiny random model of `family` (or `model`) and a word-level tokenizer of its vocab."""
+def save_tiny(family: str, directory, model=None, **save_options):
+    """A loadable folder: the tiny random model of `family` (or `model`) and a word-level tokenizer of its
+    vocab; `save_options` go to save_pretrained (max_shard_size: a checkpoint of several shards)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    (model if model is not None else tiny_model(family)).save_pretrained(directory)
+    (model if model is not None else tiny_model(family)).save_pretrained(directory, **save_options)
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t1", unk_token="t0").save_pretrained(directory)

@@ -51,12 +51,9 @@ def save_pretrained_merged(self, save_directory: str, tokenizer=None, save_metho
             return save_directory
         for key in _tied_copies(base, config):
             state.pop(key, None)  # the loader ties them back to their sources
-        if getattr(config, "vision_config", None) is not None:
-            # the checkpoint's own key layout (visual.*, not model.visual.*), as save_pretrained writes it:
-            # llama.cpp's converter reads the vision tower for the projector file (mmproj) by those names
-            from transformers.core_model_loading import revert_weight_conversion
-
-            state = revert_weight_conversion(base, state)
+        # the checkpoint's own key layout: vision towers as visual.* (llama.cpp's --mmproj reads them so),
+        # experts as published
+        state = _checkpoint_layout(base, state)
         os.makedirs(save_directory, exist_ok=True)
         save_torch_state_dict(state, save_directory, max_shard_size=max_shard_size)
         config.save_pretrained(save_directory)
@@ -70,6 +67,18 @@ def save_pretrained_merged(self, save_directory: str, tokenizer=None, save_metho
     if tokenizer is not None:
         save_tokenizer(tokenizer, save_directory)
     return save_directory
+
+
+def _checkpoint_layout(base: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict under the checkpoint's own names and layout, as save_pretrained writes it:
+    transformers loads some families' experts into packed stacks (Mixtral's per-expert w1 / w2 / w3
+    into gate_up_proj / down_proj) and reverts that on save; converters such as llama.cpp's read the
+    published layout."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    reverted = revert_weight_conversion(base, state)
+    # a split stack comes back as views into it; safetensors writes only tensors that own their storage
+    return {name: t if t.untyped_storage().nbytes() == t.nbytes else t.clone() for name, t in reverted.items()}
 
 
 def _tied_copies(base: nn.Module, config) -> list[str]:

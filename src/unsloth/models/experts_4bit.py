@@ -14,13 +14,19 @@ still looks like the dense stack (shape, dtype, device) to everything else:
   weights: every operation but views, copies and moves dequantizes first. Writing into it is an
   error, not a silent write to a temporary.
 
-Only experts modules the MoE patch took are quantized (the stock forward over a 4-bit stack is
-correct but dequantizes the whole stack for each expert).
+The stacks are quantized while the checkpoint loads (`quantize_experts_on_load`): transformers
+materializes one tensor at a time and sets it on its module, and each dense stack is replaced by
+its NF4 form as it is set, so loading peaks at about the 4-bit model plus one layer's 16-bit
+stacks, not at the 16-bit model. Only experts modules the MoE patch then takes keep 4-bit stacks;
+the others are dequantized back (the stock forward over a 4-bit stack is correct but dequantizes
+the whole stack for each expert).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -68,11 +74,22 @@ class Nf4Stack(torch.Tensor):
 
     @classmethod
     def quantize(cls, dense: torch.Tensor) -> Nf4Stack:
-        from bitsandbytes.functional import quantize_4bit
+        """bitsandbytes' double-quantized NF4 of the stack `dense`, one expert at a time: where each
+        expert is a whole number of blocks, the bytes are those of one `quantize_4bit` of the whole
+        stack, but its float32 working copies (several times the stack, on the CPU) are one expert's."""
+        from bitsandbytes.functional import QuantState, quantize_4bit, quantize_blockwise
 
-        packed, state = quantize_4bit(dense.detach().contiguous(), blocksize=BLOCKSIZE, compress_statistics=True,
-                                      quant_type="nf4", quant_storage=torch.uint8)  # fmt: skip
-        return cls(packed, state)
+        dense = dense.detach().contiguous()
+        options = dict(blocksize=BLOCKSIZE, quant_type="nf4", quant_storage=torch.uint8)
+        if dense.dim() < 2 or dense[0].numel() % BLOCKSIZE:  # blocks would straddle two experts
+            return cls(*quantize_4bit(dense, compress_statistics=True, **options))
+        parts = [quantize_4bit(expert, compress_statistics=False, **options) for expert in dense]
+        absmax = torch.cat([state.absmax for _, state in parts])
+        offset = absmax.mean()  # the nested level, as quantize_4bit(compress_statistics=True) does it
+        qabsmax, state2 = quantize_blockwise(absmax - offset, blocksize=256)
+        state = QuantState(absmax=qabsmax, shape=dense.shape, dtype=dense.dtype, blocksize=BLOCKSIZE,
+                           code=parts[0][1].code, quant_type="nf4", offset=offset, state2=state2)  # fmt: skip
+        return cls(torch.cat([packed for packed, _ in parts]), state)
 
     def dequantize(self) -> torch.Tensor:
         from bitsandbytes.functional import dequantize_4bit
@@ -118,6 +135,32 @@ class Nf4Stack(torch.Tensor):
         return func(*args, **kwargs)
 
 
+@contextmanager
+def quantize_experts_on_load(holds_stacks: Callable[[nn.Module], bool]) -> Iterator[None]:
+    """While inside, every expert stack loaded from a checkpoint is stored as an Nf4Stack the moment it
+    is set on a module for which `holds_stacks` is true.
+
+    transformers sets each loaded tensor with `setattr(module, name, Parameter)`, after marking it
+    `_is_hf_initialized`; torch's parameter-registration hook sees that and returns the replacement.
+    Stacks not from the checkpoint (still on the meta device, or missing and initialized later) are
+    left to `quantize_packed_experts` after loading."""
+
+    def hook(module: nn.Module, name: str, param):
+        if (name not in EXPERT_STACKS or isinstance(param, Nf4Stack) or not getattr(param, "_is_hf_initialized", False)
+                or param.device.type == "meta" or not param.is_floating_point() or param.dim() != 3
+                or not holds_stacks(module)):  # fmt: skip
+            return None
+        stack = nn.Parameter(Nf4Stack.quantize(param.data), requires_grad=False)
+        stack._is_hf_initialized = True  # loaded: transformers must not initialize it again
+        return stack
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _experts_modules(model: nn.Module):
     for module in model.modules():
         if "_unsloth_moe" in module.__dict__:  # patched by patches/moe.patch_moe_experts
@@ -158,11 +201,11 @@ def expert_stack_bytes(model: nn.Module) -> int:
     return total
 
 
-def dequantize_packed_experts(model: nn.Module) -> int:
-    """Turn every Nf4Stack parameter back into a dense one (a merge or full fine-tuning writes into
-    the weights); returns how many were dequantized."""
+def dequantize_packed_experts(model: nn.Module, modules=None) -> int:
+    """Turn every Nf4Stack parameter (of `modules`, by default all of `model`'s) back into a dense one
+    (a merge or full fine-tuning writes into the weights); returns how many were dequantized."""
     count = 0
-    for module in model.modules():
+    for module in model.modules() if modules is None else modules:
         for name, param in list(module.named_parameters(recurse=False)):
             if isinstance(param, Nf4Stack):
                 setattr(module, name, nn.Parameter(param.dequantize(), requires_grad=False))

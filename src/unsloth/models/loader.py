@@ -7,6 +7,7 @@ gradient checkpointing with offload. The notebook facade (``unsloth.notebook``) 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -279,17 +280,18 @@ def load_pretrained(
     if why:
         log.warning("unsloth: %s.", why)
     published = _published_quantization(model_name, dtype, **hub_options)
-    model = auto_class.from_pretrained(
-        model_name,
-        dtype=dtype,
-        device_map=device_map,
-        quantization_config=published or _quantization_config(load_in_4bit, load_in_8bit, dtype),
-        token=token,
-        revision=revision,
-        trust_remote_code=trust_remote_code,
-        attn_implementation=attn_implementation,
-        **kwargs,
-    )
+    with _experts_in_4bit_while_loading(load_in_4bit and not full_finetuning):
+        model = auto_class.from_pretrained(
+            model_name,
+            dtype=dtype,
+            device_map=device_map,
+            quantization_config=published or _quantization_config(load_in_4bit, load_in_8bit, dtype),
+            token=token,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+            **kwargs,
+        )
     tokenizer = load_tokenizer(tokenizer_name or model_name, **hub_options)
     model.max_seq_length = max_seq_length
     if auto_dtype:  # the checkpoint's own dtype, for saves: float32 on a CPU is a compute choice, not the model's
@@ -315,19 +317,32 @@ def load_pretrained(
     return model, _prepare_tokenizer(tokenizer, max_seq_length)
 
 
+def _experts_in_4bit_while_loading(wanted: bool):
+    """QLoRA of packed MoE experts: their stacks are quantized as the checkpoint loads (one at a time),
+    so loading never holds the 16-bit experts of more than about one layer (experts_4bit)."""
+    if not wanted or importlib.util.find_spec("bitsandbytes") is None:
+        return contextlib.nullcontext()
+    from unsloth.models.experts_4bit import quantize_experts_on_load
+    from unsloth.models.patches.moe import holds_expert_stacks
+
+    return quantize_experts_on_load(holds_expert_stacks)
+
+
 def _quantize_experts(model) -> None:
-    """QLoRA of packed MoE experts: bitsandbytes quantizes nn.Linear layers only, so their stacks
-    (most of the model) are quantized here, after the experts patch took them."""
-    from unsloth.models.patches.moe import experts_modules
+    """QLoRA of packed MoE experts: bitsandbytes quantizes nn.Linear layers only, so their stacks (most
+    of the model) are quantized by us: on load, and here any the load left dense (not from the
+    checkpoint). The ones our kernel does not run are dequantized back, after the experts patch."""
+    from unsloth.models.patches.moe import experts_modules, holds_expert_stacks
 
     experts = experts_modules(model)
-    if not experts:
-        return
     if importlib.util.find_spec("bitsandbytes") is None:
-        log.warning("unsloth: bitsandbytes is not installed, so the MoE experts stay %s.", model.dtype)
+        if experts:
+            log.warning("unsloth: bitsandbytes is not installed, so the MoE experts stay %s.", model.dtype)
         return
-    from unsloth.models.experts_4bit import quantize_packed_experts
+    from unsloth.models.experts_4bit import dequantize_packed_experts, quantize_packed_experts
 
+    unpatched = [m for m in model.modules() if holds_expert_stacks(m) and "_unsloth_moe" not in m.__dict__]
+    dequantize_packed_experts(model, unpatched)
     stacks = quantize_packed_experts(model)
     unpatched = sum(1 for m in experts if "_unsloth_moe" not in m.__dict__)
     if unpatched:

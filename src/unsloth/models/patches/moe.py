@@ -169,6 +169,14 @@ def patch_dense_routed_moe(model: nn.Module, device, dtype) -> int:
     return patched
 
 
+def holds_expert_stacks(module: nn.Module) -> bool:
+    """A module holding packed (E, ...) gate_up_proj / down_proj stacks, told from the module alone (while
+    a checkpoint loads, before the block around it is whole): what `experts_modules` finds, and more."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
+            and down.dim() == 3 and hasattr(module, "num_experts"))  # fmt: skip
+
+
 def experts_modules(model: nn.Module) -> list[nn.Module]:
     """Every experts module of packed stacks in `model` (patched or not): the other families' and Llama 4's."""
     found = [m for m in model.modules() if is_packed_experts(m)]
