@@ -74,34 +74,38 @@ function Find-Uv {
     return $null
 }
 
-# The standalone uv, checked against the checksum published with the release.
+# The standalone uv: its PyPI wheel, checked against the pinned sha256 before anything is unpacked.
+# UNSLOTH_UV_DOWNLOAD_URL: a folder (mirror) holding the same wheel; UNSLOTH_UV_SHA256: another build's hash.
 function Get-StandaloneUv {
     param([string]$UnslothHome)
+    # uv's PyPI wheels for Windows: URL and sha256 as PyPI's index lists them, pinned beside the version
+    # and never fetched from where uv comes from (install.sh pins the Linux and macOS wheels the same way).
+    $pins = @{
+        'x86_64-pc-windows-msvc'  = @('https://files.pythonhosted.org/packages/dd/ef/ceeabf3631117f7354787d9fb1ffe943899e59ed4b887a696ed547e47e76/uv-0.13.9-py3-none-win_amd64.whl', '6a44b2ed8111d2f60d2b92627c5dccda3f7ed7570b18ce115e569cd68c28246b')
+        'aarch64-pc-windows-msvc' = @('https://files.pythonhosted.org/packages/da/d1/d97a5db1f27e077e4d6329223f6b3f719c02c97e4092043f13e628558d05/uv-0.13.9-py3-none-win_arm64.whl', 'eeb92051c2123b9730c46b04cc843cfa4bc7d7b0aec56df431a2215ef4cb0273')
+    }
     $target = 'x86_64-pc-windows-msvc'
     if ($env:PROCESSOR_ARCHITECTURE -eq 'ARM64') { $target = 'aarch64-pc-windows-msvc' }
-    $asset = "uv-$target.zip"
-    $base = $env:UNSLOTH_UV_DOWNLOAD_URL
-    if (-not $base) { $base = "https://github.com/astral-sh/uv/releases/download/$UnslothUvVersion" }
+    $url = $pins[$target][0]
+    $expected = $pins[$target][1]
+    $wheel = $url.Substring($url.LastIndexOf('/') + 1)
+    if ($env:UNSLOTH_UV_DOWNLOAD_URL) { $url = $env:UNSLOTH_UV_DOWNLOAD_URL.TrimEnd('/') + '/' + $wheel }
+    if ($env:UNSLOTH_UV_SHA256) { $expected = $env:UNSLOTH_UV_SHA256 }
     $tmp = Join-Path ([System.IO.Path]::GetTempPath()) ("unsloth-uv-" + [guid]::NewGuid())
     New-Item -ItemType Directory -Path $tmp | Out-Null
     try {
         Write-Step "Downloading uv $UnslothUvVersion ($target)"
         $ProgressPreference = 'SilentlyContinue'  # the progress bar makes Invoke-WebRequest very slow on 5.1
-        Invoke-WebRequest -UseBasicParsing -Uri "$base/$asset" -OutFile (Join-Path $tmp $asset)
-        $expected = $env:UNSLOTH_UV_SHA256
-        if (-not $expected) {
-            $sums = (Invoke-WebRequest -UseBasicParsing -Uri "$base/$asset.sha256").Content
-            if ($sums -is [byte[]]) { $sums = [System.Text.Encoding]::ASCII.GetString($sums) }
-            $expected = ($sums -split '\s+')[0]
-        }
-        $actual = (Get-FileHash -Algorithm SHA256 -Path (Join-Path $tmp $asset)).Hash
+        $zip = Join-Path $tmp 'uv.zip'  # a wheel is a zip; Expand-Archive on 5.1 wants the .zip name
+        Invoke-WebRequest -UseBasicParsing -Uri $url -OutFile $zip
+        $actual = (Get-FileHash -Algorithm SHA256 -Path $zip).Hash
         if ($actual -ne $expected.ToUpper()) {
-            Stop-Install "uv download is corrupt or tampered with (sha256 $actual, expected $expected); nothing was installed"
+            Stop-Install "the uv download from $url is corrupt or tampered with (sha256 $actual, expected $expected); nothing was installed. Run this again; behind a mirror that rebuilds wheels, set UNSLOTH_UV_SHA256 to its hash"
         }
-        Expand-Archive -Path (Join-Path $tmp $asset) -DestinationPath $tmp -Force
+        Expand-Archive -Path $zip -DestinationPath $tmp -Force
         $dest = Join-Path $UnslothHome 'uv'
         New-Item -ItemType Directory -Force -Path $dest | Out-Null
-        Copy-Item -Path (Join-Path $tmp 'uv.exe') -Destination $dest -Force
+        Copy-Item -Path (Join-Path $tmp "uv-$UnslothUvVersion.data\scripts\uv.exe") -Destination $dest -Force
         return (Join-Path $dest 'uv.exe')
     } finally {
         Remove-Item -Recurse -Force -Path $tmp -ErrorAction SilentlyContinue

@@ -13,7 +13,7 @@
 
 set -eu
 
-UV_VERSION=0.13.9   # the standalone uv fetched when neither uv nor a usable Python with pip is found
+UV_VERSION=0.13.9   # the standalone uv fetched when neither uv nor a usable Python with pip is found (uv_wheel)
 UV_MIN=0.8
 PYTHON_MIN=3.10
 PYTHON_MAX=3.13
@@ -140,7 +140,7 @@ check_tools() {
   done
   if [ "${NEED_DOWNLOAD:-0}" = 1 ]; then
     have curl || have wget || missing="$missing curl"
-    have tar || missing="$missing tar"
+    have unzip || have python3 || can_unzip_with_tar || missing="$missing unzip"
     have sha256sum || have shasum || missing="$missing coreutils"
   fi
   if [ -n "$missing" ]; then
@@ -216,27 +216,56 @@ uv_target() {
   esac
 }
 
-# The standalone uv, checked against the checksum published with the release.
+# uv $UV_VERSION's PyPI wheel for a target: "URL SHA256", both as PyPI's index lists them. The hash is
+# pinned here, beside the version, never fetched from where uv comes from; a new UV_VERSION brings new rows
+# (https://pypi.org/simple/uv/). install.ps1 pins the Windows wheels the same way.
+uv_wheel() {
+  files=https://files.pythonhosted.org/packages
+  case "$1" in
+    x86_64-unknown-linux-gnu) echo "$files/3d/aa/26d64642d808de4a652579ef950d7cd2d37f080a8babf9c67c6b75fc4c3f/uv-0.13.9-py3-none-manylinux_2_17_x86_64.manylinux2014_x86_64.whl d7f459fe4fd247d830351c75686d3996ace3c6f3f728eb0e85a30b7ada0cef19" ;;
+    aarch64-unknown-linux-gnu) echo "$files/57/15/94b6cd62ac3ff6550288328e8035288875197cbc183f51554b266a69877b/uv-0.13.9-py3-none-manylinux_2_17_aarch64.manylinux2014_aarch64.musllinux_1_1_aarch64.whl 5435c5ce14a56431208ca0996416d310f1598e8c2c8ba707688985a16bb82dbe" ;;
+    aarch64-apple-darwin) echo "$files/f3/a7/a8d7b074798c7fb3b26b37584b8fe2e29df2ccdc24ce7902caab2a53edbf/uv-0.13.9-py3-none-macosx_11_0_arm64.whl 66c512266d633bef48384a1f53003f41f2a8e7b36fe6e7fbfd3e0fd52d96fa63" ;;
+    x86_64-apple-darwin) echo "$files/1e/db/08e9ef4879bd667e6d7b4705e594e5bd3e4585f10fc63cb16b9fa2fac63e/uv-0.13.9-py3-none-macosx_10_12_x86_64.whl c16ed11e013557536b3e60065f1b912f6407bd6518e041b961e23ef9e6b4fbf5" ;;
+  esac
+}
+
+can_unzip_with_tar() {
+  case "$(tar --version 2>/dev/null)" in *bsdtar*) return 0 ;; *) return 1 ;; esac
+}
+
+# A wheel is a zip: unzip, any Python's zipfile (no pip needed), or a tar that reads zips (bsdtar).
+unzip_to() {
+  if have unzip; then unzip -q -o "$1" -d "$2"
+  elif have python3; then python3 -m zipfile -e "$1" "$2"
+  elif can_unzip_with_tar; then tar -xf "$1" -C "$2"
+  else return 1
+  fi
+}
+
+# The standalone uv: its PyPI wheel, checked against the pinned sha256 before anything is unpacked.
+# UNSLOTH_UV_DOWNLOAD_URL: a folder (mirror) holding the same wheel; UNSLOTH_UV_SHA256: another build's hash.
 download_uv() {
   target=$(uv_target)
-  asset="uv-$target.tar.gz"
-  url="${UNSLOTH_UV_DOWNLOAD_URL:-https://github.com/astral-sh/uv/releases/download/$UV_VERSION}/$asset"
+  read -r url pinned <<EOF
+$(uv_wheel "$target")
+EOF
+  wheel=${url##*/}
+  if [ -n "${UNSLOTH_UV_DOWNLOAD_URL:-}" ]; then url="${UNSLOTH_UV_DOWNLOAD_URL%/}/$wheel"; fi
+  expected=${UNSLOTH_UV_SHA256:-$pinned}
   tmp=$(mktemp -d)
   say "Downloading uv $UV_VERSION ($target)"
-  download "$url" "$tmp/$asset" || { rm -rf "$tmp"; die "could not download $url (network or proxy?)"; }
-  expected=${UNSLOTH_UV_SHA256:-}
-  if [ -z "$expected" ]; then
-    download "$url.sha256" "$tmp/$asset.sha256" || { rm -rf "$tmp"; die "could not download $url.sha256"; }
-    expected=$(awk '{print $1}' "$tmp/$asset.sha256")
-  fi
-  actual=$(sha256_of "$tmp/$asset")
+  download "$url" "$tmp/$wheel" || { rm -rf "$tmp"; die "could not download $url (network or proxy?); nothing was installed"; }
+  actual=$(sha256_of "$tmp/$wheel")
   if [ "$actual" != "$expected" ]; then
     rm -rf "$tmp"
-    die "uv download is corrupt or tampered with (sha256 $actual, expected $expected); nothing was installed"
+    die "the uv download from $url is corrupt or tampered with (sha256 $actual, expected $expected); nothing was installed. Run this again; behind a mirror that rebuilds wheels, set UNSLOTH_UV_SHA256 to its hash"
   fi
+  unzip_to "$tmp/$wheel" "$tmp/uv" && [ -f "$tmp/uv/uv-$UV_VERSION.data/scripts/uv" ] ||
+    { rm -rf "$tmp"; die "could not unpack $wheel (install unzip); nothing was installed"; }
   mkdir -p "$UNSLOTH_HOME/uv"
-  tar -xzf "$tmp/$asset" -C "$tmp"
-  mv "$tmp/uv-$target/uv" "$UNSLOTH_HOME/uv/uv"
+  chmod 755 "$tmp/uv/uv-$UV_VERSION.data/scripts/uv"
+  mv "$tmp/uv/uv-$UV_VERSION.data/scripts/uv" "$UNSLOTH_HOME/uv/uv.partial"
+  mv "$UNSLOTH_HOME/uv/uv.partial" "$UNSLOTH_HOME/uv/uv"  # whole or not at all under its final name
   rm -rf "$tmp"
   UV="$UNSLOTH_HOME/uv/uv"
 }

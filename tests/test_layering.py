@@ -7,6 +7,7 @@ running back up a layer fails here rather than in a reviewer's head.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,78 @@ def test_the_print_check_allows_the_renderer_and_reading_the_terminal():
     source = ("import sys\nfrom unsloth.commands import render\n"
               "def f(console):\n    render.echo('x', end='')\n    console.input('ok? ')\n    sys.stdout.isatty()\n")
     assert not _direct_output(source)
+
+
+# unsloth.envs (install, update, rollback, uninstall) hands back outcomes (unsloth.envs.outcomes) and says
+# what it is doing only on the progress console the command hands it: it never prints, writes to a
+# standard stream, or makes a console of its own.
+def _own_output(source: str) -> list[str]:
+    found = [line for line in _direct_output(source) if not line.endswith((": .print()", "imports rich.console"))]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name == "Console":
+                found.append(f"line {node.lineno}: Console()")
+    return found
+
+
+def _env_modules():
+    return [p for p in _sources() if _within(_module_name(p), "unsloth.envs")]
+
+
+def test_the_env_modules_are_found():
+    assert {"unsloth.envs.manager", "unsloth.envs.build", "unsloth.envs.runner"} <= {
+        _module_name(p) for p in _env_modules()}
+
+
+@pytest.mark.parametrize("path", _env_modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_envs_print_only_on_the_progress_console_it_is_handed(path):
+    found = _own_output(path.read_text())
+    assert not found, f"{_module_name(path)} prints itself; return an outcome (unsloth.envs.outcomes) or say " \
+                      "it on the console the command hands in:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("source", [
+    "print('Ready')\n",
+    "import sys\ndef f():\n    sys.stdout.write('x')\n",
+    "from rich.console import Console\ndef f():\n    Console().print('x')\n",
+    "import rich.console\nc = rich.console.Console(stderr=True)\n",
+    "def f():\n    from unsloth.doctor import render\n",
+])
+def test_the_env_print_check_sees_output_of_its_own(source):
+    assert _own_output(source)
+
+
+def test_the_env_print_check_allows_the_handed_console():
+    source = ("from rich.console import Console\n"
+              "def build(console: Console):\n    console.print('building')\n    with console.status('x'):\n        pass\n")
+    assert not _own_output(source)
+
+
+# The README's layout table is the map a newcomer reads first: every folder and module at the top of
+# the repository and of the package has a row (or is named in one).
+def _layout_table() -> str:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("\n## Layout\n", 1)[1].split("\n\n", 2)
+    return next(part for part in table if part.lstrip().startswith("|"))
+
+
+def _named(table: str, path: str) -> bool:
+    spans = re.findall(r"`([^`]+)`", table)
+    return any(span.rstrip("/") == path or span.startswith(path + "/") for span in spans)
+
+
+def test_the_readme_layout_table_names_every_top_level_part():
+    table = _layout_table()
+    top = [p.name for p in ROOT.iterdir() if not p.name.startswith(".") and p.name not in ("README.md", "pyproject.toml")]
+    package = [p.name for p in SRC.iterdir() if p.name not in ("__init__.py", "__pycache__")]
+    missing = [name for name in top if not _named(table, name)]
+    missing += [f"src/unsloth/{name}" for name in package
+                if not (_named(table, f"src/unsloth/{name}") or _named(table, name))]
+    assert not missing, f"README.md's layout table has no row for {missing}"
+
+
+def test_the_layout_check_sees_a_missing_row():
+    assert _named("| `src/unsloth/envs/` | x |", "src/unsloth/envs") and _named("| `a.py`, `plan/` |", "plan")
+    assert not _named("| `src/unsloth/envs/` | x |", "src/unsloth/plan")

@@ -365,3 +365,14 @@ def _with_func(parser, func):
                 if isinstance(sub, argparse._SubParsersAction):
                     sub.choices["list"].set_defaults(func=func)
     return parser
+
+
+def test_docs_list_every_exit_code():
+    """docs/cli.md's table is `ExitCode`, row for row: a new code cannot go undocumented."""
+    import re
+
+    from unsloth.errors import ExitCode
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| (\d+) \| `(\w+)` \| \S", text, re.M)
+    assert [(int(code), name) for code, name in rows] == [(int(c), c.name) for c in ExitCode]

@@ -230,3 +230,49 @@ def test_json_into_a_closed_pipe_ends_quietly():
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr
+
+
+def test_a_crashing_check_is_an_error_finding_and_the_rest_still_prints(capsys, monkeypatch):
+    """Doctor runs each check through a guard: the crash becomes an error finding with its traceback
+    in `detail` (shown with --verbose), and every other check still reports."""
+    from unsloth.doctor import checks
+
+    def broken(platform):
+        raise ZeroDivisionError("a bug in the memory check")
+
+    code, whole, _ = run_json(capsys, "doctor", "--json", "--from", str(WSL_4090))
+    monkeypatch.setattr(checks, "check_ram", broken)
+    crashed_code, report, err = run_json(capsys, "doctor", "--json", "--from", str(WSL_4090))
+    found = findings(report)
+    assert [f["id"] for f in report["findings"]] == [f["id"] for f in whole["findings"]]  # nothing else lost
+    ram = found["ram"]
+    assert ram["status"] == "error" and "The check crashed (ZeroDivisionError: a bug in the memory check)" in ram["message"]
+    assert ram["fix"] and "Traceback" in ram["detail"] and "a bug in the memory check" in ram["detail"]
+    assert found["gpu"]["status"] == "ok" and "Traceback" not in err
+    assert crashed_code == code  # the memory check is not a required one: the verdict stands
+
+    assert main(["doctor", "--from", str(WSL_4090)]) == code
+    out = capsys.readouterr().out
+    assert "The check crashed (ZeroDivisionError" in out and "Traceback" not in out and "GPU driver" in out
+    main(["doctor", "--from", str(WSL_4090), "--verbose"])
+    assert "Traceback" in capsys.readouterr().out  # the detail, for a bug report
+
+
+@pytest.mark.parametrize("size", [200_000, pytest.param(50 * 2**20, marks=pytest.mark.slow)])
+def test_garbage_probe_outputs_are_unknown_facts_through_the_cli(capsys, tmp_path, size):
+    """Issue #22: 200 KB of random bytes in nvidia-smi.txt once gave 677 phantom GPUs (rc 0), and 50 MB
+    no answer in 300 s. Now: no GPU, unknown facts, quickly; doctor says so; nothing is written."""
+    import random
+
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "nvidia-smi.txt").write_bytes(random.Random(size).randbytes(size))
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    start = time.monotonic()
+    code, platform, err = run_json(capsys, "detect", "--json", "--from", str(dump))
+    assert code == 0 and platform["gpus"] == [] and platform["nvidia_driver"] is None and "Traceback" not in err
+    code, report, err = run_json(capsys, "doctor", "--json", "--from", str(dump))
+    assert time.monotonic() - start < 60  # not a speed goal: a guard against the quadratic parse
+    assert report["platform"]["gpus"] == [] and "Traceback" not in err
+    assert findings(report)["gpu"]["status"] != "ok"
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before

@@ -45,3 +45,20 @@ def test_list_without_environments(tmp_path, monkeypatch, capsys):
     assert json.loads(capsys.readouterr().out) == []
     assert main(["env", "path"]) == 1
     assert "run `unsloth install`" in capsys.readouterr().err
+
+
+def test_a_garbage_current_pointer_is_said_and_repaired(tmp_path, monkeypatch, capsys):
+    """Random bytes in `current` beside a finished environment: one note on stderr, the pointer names
+    that environment again, and the command answers."""
+    import os
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("UNSLOTH_HOME", str(home))
+    env = _env(home, Receipt("one", finished="2026-11-29T00:00:00+00:00", unsloth={"source": str(tmp_path)}))
+    (home / "current").write_bytes(os.urandom(200).replace(b"\n", b"x"))
+    assert main(["env", "path"]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{env}\n" and "Traceback" not in err
+    assert f"unsloth env: {home / 'current'} is damaged" in err and "repaired: it names one again" in err
+    assert (home / "current").read_text() == "one\n"
+    assert main(["env", "path"]) == 0 and capsys.readouterr().err == ""  # repaired once, for good

@@ -98,3 +98,62 @@ def test_a_command_that_printed_as_it_went_gives_its_code():
 def test_a_result_without_a_json_form_is_a_bug_not_silence():
     with pytest.raises(TypeError):
         render.show(r.Trained("out"), as_json=True)
+
+
+def test_install_outcomes(tmp_path, capsys):
+    """install / update hand back what they ended with; the renderer says it as the manager used to."""
+    bin_dir = tmp_path / "bin"
+    exposed = r.Exposure(bin_dir / "unsloth", bin_dir, (tmp_path / ".bashrc",), on_path=False)
+    assert render.show(r.Installed("b", "cuda", exposed, previous="a")) == ExitCode.OK
+    assert capsys.readouterr().out.splitlines() == [
+        f"Added {bin_dir} to PATH in {tmp_path / '.bashrc'}",
+        f'Open a new terminal (or run: export PATH="{bin_dir}:$PATH") to use `unsloth`.',
+        "Ready: environment b is active (cuda).",
+        "The previous one (a) is kept: `unsloth rollback` returns to it."]
+    quiet = r.Exposure(bin_dir / "unsloth", bin_dir)
+    assert render.show(r.UpToDate("a", "rocm", quiet)) == ExitCode.OK
+    assert capsys.readouterr().out == "Up to date: a already matches this plan (rocm). Nothing to do.\n"
+    assert render.show(r.UpToDate("a", "rocm", quiet, newest=True)) == ExitCode.OK
+    assert capsys.readouterr().out == "Up to date: a already has the newest versions for this plan.\n"
+
+    step = r.BuildRefused("the [packages] failed", "fix [/this]", tmp_path / "01.log", "a", tail="[notice] pip\nerror: x")
+    assert render.show(step) == ExitCode.FAILED
+    said = capsys.readouterr().out
+    assert "✗ the [packages] failed\n[notice] pip\nerror: x\n" in said  # tool output is not markup
+    assert f"Full log: {tmp_path / '01.log'}  (that build was removed)" in said
+    assert said.endswith("Likely fix: fix [/this]\nNothing changed: a is still the active environment.\n")
+    verified = r.BuildRefused("torch cannot see the GPU", "update the driver", tmp_path / "logs", None,
+                              found=("torch.cuda.is_available() is False",))
+    assert render.show(verified) == ExitCode.FAILED
+    assert capsys.readouterr().out.splitlines() == [
+        "✗ torch cannot see the GPU", "  - torch.cuda.is_available() is False",
+        f"Logs: {tmp_path / 'logs'}  (that build was removed)", "Likely fix: update the driver",
+        "Nothing was installed; your system is as it was."]
+    assert render.show(r.BuildInterrupted("a")) == ExitCode.INTERRUPTED
+    assert capsys.readouterr().out.splitlines() == [
+        "Interrupted: the half-built environment was removed.", "Nothing changed: a is still the active environment."]
+    assert render.show(r.Declined()) == ExitCode.FAILED
+    assert capsys.readouterr().out == "Nothing changed.\n"
+
+
+def test_rollback_and_uninstall_outcomes(tmp_path, capsys):
+    assert render.show(r.RolledBack(active="a", was="b")) == ExitCode.OK
+    assert capsys.readouterr().out == "Rolled back: a is active again (was b; `unsloth rollback` swaps back).\n"
+    assert render.show(r.NothingToRollBack()) == ExitCode.FAILED
+    assert capsys.readouterr().out == "Nothing to roll back to: there is no previous environment.\n"
+    gone = r.Uninstalled((tmp_path / "bin" / "unsloth", tmp_path / "envs"), (tmp_path / ".profile",),
+                         (("Hugging Face models and datasets: yours, kept", tmp_path / "hf", 3 * 1024**3),))
+    assert render.show(gone) == ExitCode.OK
+    assert capsys.readouterr().out.splitlines() == [
+        f"removing {tmp_path / 'bin' / 'unsloth'}", f"removing {tmp_path / 'envs'}",
+        f"removed the PATH line from {tmp_path / '.profile'}", "Uninstalled; your training outputs are kept.",
+        f"  kept {tmp_path / 'hf'} (3.0 GB): Hugging Face models and datasets: yours, kept"]
+
+
+def test_rollback_through_the_cli_with_nothing_to_return_to(tmp_path, monkeypatch, capsys):
+    from unsloth.cli import main
+
+    monkeypatch.setenv("UNSLOTH_HOME", str(tmp_path / "home"))
+    assert main(["rollback"]) == ExitCode.FAILED
+    out, err = capsys.readouterr()
+    assert out == "Nothing to roll back to: there is no previous environment.\n" and "Traceback" not in err

@@ -117,3 +117,15 @@ def test_a_long_step_reports_elapsed_time_and_its_last_line(tmp_path, monkeypatc
     shown = screen.read_text()
     assert "… llama.cpp from source · 1s · [ 42%] Building C object ggml.c.o" in shown
     assert "✓ llama.cpp from source" in shown
+
+
+@pytest.mark.slow  # a second pytest
+def test_the_fault_tests_pass_when_the_suite_runs_in_the_background():
+    """`./scripts/test &` starts the suite with SIGINT ignored, and every child inherits that: the
+    kill tests still pass, because the work they interrupt resets it (or is stopped by SIGTERM)."""
+    tests = [f"{__file__}::test_a_stopped_step_ends_its_whole_tree",
+             f"{__file__}::test_after_a_sigkill_the_next_sweep_ends_the_orphan_before_deleting"]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert done.returncode == 0 and "3 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

@@ -1,5 +1,6 @@
 """The install lock serializes processes; a failed step shows its tail, its log and the likely fix."""
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -101,6 +102,7 @@ def test_redact_hides_index_credentials_only():
 
 def test_tool_output_that_looks_like_markup_is_shown_verbatim(tmp_path, monkeypatch):
     """pip prints "[notice] ..."; a path may read "[/usr/lib]": rich must not eat or choke on them."""
+    from unsloth.commands import render
     from unsloth.envs import manager
     from unsloth.envs.steps import Request
     from unsloth.matrix import load_matrix
@@ -115,9 +117,10 @@ def test_tool_output_that_looks_like_markup_is_shown_verbatim(tmp_path, monkeypa
     monkeypatch.setattr(manager, "build", failing_build)
     platform = Platform(os="linux")
     screen = tmp_path / "screen"
-    with open(screen, "w") as out:
+    with open(screen, "w") as out, contextlib.redirect_stdout(out):
         options = manager.Options(request=Request(source=str(tmp_path)), root=tmp_path / "home")
-        code = manager.install(options, resolve(platform, load_matrix()), platform, Console(file=out, width=200))
+        outcome = manager.install(options, resolve(platform, load_matrix()), platform, Console(file=out, width=200))
+        code = render.show(outcome)
     assert code == 1
     text = screen.read_text()
     assert tail in text and "the [packages] failed" in text and "Likely fix: fix [/this]" in text
@@ -164,3 +167,30 @@ def test_the_installer_scripts_lock_is_inherited_by_the_install_it_starts_and_no
     assert holder.returncode == 0
     with InstallLock(lock):  # free once the installer ends: the inheriting child kept nothing
         pass
+
+
+def test_a_disk_too_small_for_the_environment_is_refused_before_building(tmp_path, monkeypatch, capsys):
+    """Estimated before anything is written (the plan's backend), through the real entry point."""
+    import shutil
+    from collections import namedtuple
+
+    from unsloth.cli import main
+    from unsloth.envs import manager
+    from unsloth.envs.paths import ENV_DISK_GIB
+
+    usage = namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * 2**30, 9 * 2**30, 2**30) if
+                        str(path).startswith(str(tmp_path)) else real(path))
+    monkeypatch.setattr(manager, "build", lambda *a, **k: pytest.fail("built on a disk without room"))
+    monkeypatch.setenv("UNSLOTH_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("UNSLOTH_BIN_DIR", str(tmp_path / "bin"))
+    (tmp_path / "src").mkdir()
+    code = main(["install", "--yes", "--source", str(tmp_path / "src"), "--ignore-pip-config", "--no-modify-path"])
+    out, err = capsys.readouterr()
+    assert code == 1 and "Traceback" not in out + err
+    need = ENV_DISK_GIB["cpu"]
+    assert (f"not enough free disk for a cpu environment: 1.0 GiB free in {tmp_path / 'home'}, it needs about {need} GiB; "
+            "nothing was installed") in err
+    assert "fix: free some space there, or set UNSLOTH_HOME" in err
+    assert not (tmp_path / "home" / "envs").exists() and not (tmp_path / "bin").exists()

@@ -1,5 +1,6 @@
 """Pointers, switching, rollback, sweeping, receipts, the launcher and the PATH line, on real files."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -152,6 +153,7 @@ def test_update_reads_what_the_active_environment_was_asked_for(tmp_path):
 def test_uninstall_says_which_caches_it_leaves_and_purge_removes_ours(tmp_path, monkeypatch):
     from rich.console import Console
 
+    from unsloth.commands import render
     from unsloth.envs import manager
     from unsloth.envs.paths import build_caches
 
@@ -171,8 +173,8 @@ def test_uninstall_says_which_caches_it_leaves_and_purge_removes_ours(tmp_path, 
 
     def uninstall(purge):
         screen = tmp_path / "screen"
-        with open(screen, "w") as handle:
-            assert manager.uninstall(root, Console(file=handle, width=300), purge=purge) == 0
+        with open(screen, "w") as handle, contextlib.redirect_stdout(handle):
+            assert render.show(manager.uninstall(root, Console(file=handle, width=300), purge=purge)) == 0
         return screen.read_text()
 
     said = uninstall(purge=False)

@@ -3,11 +3,13 @@ environment) before it builds: nothing newer, nothing built. A stand-in uv answe
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import pytest
 from rich.console import Console
 
+from unsloth.commands import render
 from unsloth.envs import manager, state
 from unsloth.envs.build import request_hash, source_identity
 from unsloth.envs.receipt import Receipt, hardware_fingerprint, write_receipt
@@ -50,10 +52,11 @@ def active(tmp_path, monkeypatch):
 
 
 def _update(active) -> tuple[int, str]:
+    """The outcome's exit code and what it and its progress said (as `unsloth update` shows them)."""
     options, plan, platform, tmp_path = active
     screen = tmp_path / "screen"
-    with open(screen, "w") as out:
-        code = manager.install(options, plan, platform, Console(file=out, width=200))
+    with open(screen, "w") as out, contextlib.redirect_stdout(out):
+        code = render.show(manager.install(options, plan, platform, Console(file=out, width=200)))
     return code, screen.read_text()
 
 

@@ -123,6 +123,8 @@ def _previous_env_still_works(sandbox, active: str) -> None:
     torch = sandbox.run([str(sandbox.launcher), "env", "path", "--python"])
     version = sandbox.run([torch.stdout.strip(), "-c", "import torch; print(torch.__version__)"])
     assert version.returncode == 0 and version.stdout.strip() == receipt(sandbox)["packages"]["torch"]
+    doctor = sandbox.run([str(sandbox.launcher), "doctor"])  # green, as before the kill
+    assert doctor.returncode == 0, doctor.stdout[-3000:]
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT])

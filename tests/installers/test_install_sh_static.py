@@ -53,7 +53,7 @@ def test_a_cut_download_runs_nothing(shell, tmp_path):
 def test_missing_tools_are_listed_at_once_with_the_command_that_adds_them(shell, tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("uname", "mkdir", "rm", "dirname", "cat", shell):  # no grep, awk, python, uv, curl, wget, tar
+    for tool in ("uname", "mkdir", "rm", "dirname", "cat", shell):  # no grep, awk, python, uv, curl, wget, unzip
         os.symlink(shutil.which(tool), bin_dir / tool)
     home = tmp_path / "home"
     home.mkdir()
@@ -62,7 +62,7 @@ def test_missing_tools_are_listed_at_once_with_the_command_that_adds_them(shell,
     assert done.returncode == 1
     lines = [line for line in done.stderr.splitlines() if not line.startswith("==> ")]  # progress before it
     assert lines[0].startswith("error: missing tools:")
-    for tool in ("grep", "awk", "curl", "tar", "coreutils"):
+    for tool in ("grep", "awk", "curl", "unzip", "coreutils"):
         assert f" {tool}" in lines[0]
     assert "install" in lines[1]  # the exact command, for the user to run
     assert list(home.iterdir()) == []
@@ -74,4 +74,5 @@ def test_dry_run_changes_nothing(tmp_path):
     done = subprocess.run(["sh", str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert f"package source: {REPO}" in done.stderr and "Dry run" in done.stderr  # progress: stderr, as installers do
+    assert done.stdout == ""  # stdout is `unsloth install`'s own (the plan, once the bootstrap exists)
     assert list(tmp_path.iterdir()) == []

@@ -100,3 +100,64 @@ def test_a_run_stopped_while_checkpointing_resumes_from_the_last_complete_one(co
     records = [json.loads(line) for line in (out / "loss_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]  # each step's loss once, in order
     assert (out / "lora" / "adapter_model.safetensors").is_file()
+
+
+FULL_AT_STEP_2 = textwrap.dedent(
+    """
+    import errno, os, sys
+    from transformers import Trainer
+    from unsloth.cli import main
+
+    real = Trainer._save_rng_state
+
+    def full(self, output_dir):  # the disk fills up inside the second checkpoint, after its weights
+        if self.state.global_step == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), output_dir)
+        return real(self, output_dir)
+
+    Trainer._save_rng_state = full
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def _limit_file_size(limit: int):
+    def apply() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+    return apply
+
+
+def test_a_file_size_limit_while_checkpointing_is_one_message_and_no_half_checkpoint(config, tmp_path):
+    """A real refused write (safetensors' own I/O error, no errno on it): one message, exit 1, and no
+    checkpoint folder left half-written under its final name."""
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "unsloth.cli", "train", str(config), "--output-dir", str(out)],
+                          env={**os.environ, "UNSLOTH_KERNELS": "0"}, capture_output=True, text=True, timeout=600,
+                          preexec_fn=_limit_file_size(100_000))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "a bug in unsloth" not in done.stderr
+    assert f"the disk filled up (or a file-size limit was reached) while writing to {out}" in done.stderr
+    assert "no checkpoint was complete yet" in done.stderr and "fix: free space on that disk" in done.stderr
+    assert not list(out.glob("checkpoint-*"))
+
+
+def test_a_disk_full_at_the_second_checkpoint_resumes_from_the_first(config, tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "UNSLOTH_KERNELS": "0"}
+    argv = ["train", str(config), "--output-dir", str(out)]
+    done = subprocess.run([sys.executable, "-c", FULL_AT_STEP_2, *argv], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "removed checkpoint-2: the run stopped while writing it" in done.stdout
+    assert "the checkpoints written to the end are kept (the last: checkpoint-1)" in done.stderr
+    assert "add --resume to continue from checkpoint-1" in done.stderr
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+
+    resumed = subprocess.run([sys.executable, "-m", "unsloth.cli", *argv, "--resume"], env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoint-1'}" in resumed.stdout + resumed.stderr
+    assert (out / "lora" / "adapter_model.safetensors").is_file()

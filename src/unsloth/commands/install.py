@@ -13,7 +13,7 @@ import sys
 
 from unsloth.commands import render
 from unsloth.commands.detect import add_from_argument, detect_platform
-from unsloth.commands.results import Declined, PlanReport
+from unsloth.commands import results as r
 from unsloth.envs.steps import OPTIONAL_PARTS
 from unsloth.errors import UsageError
 
@@ -100,13 +100,14 @@ def optional_parts(values: list[str]) -> list[str]:
     return parts
 
 
-def run_install(args: argparse.Namespace) -> int | PlanReport:
+def run_install(args: argparse.Namespace) -> (r.PlanReport | r.Installed | r.UpToDate | r.BuildRefused
+                                              | r.BuildInterrupted | r.Declined):
     if args.json and not args.dry_run:  # never start a build when only the plan was asked for
         raise UsageError("--json prints the plan", "add --dry-run")
     args.without = optional_parts(args.without)
     platform, plan = make_plan(args)  # an unreadable dump or matrix is a UsageError / MatrixError naming it
     if args.dry_run:  # for a dump, this machine's pip configuration says nothing about that one's sources
-        return PlanReport(plan, None if args.from_dir is not None else _install_sources(args, plan))
+        return r.PlanReport(plan, None if args.from_dir is not None else _install_sources(args, plan))
     if args.from_dir is not None:
         raise UsageError("--from plans for another machine's dump", "add --dry-run to see that plan",
                          kept="nothing was installed")
@@ -169,14 +170,14 @@ def _install_sources(args: argparse.Namespace, plan):
                            _torch_index_url(args), tuple(args.without))
 
 
-def run_rollback(args: argparse.Namespace) -> int:
+def run_rollback(args: argparse.Namespace) -> r.RolledBack | r.NothingToRollBack:
     from unsloth.envs import manager
     from unsloth.envs.paths import home
 
     return manager.rollback(home(), render.progress_console())
 
 
-def run_uninstall(args: argparse.Namespace) -> int | Declined:
+def run_uninstall(args: argparse.Namespace) -> r.Uninstalled | r.Declined:
     from rich.markup import escape
 
     from unsloth.envs import manager
@@ -187,5 +188,5 @@ def run_uninstall(args: argparse.Namespace) -> int | Declined:
     if not args.yes and sys.stdin.isatty():
         what = root if args.purge else f"{root}/envs, the launcher in {bin_dir()} and the PATH line"
         if console.input(escape(f"Remove {what}? [y/N] ")).strip().lower() not in ("y", "yes"):  # not markup
-            return Declined()
+            return r.Declined()
     return manager.uninstall(root, console, purge=args.purge)

@@ -49,8 +49,9 @@ def echo(message: str = "", *, err: bool = False, end: str = "\n") -> None:
 
 
 def progress_console() -> Console:
-    """The console a long job (install, update, rollback, uninstall) reports its steps on."""
-    return Console(stderr=False, highlight=False)
+    """The console a long job (install, update, rollback, uninstall) reports its steps on; piped or
+    captured, a line is never wrapped (paths unbroken, for logs and grep)."""
+    return Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 1000)
 
 
 def _note(message: str) -> None:
@@ -151,6 +152,94 @@ def _(result: r.NoEnvironment) -> None:
 @text.register
 def _(result: r.Declined) -> None:
     progress_console().print("Nothing changed.")
+
+
+# --- install, update, rollback, uninstall ---------------------------------------------------------
+# On the console their progress went to (stdout), after it. Paths and tool output are not markup: pip's
+# "[notice]" would vanish, a "[/path]" would raise.
+
+def _exposure(console: Console, exposure: r.Exposure) -> None:
+    for changed in exposure.path_added_to:
+        console.print(escape(f"Added {exposure.bin_dir} to PATH in {changed}"))
+    if not exposure.on_path:
+        now = "" if exposure.windows else f' (or run: export PATH="{exposure.bin_dir}:$PATH")'  # Windows: the user PATH is set
+        console.print(escape(f"Open a new terminal{now} to use `{exposure.launcher.name}`."))
+
+
+def _kept(console: Console, kept: str | None) -> None:
+    if kept:
+        console.print(escape(f"Nothing changed: {kept} is still the active environment."))
+    else:
+        console.print("Nothing was installed; your system is as it was.")
+
+
+@text.register
+def _(result: r.Installed) -> None:
+    console = progress_console()
+    _exposure(console, result.exposure)
+    console.print(f"[green]Ready[/]: environment {escape(result.env)} is active ({escape(result.backend)}).")
+    if result.previous:
+        console.print(escape(f"The previous one ({result.previous}) is kept: `unsloth rollback` returns to it."))
+
+
+@text.register
+def _(result: r.UpToDate) -> None:
+    console = progress_console()
+    _exposure(console, result.exposure)
+    if result.newest:
+        console.print(f"[green]Up to date[/]: {escape(result.env)} already has the newest versions for this plan.")
+    else:
+        console.print(f"[green]Up to date[/]: {escape(result.env)} already matches this plan "
+                      f"({escape(result.backend)}). Nothing to do.")
+
+
+@text.register
+def _(result: r.BuildRefused) -> None:
+    console = progress_console()
+    if result.tail is not None:  # a step failed: its last output lines, and its log
+        console.print(f"[red]✗ {escape(result.problem)}[/]\n{escape(result.tail)}\n")
+        console.print(f"Full log: {escape(str(result.log))}  (that build was removed)")
+    else:  # the environment was built and did not verify
+        console.print(f"[red]✗ {escape(result.problem)}[/]")
+        for problem in result.found:
+            console.print(f"  - {escape(problem)}")
+        console.print(f"Logs: {escape(str(result.log))}  (that build was removed)")
+    console.print(f"Likely fix: {escape(result.fix)}")
+    _kept(console, result.kept)
+
+
+@text.register
+def _(result: r.BuildInterrupted) -> None:
+    console = progress_console()
+    console.print("[yellow]Interrupted[/]: the half-built environment was removed.")
+    _kept(console, result.kept)
+
+
+@text.register
+def _(result: r.RolledBack) -> None:
+    print(f"Rolled back: {result.active} is active again (was {result.was}; `unsloth rollback` swaps back).")
+
+
+@text.register
+def _(result: r.NothingToRollBack) -> None:
+    print("Nothing to roll back to: there is no previous environment.")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1024**3:.1f} GB" if n >= 1024**3 else f"{n / 1024**2:.0f} MB"
+
+
+@text.register
+def _(result: r.Uninstalled) -> None:
+    # Plain print: this usually runs from the environment just deleted, so nothing may be imported now
+    # (a rich console can import lazily).
+    for path in result.removed:
+        print(f"removing {path}")
+    for changed in result.path_removed_from:
+        print(f"removed the PATH line from {changed}")
+    print("Uninstalled; your training outputs are kept.")
+    for what, path, size in result.caches_kept:
+        print(f"  kept {path} ({_size(size)}): {what}")
 
 
 @text.register

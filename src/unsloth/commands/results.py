@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# install, update, rollback, uninstall (and a declined confirmation): defined beside the manager that
+# returns them, since unsloth.envs sits below the commands.
+from unsloth.envs.outcomes import (  # noqa: F401 - re-exported
+    BuildInterrupted, BuildRefused, Declined, Exposure, Installed, NothingToRollBack, RolledBack, Uninstalled, UpToDate)
 from unsloth.errors import ExitCode
 
 
@@ -94,13 +98,6 @@ class PlanReport:
     plan: Any  # unsloth.plan.Plan
     sources: Any = None  # unsloth.envs.sources.SourcesReport; None: not worked out (never for a live plan)
     exit_code = ExitCode.OK
-
-
-@dataclass(frozen=True)
-class Declined:
-    """The user answered no to a confirmation: nothing was changed."""
-
-    exit_code = ExitCode.FAILED
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ def _train(config) -> Trained | TrainInterrupted | int:
     import torch
 
     from unsloth.training.memory import out_of_memory_advice
-    from unsloth.training.sft import train
+    from unsloth.training.sft import disk_full, remove_cut_checkpoints, train
 
     try:
         result = train(config, echo=render.echo)
@@ -135,6 +135,16 @@ def _train(config) -> Trained | TrainInterrupted | int:
                            exit_code=ExitCode.OUT_OF_MEMORY) from exc
     except KeyboardInterrupt:
         return TrainInterrupted(config.output_dir)
+    except Exception as exc:
+        if not disk_full(exc):
+            raise
+        # Nothing half-written stays under a checkpoint's name (rank 0 writes them, and tidies them).
+        last = remove_cut_checkpoints(config.output_dir, render.echo if int(os.environ.get("RANK", "0")) == 0 else None)
+        retry = (f"then add --resume to continue from {last.name}" if last else "then run the same command again")
+        raise UnslothError(f"the disk filled up (or a file-size limit was reached) while writing to {config.output_dir}",
+                           f"free space on that disk or choose another --output-dir, {retry}",
+                           kept=f"the checkpoints written to the end are kept (the last: {last.name})" if last
+                           else "no checkpoint was complete yet") from exc
     if int(os.environ.get("RANK", "0")) != 0:
         return ExitCode.OK  # rank 0 alone reports
     return Trained(result.output_dir, result.merged_dir, full_finetuning=config.model.full_finetuning)

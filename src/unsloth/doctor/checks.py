@@ -14,6 +14,7 @@ from packaging.version import Version
 
 from unsloth.doctor.findings import Finding
 from unsloth.doctor.host import HostFacts
+from unsloth.envs.paths import ENV_DISK_GIB
 from unsloth.errors import UnslothError
 from unsloth.matrix import Matrix
 from unsloth.platform.facts import Gpu, Platform
@@ -23,9 +24,6 @@ from unsloth.selftest.judge import backend, target_gpu
 
 GIB = 2**30
 MIN_RAM_GIB = 8  # tokenizer, dataset and the model's CPU copy during load; below this loads swap
-# What a fresh environment takes on disk: torch with its bundled runtime (ROCm's is the
-# largest), uv's cached copy of the wheels, the training stack and one small model download.
-ENV_DISK_GIB = {"cuda": 12, "rocm": 30, "xpu": 12, "cpu": 4, "mps": 4}
 WORK_DISK_GIB = 5  # with the environment installed: a model download and a checkpoint
 GROUP_FIX = "sudo usermod -aG render,video $USER   # then log out and back in"
 NOT_LIVE = "checked only on the live machine, not on a dump"

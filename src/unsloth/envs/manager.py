@@ -15,17 +15,18 @@ from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
-from rich.markup import escape
 
 from unsloth.envs import launcher, state
 from unsloth.envs.build import BuildFailed, build, default_python, has_newer, request_hash, source_identity
 from unsloth.envs.lock import InstallLock
-from unsloth.envs.paths import CACHE, CURRENT, LOCK_NAME, PREVIOUS, active_env, bin_dir, is_windows
+from unsloth.envs.outcomes import (BuildInterrupted, BuildRefused, Declined, Exposure, Installed, NothingToRollBack,
+                                   RolledBack, Uninstalled, UpToDate)
+from unsloth.envs.paths import CACHE, CURRENT, ENV_DISK_GIB, LOCK_NAME, PREVIOUS, active_env, bin_dir, is_windows
 from unsloth.envs.receipt import hardware_fingerprint, read_receipt
 from unsloth.envs.runner import StepFailed
 from unsloth.envs.sources import Sources, parse_pip_config
 from unsloth.envs.steps import DIST_NAME, Request
-from unsloth.errors import UsageError
+from unsloth.errors import UnslothError, UsageError
 from unsloth.interrupts import signals_as_interrupt
 
 def folder_size(path: Path) -> int:
@@ -37,10 +38,6 @@ def folder_size(path: Path) -> int:
             except OSError:
                 pass
     return total
-
-
-def _size(n: int) -> str:
-    return f"{n / 1024**3:.1f} GB" if n >= 1024**3 else f"{n / 1024**2:.0f} MB"
 
 
 def kept_caches(root: Path, environ=os.environ) -> list[tuple[str, Path, int]]:
@@ -120,8 +117,12 @@ def locked(root: Path, console: Console) -> InstallLock:
     return InstallLock(root / LOCK_NAME, on_wait=waiting)
 
 
-def install(options: Options, plan, platform, console: Console, confirm: Callable[[], bool] | None = None) -> int:
-    """Build and switch to a new environment unless the active one already matches; ``confirm`` asks first."""
+def install(options: Options, plan, platform, console: Console, confirm: Callable[[], bool] | None = None
+            ) -> Installed | UpToDate | Declined | BuildRefused | BuildInterrupted:
+    """Build and switch to a new environment unless the active one already matches; ``confirm`` asks first.
+
+    Progress goes to ``console``; the outcome is returned (``unsloth.envs.outcomes``).
+    """
     root, request = options.root, options.request
     with locked(root, console), signals_as_interrupt():
         swept = state.sweep(root)
@@ -133,104 +134,78 @@ def install(options: Options, plan, platform, console: Console, confirm: Callabl
             request, plan.to_json(), source_identity(request.source), hardware_fingerprint(platform.to_json())
         )
         if receipt and receipt.request_hash == wanted and not (options.force or options.upgrade):
-            _expose(options, console)
-            console.print(f"[green]Up to date[/]: {current.name} already matches this plan ({plan.torch.backend}). Nothing to do.")
-            return 0
+            return UpToDate(current.name, plan.torch.backend, _expose(options))
         if options.upgrade and receipt and receipt.request_hash == wanted and not options.force:
             with console.status("Checking the package indexes for newer versions"):
                 newer = has_newer(current, request, plan)
             if newer is False:  # decided before anything is built
-                _expose(options, console)
-                console.print(f"[green]Up to date[/]: {current.name} already has the newest versions for this plan.")
-                return 0
+                return UpToDate(current.name, plan.torch.backend, _expose(options), newest=True)
+        enough_disk(root, plan.torch.backend, current)  # before asking, and before anything is written
         if confirm is not None and not confirm():
-            console.print("Nothing changed.")
-            return 1
+            return Declined()
         console.print(f"Building a new environment beside {'the current one' if current else 'nothing'} …")
+        kept = current.name if current else None
         try:
             env = build(root, request, plan, platform, console, use_pip=options.use_pip)
         except StepFailed as exc:
-            # Tool output is not markup: pip's "[notice]" would vanish, a "[/path]" would raise.
-            console.print(f"[red]✗ {escape(exc.step.title)} failed[/]\n{escape(exc.tail)}\n")
-            console.print(f"Full log: {escape(str(exc.log))}  (that build was removed)")
-            console.print(f"Likely fix: {escape(exc.fix)}")
-            return _kept(current, console)
+            return BuildRefused(f"{exc.step.title} failed", exc.fix, exc.log, kept, tail=exc.tail)
         except BuildFailed as exc:
-            console.print(f"[red]✗ {escape(str(exc))}[/]")
-            for problem in exc.found:
-                console.print(f"  - {escape(problem)}")
-            console.print(f"Logs: {escape(str(exc.log))}  (that build was removed)")
-            console.print(f"Likely fix: {escape(exc.fix)}")
-            return _kept(current, console)
+            return BuildRefused(exc.problem, exc.fix, exc.log, kept, found=tuple(exc.found))
         except KeyboardInterrupt:
-            console.print("[yellow]Interrupted[/]: the half-built environment was removed.")
-            _kept(current, console)
-            return 130
+            return BuildInterrupted(kept)
         same = receipt and receipt.request_hash == wanted and read_receipt(env).packages == receipt.packages
         if options.upgrade and same:
             state.remove_env(env)  # identical to what is active: keep the active one, which is proven
-            _expose(options, console)
-            console.print(f"[green]Up to date[/]: {current.name} already has the newest versions for this plan.")
-            return 0
+            return UpToDate(current.name, plan.torch.backend, _expose(options), newest=True)
         state.switch(root, env.name)
         state.sweep(root, keep_finished=False)
-        _expose(options, console)
-    console.print(f"[green]Ready[/]: environment {env.name} is active ({plan.torch.backend}).")
-    if current:
-        console.print(f"The previous one ({current.name}) is kept: `unsloth rollback` returns to it.")
-    return 0
+        exposure = _expose(options)
+    return Installed(env.name, plan.torch.backend, exposure, previous=kept)
 
 
-def _kept(current: Path | None, console: Console) -> int:
-    if current:
-        console.print(f"Nothing changed: {current.name} is still the active environment.")
-    else:
-        console.print("Nothing was installed; your system is as it was.")
-    return 1
+def enough_disk(root: Path, backend: str, current: Path | None) -> None:
+    """Refuse a build the disk under the install home cannot hold (a full disk mid-build is caught
+    again by the step that hits it: its likely fix says so)."""
+    need = ENV_DISK_GIB.get(backend, ENV_DISK_GIB["cpu"])
+    folder = next(path for path in (root, *root.parents) if path.exists())
+    free = shutil.disk_usage(folder).free
+    if free < need * 1024**3:
+        kept = f"nothing changed: {current.name} is still the active environment" if current else "nothing was installed"
+        raise UnslothError(f"not enough free disk for a {backend} environment: {free / 1024**3:.1f} GiB free in "
+                           f"{folder}, it needs about {need} GiB", "free some space there, or set UNSLOTH_HOME to a "
+                           f"folder on a disk with {need} GiB free", kept=kept)
 
 
-def _expose(options: Options, console: Console) -> None:
+def _expose(options: Options) -> Exposure:
     """The launcher and the PATH line; both idempotent."""
     target = bin_dir()
     path = launcher.write_launcher(options.root, target)
-    if options.modify_path:
-        for changed in launcher.add_to_path(target):
-            console.print(f"Added {target} to PATH in {changed}")
+    added = tuple(launcher.add_to_path(target)) if options.modify_path else ()
     on_path = str(target) in os.environ.get("PATH", "").split(os.pathsep)
-    if not on_path:
-        now = "" if is_windows() else f' (or run: export PATH="{target}:$PATH")'  # Windows: the user PATH is set
-        console.print(f"Open a new terminal{now} to use `{path.name}`.")
+    return Exposure(path, target, added, on_path, is_windows())
 
 
-def rollback(root: Path, console: Console) -> int:
+def rollback(root: Path, console: Console) -> RolledBack | NothingToRollBack:
     with locked(root, console):
         swapped = state.rollback(root)
     if swapped is None:
-        console.print("Nothing to roll back to: there is no previous environment.")
-        return 1
-    console.print(f"Rolled back: {swapped[1]} is active again (was {swapped[0]}; `unsloth rollback` swaps back).")
-    return 0
+        return NothingToRollBack()
+    return RolledBack(active=swapped[1], was=swapped[0])
 
 
-def uninstall(root: Path, console: Console, purge: bool = False) -> int:
+def uninstall(root: Path, console: Console, purge: bool = False) -> Uninstalled:
     """Remove the environments, the bootstrap env, the launcher and the PATH line; nothing else.
 
-    This usually runs from inside the environment it deletes: everything is printed first, and
-    nothing is imported after the deletion starts.
+    This usually runs from inside the environment it deletes: what it removes and keeps is worked out
+    first, and nothing is imported after the deletion starts (the renderer prints with what is loaded).
     """
     script = launcher.launcher_path(bin_dir())
     folders = [root / name for name in ("envs", "bootstrap", "uv", "logs") if (root / name).exists()]
     ours = launcher.is_ours(script)  # never delete an `unsloth` we did not write
-    for path in ([script] if ours else []) + folders + ([root] if purge else []):
-        console.print(f"removing {path}")
-    caches = [row for row in kept_caches(root) if not (purge and row[1].is_relative_to(root))]
+    removed = tuple(([script] if ours else []) + folders + ([root] if purge else []))
+    caches = tuple(row for row in kept_caches(root) if not (purge and row[1].is_relative_to(root)))
     with locked(root, console):
-        for changed in launcher.remove_from_path(bin_dir()):
-            console.print(f"removed the PATH line from {changed}")
-        console.print("[green]Uninstalled[/]; your training outputs are kept.")
-        for what, path, size in caches:
-            console.print(f"  kept {escape(str(path))} ({_size(size)}): {escape(what)}")
-        console.file.flush()
+        unlisted = tuple(launcher.remove_from_path(bin_dir()))
         if ours:
             script.unlink(missing_ok=True)
         for folder in folders:
@@ -242,7 +217,7 @@ def uninstall(root: Path, console: Console, purge: bool = False) -> int:
         shutil.rmtree(root, ignore_errors=True)
     for folder in (root, bin_dir()):
         _remove_empty_up_to_home(folder)
-    return 0
+    return Uninstalled(removed, unlisted, caches)
 
 
 def _remove_empty_up_to_home(folder: Path) -> None:

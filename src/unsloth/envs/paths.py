@@ -20,6 +20,10 @@ CURRENT = "current"
 PREVIOUS = "previous"
 LOCK_NAME = "install.lock"
 CACHE = "cache"  # <home>/cache/{uv,pip}: our builds' downloads and built wheels
+# What a fresh environment takes on disk, by torch backend: torch with its bundled runtime (ROCm's is the
+# largest), uv's cached copy of the wheels, the training stack and one small model download. `unsloth
+# install` refuses to start with less free; doctor's disk check says the same.
+ENV_DISK_GIB = {"cuda": 12, "rocm": 30, "xpu": 12, "cpu": 4, "mps": 4}
 
 
 def build_caches(root: Path, environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -65,7 +65,7 @@ def repair_current(root: Path) -> str | None:
     the name it now names, or None when nothing needed repair or nothing is installed."""
     if pointer_problem(root) is None:
         return None
-    finished = [(receipt.get("finished", ""), env) for env, receipt in list_envs(root) if receipt is not None]
+    finished = [(receipt.finished or "", env) for env, receipt in list_envs(root) if receipt is not None]
     chosen = previous_env(root) or max(finished, default=(None, None))[1]
     if chosen is None:
         return None

@@ -48,13 +48,14 @@ def save_pretrained_merged(self, save_directory: str, tokenizer=None, save_metho
             state = merged_state_dict(self, dtype, copy=whole) if is_main_process() else None
         if state is None:
             return save_directory
-        if getattr(config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)  # the loader ties it back to the embeddings
+        for key in _tied_copies(base, config):
+            state.pop(key, None)  # the loader ties them back to their sources
         os.makedirs(save_directory, exist_ok=True)
         save_torch_state_dict(state, save_directory, max_shard_size=max_shard_size)
         config.save_pretrained(save_directory)
-        if getattr(base, "generation_config", None) is not None:
-            base.generation_config.save_pretrained(save_directory)
+        generation = _generation_config(base)
+        if generation is not None:
+            generation.save_pretrained(save_directory)
     elif save_method in ("merged_4bit", "merged_4bit_forced"):
         _save_merged_4bit(self, save_directory, max_shard_size)
     else:
@@ -62,6 +63,29 @@ def save_pretrained_merged(self, save_directory: str, tokenizer=None, save_metho
     if tokenizer is not None:
         tokenizer.save_pretrained(save_directory)
     return save_directory
+
+
+def _tied_copies(base: nn.Module, config) -> list[str]:
+    """The weights the loader ties to others (not saved): the model's own map of them where transformers
+    keeps one (Sesame CSM ties its depth decoder's codebook embeddings, not its LM head), else the LM head."""
+    if not getattr(config, "tie_word_embeddings", False):
+        return []
+    tied = getattr(base, "all_tied_weights_keys", None)
+    return list(tied) if isinstance(tied, dict) else ["lm_head.weight"]
+
+
+def _generation_config(base: nn.Module):
+    """The generation config as the model's own save_pretrained writes it: Sesame CSM keeps its depth
+    decoder's sampling settings in it, prefixed `depth_decoder_` (its from_pretrained moves them back)."""
+    config = getattr(base, "generation_config", None)
+    depth = getattr(getattr(base, "depth_decoder", None), "generation_config", None)
+    if config is None or depth is None:
+        return config
+    config = copy.deepcopy(config)
+    for name, value in depth.to_diff_dict().items():
+        if name != "transformers_version":
+            setattr(config, f"depth_decoder_{name}", value)
+    return config
 
 
 def _save_merged_4bit(model, save_directory: str, max_shard_size: str) -> None:

@@ -299,13 +299,18 @@ def _checkpointed_forward(self, hidden_states, *args, **kwargs):
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks: transformers' checkpointable layers, else the longest ModuleList's items."""
+    """The repeated blocks: transformers' checkpointable layers, else the longest ModuleList's items.
+    A speech model's codec is left out: it runs under no_grad (CSM encodes audio to codes with it)."""
+    from unsloth.models.speech import codec_of
+
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # older transformers
         GradientCheckpointingLayer = None
+    codec = codec_of(model)
+    skipped = set(map(id, codec.modules())) if codec is not None else set()
     if GradientCheckpointingLayer is not None:
-        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and id(m) not in skipped]
         if layers:
             return layers
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
@@ -332,7 +337,26 @@ def apply_gradient_checkpointing(model: nn.Module, mode: bool | str) -> int:
         layer._unsloth_offloader = offloader
         layer._unsloth_layer_index = index
         layer.forward = types.MethodType(_checkpointed_forward, layer)
-    if mode is not False and hasattr(model, "enable_input_require_grads"):
+    if mode is not False:
         # With frozen embeddings nothing upstream requires grad, and the checkpoint would cut the graph.
-        model.enable_input_require_grads()
+        _inputs_require_grad(model)
     return 0 if mode is False else len(layers)
+
+
+def _make_require_grad(module, args, output):
+    output.requires_grad_(True)
+
+
+def _inputs_require_grad(model: nn.Module) -> None:
+    from unsloth.models.speech import codec_of
+
+    if codec_of(model) is None:
+        if hasattr(model, "enable_input_require_grads"):
+            model.enable_input_require_grads()
+        return
+    # transformers 5 hooks every sub-model's input embedding; Sesame CSM's depth decoder writes into its
+    # embedding output in place, which a leaf that requires grad forbids: the model's own embedding only
+    previous = model.__dict__.pop("_unsloth_input_grad_hook", None)
+    if previous is not None:
+        previous.remove()
+    model._unsloth_input_grad_hook = model.get_input_embeddings().register_forward_hook(_make_require_grad)

@@ -50,8 +50,14 @@ def enable(model):
     """Turn the fast path on (idempotent): KV cache on, `generate` through `fast_generate`.
 
     The train/eval mode is the caller's: `fast_generate` itself decodes in eval mode."""
+    from transformers import GenerationMixin
+
     backbone = _backbone(model)
     backbone.config.use_cache = True
+    if getattr(type(backbone), "generate", None) is not GenerationMixin.generate:
+        # a model class with its own generate (Sesame CSM writes audio frames through its depth decoder)
+        # manages its own caches: it keeps that generate, with the KV cache on
+        return model
     if getattr(backbone, "_unsloth_fast_generation", None) is None:
         backbone._unsloth_fast_generation = {}  # (batch, cache length) -> StaticCache
     if not getattr(backbone.generate, "_unsloth_fast", False):

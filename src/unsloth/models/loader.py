@@ -18,6 +18,7 @@ from unsloth.errors import UnslothError
 from unsloth.models.distributed import bind_to_gpu_numa_node, rank_device, world_size
 from unsloth.models.embedding import offload_input_embedding
 from unsloth.models.patches import patch_model, patch_peft_model
+from unsloth.models.speech import CODEC_MODULES, codec_of
 from unsloth.models.checkpointing import apply_gradient_checkpointing
 
 log = logging.getLogger("unsloth")
@@ -367,6 +368,9 @@ def add_lora(
     # a string is a regex over module names (the vision loader's choice of towers), as in peft
     if not isinstance(target_modules, str):
         target_modules = list(target_modules or DEFAULT_TARGETS)
+    if codec_of(model) is not None and kwargs.get("exclude_modules") is None:
+        # a speech model's codec runs frozen under no_grad (CSM encodes audio with it): adapters there never learn
+        kwargs["exclude_modules"] = CODEC_MODULES
     # packed MoE experts are parameters, not modules: peft adapts them through target_parameters
     target_parameters = list(dict.fromkeys([*target_parameters, *expert_target_parameters(model, target_modules)]))
     config = LoraConfig(

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from unsloth.export.merged import save_pretrained_merged
 from unsloth.models import generation
 from unsloth.models.loader import add_lora, is_bfloat16_supported, load_pretrained, model_config
+from unsloth.models.speech import load_speech_pretrained, speech_model_class
 from unsloth.models.vision import load_vision_pretrained, lora_target_regex
 from unsloth.notebook import hub, vllm_compat
 from unsloth.training import trl_compat
@@ -75,7 +76,20 @@ class FastLanguageModel:
 
 
 class FastModel(FastLanguageModel):
-    """The general loader's name in Unsloth's API (text models; vision-language ones: FastVisionModel)."""
+    """The general loader's name in Unsloth's API: causal LMs as FastLanguageModel loads them, and a
+    model of the transformers class `auto_model` names (Sesame CSM: CsmForConditionalGeneration; a
+    text-to-speech checkpoint that is no causal LM gets its class found) with its processor.
+    Vision-language models: FastVisionModel."""
+
+    @staticmethod
+    def from_pretrained(model_name: str = "unsloth/Llama-3.2-1B-Instruct", *args, auto_model=None, **kwargs):
+        hub = {k: kwargs[k] for k in ("token", "revision", "trust_remote_code") if kwargs.get(k) is not None}
+        auto_model = auto_model or speech_model_class(model_name, **hub)
+        if auto_model is None:
+            return FastLanguageModel.from_pretrained(model_name, *args, **kwargs)
+        model, processor = load_speech_pretrained(model_name, auto_model, *args, **kwargs)
+        _attach(model, processor)
+        return model, processor
 
 
 class FastVisionModel(FastLanguageModel):

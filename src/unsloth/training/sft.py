@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import json
+import re
 import shutil
 import typing
 from dataclasses import dataclass
@@ -305,13 +307,35 @@ def resume_point(config: TrainConfig, echo: Callable[[str], None]) -> str | None
         return None
     if isinstance(config.resume, str):
         return config.resume
-    folders = _checkpoints(config.output_dir)
-    last = max(i for i, folder in enumerate(folders) if complete_checkpoint(folder))
-    for cut in folders[last + 1:]:
+    last = remove_cut_checkpoints(config.output_dir, echo)  # one exists: checked before loading
+    echo(f"resuming from {last}")
+    return str(last)
+
+
+def remove_cut_checkpoints(output_dir: str, echo: Callable[[str], None] | None) -> Path | None:
+    """Remove the checkpoint folders newer than the last complete one (a stopped run, or a full disk,
+    cut them off while they were written); that last complete one, or None. ``echo`` None: only find it
+    (another process than the one that writes checkpoints)."""
+    folders = _checkpoints(output_dir)
+    complete = [i for i, folder in enumerate(folders) if complete_checkpoint(folder)]
+    last = complete[-1] if complete else -1
+    for cut in folders[last + 1:] if echo is not None else ():
         shutil.rmtree(cut)
         echo(f"removed {cut.name}: the run stopped while writing it")
-    echo(f"resuming from {folders[last]}")
-    return str(folders[last])
+    return folders[last] if complete else None
+
+
+# A write the disk refused, as each writer says it: an OSError's errno (ENOSPC, EDQUOT, EFBIG), or the
+# text of safetensors' ("I/O error: ... (os error 28)") and torch.save's errors, which carry none.
+_DISK_FULL = re.compile(r"\(os error (28|27|122)\)|No space left on device|File too large|Disk quota exceeded|"
+                        r"file write failed|requested and \d+ written")
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Did ``exc`` come from the disk filling up (or a file-size limit) while something was written?"""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return True
+    return any(_DISK_FULL.search(str(link)) for link in (exc, exc.__cause__, exc.__context__) if link is not None)
 
 
 def _save(model, tokenizer, trainer, config: TrainConfig) -> str | None:

@@ -56,6 +56,8 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "qwen3_vl": ALL,
     "gemma3": ALL,
     "mllama": ALL,
+    # Sesame CSM: a Llama backbone and a Llama depth decoder (`text_parts`); its Mimi codec runs stock.
+    "csm": ALL,
 }
 
 # Mixture-of-experts families: their packed experts also run as our grouped GEMMs ("moe"); the
@@ -168,9 +170,17 @@ def text_part(model: nn.Module) -> nn.Module:
     return getattr(inner, "language_model", None) or getattr(model, "language_model", None) or model
 
 
+def text_parts(model: nn.Module) -> list[nn.Module]:
+    """Where the family patches go: a vision-language model's language model; a speech model's
+    parts other than its audio codec (CSM: backbone and depth decoder); else the whole model."""
+    from unsloth.models.speech import codec_of, outside_codec
+
+    return outside_codec(model) if codec_of(model) is not None else [text_part(model)]
+
+
 def patch_model(model: nn.Module) -> PatchReport:
-    """Put our kernels into a loaded causal LM (before LoRA); returns what was done. In a
-    vision-language model the family patches go into its language model; the loss is the whole model's."""
+    """Put our kernels into a loaded causal LM (before LoRA); returns what was done. The family
+    patches go into its `text_parts`; the loss is the whole model's."""
     family = getattr(model.config, "model_type", type(model).__name__)
     report = PatchReport(family)
     wanted = family_patches(family)
@@ -186,15 +196,15 @@ def patch_model(model: nn.Module) -> PatchReport:
     elif not family_patches_enabled():
         report.generic_only = "family patches off: UNSLOTH_FAMILY_PATCHES=0"
     else:
-        text = text_part(model)
-        if "rms_norm" in wanted:
-            report.rms_norm = patch_rms_norms(text)
-        if "rope" in wanted:
-            report.rope = patch_rope(text, device, dtype)
-        if "mlp" in wanted:
-            report.mlp = patch_mlps(text, device, dtype)
-        if "moe" in wanted:
-            report.moe = patch_moe_experts(text, device, dtype)
+        for text in text_parts(model):
+            if "rms_norm" in wanted:
+                report.rms_norm += patch_rms_norms(text)
+            if "rope" in wanted:
+                report.rope += patch_rope(text, device, dtype)
+            if "mlp" in wanted:
+                report.mlp += patch_mlps(text, device, dtype)
+            if "moe" in wanted:
+                report.moe += patch_moe_experts(text, device, dtype)
     model._unsloth_patches = report
     log.info(report.summary())
     return report
