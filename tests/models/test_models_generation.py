@@ -15,8 +15,10 @@ from tiny_vision import VISION_FAMILIES, tiny_vision_model
 from unsloth.models import generation
 from unsloth.models.patches import FAMILIES, MOE_FAMILIES, patch_model, patch_peft_model
 
-# Every registry entry, dense and MoE (gemma4_text is in both: its dense and its MoE variant).
-REGISTERED = [("dense", f) for f in FAMILIES] + [("moe", f) for f in MOE_FAMILIES]
+# Families whose model class has a generate of its own, which the fast path leaves in place (enable keeps it).
+OWN_GENERATE = {"csm"}  # Sesame CSM writes audio frames through its depth decoder
+# Every other registry entry, dense and MoE (gemma4_text is in both: its dense and its MoE variant).
+REGISTERED = [("dense", f) for f in FAMILIES if f not in OWN_GENERATE] + [("moe", f) for f in MOE_FAMILIES]
 # Multimodal model types whose language model is one of the tiny text ones, with a 1-block vision tower.
 MULTIMODAL = {"qwen3_5": ("qwen3_5_text", "Qwen3_5Config"), "llama4": ("llama4_text", "Llama4Config")}
 _TOWERS = {
@@ -90,6 +92,15 @@ def _transformers_greedy(model, ids, mask, new):
 def test_every_registered_family_has_a_tiny_model():
     for kind, family in REGISTERED:
         assert registered_model(kind, family).config.model_type == family, (kind, family)
+
+
+def test_a_family_with_its_own_generate_keeps_it():
+    from tiny_csm import tiny_csm
+
+    assert OWN_GENERATE <= set(FAMILIES)
+    model, _ = tiny_csm()
+    generation.enable(model)
+    assert not generation.enabled(model) and "generate" not in model.__dict__ and model.config.use_cache
 
 
 @pytest.mark.slow
