@@ -7,8 +7,13 @@ projections, use_gradient_checkpointing="unsloth") -> GRPOTrainer(model=, proces
 reward_funcs=, args=GRPOConfig(...)) -> trainer.train(). The weights are random (the anchors'
 /tmp/llama8b, written by `.anchors/anchor_lora.py --impl make`); prompts are random words of a
 word-level tokenizer written beside them (one token each), and `min_new_tokens` makes every
-completion its full length, so both impls generate and train on the same amount. One JSON line:
-median step time after the warm-up steps (rollouts + scoring + the update), and peak memory.
+completion its full length, so both impls generate and train on the same amount.
+
+JSON lines: {"event": "loaded"} once the model is ready; {"event": "step"} per optimizer step (its
+time, the peak memory so far, the reward and loss TRL logged); then {"event": "summary"}: the median
+step time after the warm-up steps (rollouts + scoring + the update), the peak over the timed steps,
+every step's reward and loss. Killed by SIGTERM (h200.sh's `timeout`), it prints the summary of the
+steps it finished, with "partial": true, before it exits.
 
     ROOT=$PWD
     python3 .anchors/anchor_lora.py --impl make >/dev/null
@@ -22,8 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
+import sys
 import tempfile
+import time
 
 p = argparse.ArgumentParser()
 p.add_argument("--impl", default="ours", help="a label for the JSON line: ours | unsloth")
@@ -72,6 +80,49 @@ def make_tiny(path: str) -> None:
     LlamaForCausalLM(cfg).save_pretrained(path)
 
 
+def emit(**fields) -> None:
+    print(json.dumps({"bench": "grpo", "impl": args.impl, **fields}), flush=True)
+
+
+def peak_gib():
+    return round(torch.cuda.max_memory_allocated() / 2**30, 3) if CUDA else None
+
+
+class Run:
+    """What the steps measured so far; `summary` is the last JSON line, complete or (killed) partial."""
+
+    def __init__(self, shape: str):
+        self.shape, self.times, self.logs = shape, [], []
+
+    def summary(self, partial: bool = False) -> None:
+        timed = self.times[args.warmup:]
+        last = self.logs[-1] if self.logs else {}
+        emit(event="summary", partial=partial, unsloth=os.path.dirname(unsloth.__file__), shape=self.shape,
+             step_s=round(statistics.median(timed), 3) if timed else None, steps=len(timed),
+             first_step_s=round(self.times[0], 2) if self.times else None,
+             peak_gib=peak_gib() if timed else None,  # the counter restarts when the timed steps begin
+             completion_length=last.get("completions/mean_length"),
+             rewards=[log.get("reward") for log in self.logs], losses=[log.get("loss") for log in self.logs],
+             reward=last.get("reward"), loss=last.get("loss"))
+
+
+def step_lines(run: Run):
+    """A Trainer callback printing one JSON line per logged step (logging_steps=1: every step)."""
+    from transformers import TrainerCallback
+
+    class StepLines(TrainerCallback):
+        def on_log(self, args_, state, control, logs=None, **kwargs):
+            if not logs or "reward" not in logs:
+                return
+            run.logs.append(dict(logs))
+            emit(event="step", step=state.global_step, warmup=state.global_step <= args.warmup,
+                 step_s=round(run.times[-1], 3) if run.times else None, peak_gib=peak_gib(),
+                 reward=logs.get("reward"), reward_std=logs.get("reward_std"), loss=logs.get("loss"),
+                 completion_length=logs.get("completions/mean_length"))
+
+    return StepLines()
+
+
 def main() -> None:
     from datasets import Dataset
     from profiling import step_timer
@@ -81,15 +132,27 @@ def main() -> None:
     if args.tiny:
         args.model_dir = tempfile.mkdtemp(prefix="tiny-llama-")
         make_tiny(args.model_dir)
-        args.prompt, args.completion, args.generations, args.steps, args.warmup = 12, 6, 4, 1, 1
+        args.prompt, args.completion, args.generations = 12, 6, 4
+        args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
         args.optim, words = "adamw_torch", 512
+    run = Run("tiny" if args.tiny else f"{'bf16' if args.bf16 else 'qlora'} p{args.prompt} "
+                                       f"g{args.generations}x{args.completion}")
+
+    def killed(signum, frame):  # h200.sh's `timeout`: say what was measured, then go
+        run.summary(partial=True)
+        sys.stdout.flush()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, killed)
     folder = model_folder(args.model_dir, words)
     seq = args.prompt + args.completion
+    start = time.perf_counter()
     model, tokenizer = FastLanguageModel.from_pretrained(model_name=folder, max_seq_length=seq, dtype=None,
                                                          load_in_4bit=not (args.bf16 or args.tiny))
     model = FastLanguageModel.get_peft_model(
         model, r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         lora_alpha=16, lora_dropout=0, bias="none", use_gradient_checkpointing="unsloth", random_state=3407)
+    emit(event="loaded", load_s=round(time.perf_counter() - start, 1), peak_gib=peak_gib())
     steps = args.warmup + args.steps
     generator = torch.Generator().manual_seed(1)
     prompts = [" ".join(f"w{i}" for i in torch.randint(3, words, (args.prompt,), generator=generator).tolist())
@@ -99,8 +162,6 @@ def main() -> None:
     def even_words(completions, **_):  # a reward that varies within a group, so the advantages are not all zero
         return [float(sum(w[-1:] in "02468" for w in c.split())) for c in completions]
 
-    times: list[float] = []
-
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="grpo-"), learning_rate=5e-6, optim=args.optim, logging_steps=1,
         per_device_train_batch_size=args.generations, gradient_accumulation_steps=1,
@@ -108,20 +169,11 @@ def main() -> None:
         generation_kwargs={"min_new_tokens": args.completion}, use_vllm=False, report_to="none",
         save_strategy="no", seed=3407, shuffle_dataset=False, max_grad_norm=0.1,
         bf16=CUDA and torch.cuda.is_bf16_supported(), fp16=CUDA and not torch.cuda.is_bf16_supported())
+    # the timer first: a step's line reads its time
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[even_words], args=config,
-                          train_dataset=dataset, callbacks=[step_timer(times, args.warmup)])
+                          train_dataset=dataset, callbacks=[step_timer(run.times, args.warmup), step_lines(run)])
     trainer.train()
-    timed = times[args.warmup:]
-    logs = [h for h in trainer.state.log_history if "reward" in h]
-    print(json.dumps({
-        "bench": "grpo", "impl": args.impl, "unsloth": os.path.dirname(unsloth.__file__),
-        "shape": "tiny" if args.tiny else f"{'bf16' if args.bf16 else 'qlora'} p{args.prompt} "
-                                          f"g{args.generations}x{args.completion}",
-        "step_s": round(statistics.median(timed), 3), "steps": len(timed), "first_step_s": round(times[0], 2),
-        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if CUDA else None,
-        "completion_length": logs[-1].get("completions/mean_length") if logs else None,
-        "reward": logs[-1].get("reward") if logs else None, "loss": logs[-1].get("loss") if logs else None,
-    }), flush=True)
+    run.summary()
 
 
 main()

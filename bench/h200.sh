@@ -190,9 +190,9 @@ generation() {  # decoding after for_inference, LoRA attached, batch 1 and 8; GE
 grpo() {  # a notebook-style GRPO step (QLoRA, a group of 8 x 256 after a 256-token prompt, no vLLM): ours, then Unsloth
   [ -f /tmp/llama8b/config.json ] || python3 .anchors/anchor_lora.py --impl make >/dev/null
   # shellcheck disable=SC2086
-  timeout 240 python3 bench/bench_grpo.py --impl ours ${GRPO_ARGS:-} 2>&1 | grep '^{' | tee -a "$OUT/grpo.jsonl"
+  timeout -k 15 240 python3 bench/bench_grpo.py --impl ours ${GRPO_ARGS:-} 2>&1 | grep '^{"' | tee -a "$OUT/grpo.jsonl"
   # shellcheck disable=SC2086
-  PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 240 python3 bench/bench_grpo.py --impl unsloth ${GRPO_ARGS:-} 2>&1 | grep '^{' | tee -a "$OUT/grpo.jsonl"
+  PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout -k 15 240 python3 bench/bench_grpo.py --impl unsloth ${GRPO_ARGS:-} 2>&1 | grep '^{"' | tee -a "$OUT/grpo.jsonl"
 }
 
 tts() {  # an Orpheus-3B-shaped TTS SFT as the notebook runs it (bench/bench_tts.py): ours, then Unsloth

@@ -2,19 +2,69 @@
 
 from __future__ import annotations
 
+import copy
+import types
+
 import pytest
 import torch
 
-from tiny_families import VOCAB, has_tiny_config, tiny_model, with_lora
+from test_models_moe import _with_lora as _with_moe_lora
+from test_models_moe import moe_config
+from tiny_families import VOCAB, family_config, save_tiny, tiny_model, with_lora
+from tiny_vision import VISION_FAMILIES, tiny_vision_model
 from unsloth.models import generation
-from unsloth.models.patches import FAMILIES, patch_model, patch_peft_model
+from unsloth.models.patches import FAMILIES, MOE_FAMILIES, patch_model, patch_peft_model
 
-# The registry also names multimodal model types (gemma4, qwen3_5) whose text models are the tiny ones here.
-FAMILY_NAMES = sorted(f for f in FAMILIES if has_tiny_config(f))
+# Families whose model class has a generate of its own, which the fast path leaves in place (enable keeps it).
+OWN_GENERATE = {"csm"}  # Sesame CSM writes audio frames through its depth decoder
+# Every other registry entry, dense and MoE (gemma4_text is in both: its dense and its MoE variant).
+REGISTERED = [("dense", f) for f in FAMILIES if f not in OWN_GENERATE] + [("moe", f) for f in MOE_FAMILIES]
+# Multimodal model types whose language model is one of the tiny text ones, with a 1-block vision tower.
+MULTIMODAL = {"qwen3_5": ("qwen3_5_text", "Qwen3_5Config"), "llama4": ("llama4_text", "Llama4Config")}
+_TOWERS = {
+    "qwen3_5": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8,
+                    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16),
+    "llama4": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                   patch_size=8, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32),
+}
+_TEXT_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+def registered_model(kind: str, family: str):
+    """A tiny random model of registry entry (kind, family), float32, eval mode."""
+    import transformers
+
+    if kind == "moe" and family not in MULTIMODAL:
+        from test_models_moe import tiny_moe
+
+        model = tiny_moe(family)
+        model.config.output_router_logits = False  # transformers' own generate fails with it (its aux loss)
+        return model
+    if family in VISION_FAMILIES:
+        return tiny_vision_model(family)[0]
+    if family in MULTIMODAL:
+        text, config_class = MULTIMODAL[family]
+        text_config = (moe_config(text) if kind == "moe" else family_config(text)).to_dict()
+        config = getattr(transformers, config_class)(text_config=text_config, vision_config=_TOWERS[family])
+        torch.manual_seed(0)
+        return transformers.AutoModelForImageTextToText.from_config(config).eval()
+    return tiny_model(family)
+
+
+def _multimodal(family: str) -> bool:
+    return family in VISION_FAMILIES or family in MULTIMODAL
+
+
+def _adapters(kind: str, family: str, model):
+    """LoRA (B drawn non-zero, large enough to change the greedy tokens) on the language model's projections
+    (and a MoE model's experts)."""
+    if _multimodal(family):
+        return with_lora(model, target_modules=_TEXT_TARGETS, b_std=0.2)
+    return _with_moe_lora(model) if kind == "moe" else with_lora(model, b_std=0.2)
 
 
 def _prompts(batch=2, seq=7, seed=1):
-    ids = torch.randint(2, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(2, VOCAB - 10, (batch, seq), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # left padding on one row, as batched prompts have
     return ids, mask
@@ -31,20 +81,76 @@ def _greedy(model, ids, mask, new=6):
                           pad_token_id=0, eos_token_id=None)
 
 
+def _transformers_greedy(model, ids, mask, new):
+    """transformers' own generate, the reference; skips where it cannot generate at all (nothing to match)."""
+    try:
+        return _greedy(model, ids, mask, new=new)
+    except AttributeError as error:  # Llama4ForConditionalGeneration, text only: no image_outputs (5.24)
+        pytest.skip(f"transformers' own generate fails on {model.config.model_type}: {error}")
+
+
+def test_every_registered_family_has_a_tiny_model():
+    for kind, family in REGISTERED:
+        assert registered_model(kind, family).config.model_type == family, (kind, family)
+
+
+def test_a_family_with_its_own_generate_keeps_it():
+    from tiny_csm import tiny_csm
+
+    assert OWN_GENERATE <= set(FAMILIES)
+    model, _ = tiny_csm()
+    generation.enable(model)
+    assert not generation.enabled(model) and "generate" not in model.__dict__ and model.config.use_cache
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_greedy_tokens_match_transformers(family):
-    model = tiny_model(family)
-    patch_model(model)
+@pytest.mark.parametrize("kind, family", REGISTERED, ids=[f"{k}-{f}" for k, f in REGISTERED])
+def test_greedy_tokens_match_transformers(kind, family):
+    """Ours (family patches, our LoRA path, the fast generation path) against transformers + peft on an
+    unpatched copy with the same weights: the same greedy tokens, without and with adapters."""
+    reference = registered_model(kind, family)
+    ours = copy.deepcopy(reference)
+    assert patch_model(ours).skipped is None
     ids, mask = _prompts()
     for adapters in (False, True):
         if adapters:
-            model = _with_lora(model)
-        expected = _greedy(model, ids, mask)
-        generation.enable(model)
-        assert generation.enabled(model)
-        assert torch.equal(_greedy(model, ids, mask), expected), f"adapters={adapters}"
-        generation.disable(model)
+            reference, ours = _adapters(kind, family, reference), _adapters(kind, family, ours)
+            assert patch_peft_model(ours).lora, "no LoRA layer on our path: the test would prove less"
+        expected = _transformers_greedy(reference, ids, mask, new=4)
+        generation.enable(ours)
+        assert generation.enabled(ours)
+        assert torch.equal(_greedy(ours, ids, mask, new=4), expected), f"adapters={adapters}"
+        assert ours.get_base_model()._unsloth_fast_generation if adapters else ours._unsloth_fast_generation
+        generation.disable(ours)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, family", REGISTERED, ids=[f"{k}-{f}" for k, f in REGISTERED])
+def test_greedy_tokens_match_transformers_in_4bit_with_adapters(kind, family, tmp_path):
+    """QLoRA: loaded in 4-bit by our loader (bitsandbytes' layers; a MoE model's packed experts in NF4),
+    LoRA on top: the fast path's greedy tokens are transformers' generate's on the same model."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from unsloth.models.loader import add_lora, load_pretrained
+
+    folder = save_tiny(family, tmp_path / family, model=registered_model(kind, family))
+    options = dict(auto_class=AutoModelForImageTextToText, load_tokenizer=AutoTokenizer.from_pretrained) \
+        if _multimodal(family) else {}
+    model, _ = load_pretrained(str(folder), max_seq_length=64, dtype="float32", load_in_4bit=True, **options)
+    assert any(type(m).__name__ == "Linear4bit" for m in model.modules())
+    model = add_lora(model, r=4, lora_alpha=8, random_state=0,
+                     **({"target_modules": _TEXT_TARGETS} if _multimodal(family) else {}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    model.eval()
+    ids, mask = _prompts()
+    expected = _transformers_greedy(model, ids, mask, new=4)
+    generation.enable(model)
+    assert torch.equal(_greedy(model, ids, mask, new=4), expected)
+    assert model.get_base_model()._unsloth_fast_generation
 
 
 def test_the_cache_is_kept_per_batch_and_bucket_and_reused():
@@ -173,27 +279,6 @@ def test_a_decode_step_that_cannot_compile_falls_back_to_eager_once(caplog):
     assert model.generate is generate_failing_to_compile
 
 
-@pytest.mark.slow
-def test_greedy_tokens_match_transformers_in_4bit_with_adapters(tmp_path):
-    pytest.importorskip("bitsandbytes")
-    from tiny_families import save_tiny
-    from unsloth.models.loader import add_lora, load_pretrained
-
-    model, _ = load_pretrained(str(save_tiny("llama", tmp_path / "llama")), max_seq_length=64, dtype="float32",
-                               load_in_4bit=True)
-    model = add_lora(model, r=4, lora_alpha=8)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.2)
-    assert type(model.get_base_model().model.layers[0].mlp.gate_proj.base_layer).__name__ == "Linear4bit"
-    model.eval()
-    ids, mask = _prompts()
-    expected = _greedy(model, ids, mask)
-    generation.enable(model)
-    assert torch.equal(_greedy(model, ids, mask), expected)
-
-
 def _decode_step_compiles_to_one_graph(backbone):
     """Prefill eagerly on a fresh static cache, then one token: eager vs torch.compile(fullgraph=True)
     (any graph break is an error), the same logits."""
@@ -241,8 +326,6 @@ def test_a_4bit_decode_step_with_adapters_traces_as_one_graph(tmp_path):
 
 
 def test_the_4bit_quantizer_is_hidden_from_transformers_compile_check_only_on_a_gpu():
-    import types
-
     quantizer = types.SimpleNamespace(quantization_config=types.SimpleNamespace(load_in_4bit=True))
     gpu = types.SimpleNamespace(device=torch.device("cuda"), hf_quantizer=quantizer)
     assert generation._hide_bitsandbytes_4bit(gpu) is quantizer and gpu.hf_quantizer is None
@@ -251,3 +334,98 @@ def test_the_4bit_quantizer_is_hidden_from_transformers_compile_check_only_on_a_
     eight = types.SimpleNamespace(device=torch.device("cuda"), hf_quantizer=types.SimpleNamespace(
         quantization_config=types.SimpleNamespace(load_in_4bit=False)))
     assert generation._hide_bitsandbytes_4bit(eight) is None
+
+
+@pytest.mark.slow
+def test_new_prompt_lengths_and_batches_reuse_the_compiled_decode_step(monkeypatch):
+    """The decode step compiled as on a GPU (shapes specialized), here with dynamo's eager backend on the
+    CPU: a new prompt length or max_new_tokens in the same bucket compiles nothing more, a new batch
+    size once, and going back to an earlier batch size nothing."""
+    from torch._dynamo.utils import counters
+
+    gpu_config = generation._compile_config
+
+    def as_on_a_gpu(backbone):
+        config = gpu_config(types.SimpleNamespace(device=torch.device("cuda")))
+        assert config is not None and config.dynamic is False
+        config.backend, config.mode = "eager", None
+        config._compile_all_devices = True  # transformers' own switch for compiling off a GPU
+        return config
+
+    model = _with_lora(tiny_model("llama"))
+    patch_model(model.get_base_model())
+    expected = {seq: _greedy(model, *_prompts(batch, seq, seed=seq), new=new)
+                for batch, seq, new in ((2, 5, 6), (2, 9, 3), (1, 12, 5), (1, 4, 7))}
+    assert generation._compile_config(model.get_base_model()) is None  # on the CPU: no compiling by default
+    monkeypatch.setattr(generation, "_compile_config", as_on_a_gpu)
+    generation.enable(model)
+    torch._dynamo.reset()
+    counters.clear()
+
+    def graphs(batch, seq, new):
+        assert torch.equal(_greedy(model, *_prompts(batch, seq, seed=seq), new=new), expected[seq])
+        return counters["stats"]["unique_graphs"]
+
+    first = graphs(2, 5, 6)
+    assert 0 < first < 5, "not compiled, or compiled again at every decode step"
+    assert graphs(2, 9, 3) == first  # another prompt length and max_new_tokens, same (batch, bucket)
+    batch_one = graphs(1, 12, 5)
+    assert first < batch_one <= 2 * first  # a new batch size: its own graphs, once
+    assert graphs(1, 4, 7) == batch_one
+    assert graphs(2, 5, 6) == batch_one  # back to batch 2: its graphs were kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option", [dict(temperature=0.7), dict(top_p=0.8), dict(top_k=5), dict(min_p=0.2),
+                                    dict(repetition_penalty=1.5)], ids=lambda o: next(iter(o)))
+def test_each_sampling_option_is_honoured_as_transformers_does(option):
+    """Seeded sampling with one option at a time: the fast path's tokens are plain generate's with that
+    option, and (so the option is not merely ignored by both) they differ from the tokens without it."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)  # peaked next-token distributions: a random model's are nearly flat
+    ids, mask = _prompts()
+    base = dict(do_sample=True, max_new_tokens=10, pad_token_id=0, eos_token_id=None, top_k=0, temperature=1.0)
+
+    def sample(**options):
+        torch.manual_seed(11)
+        return model.generate(input_ids=ids, attention_mask=mask, **{**base, **options})
+
+    expected, without = sample(**option), sample()
+    assert not torch.equal(expected, without)
+    generation.enable(model)
+    assert torch.equal(sample(**option), expected)
+    assert torch.equal(sample(), without)
+
+
+@pytest.mark.slow
+def test_stop_strings_stop_the_fast_path_as_they_stop_generate():
+    """Stop strings are matched on text: with the tokenizer passed, or the one the loader attached to the
+    model (TRL passes none)."""
+    from unsloth.training.demo import build_tokenizer
+
+    tokenizer = build_tokenizer(["the quick brown fox jumps over the lazy dog", "a stop string ends it"], VOCAB)
+    model = tiny_model("llama")
+    ids = torch.randint(2, len(tokenizer), (1, 6), generator=torch.Generator().manual_seed(4))
+    options = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    full = model.generate(input_ids=ids, **options)[0, 6:].tolist()
+    # a later new token's text (byte-level pieces of a character decode to U+FFFD: not text to match)
+    stop = next(text for text in map(tokenizer.decode, ([t] for t in full[2:]))
+                if text.strip() and text.isprintable() and "\ufffd" not in text)
+    expected = model.generate(input_ids=ids, stop_strings=[stop], tokenizer=tokenizer, **options)
+    assert expected.shape[1] < 6 + 12, "the stop string did not stop plain generate"
+    generation.enable(model)
+    assert torch.equal(model.generate(input_ids=ids, stop_strings=[stop], tokenizer=tokenizer, **options), expected)
+    model._unsloth_tokenizer = tokenizer
+    assert torch.equal(model.generate(input_ids=ids, stop_strings=[stop], **options), expected)
+
+
+def test_transformers_text_streamer_prints_the_fast_paths_text(tmp_path, capsys):
+    from transformers import AutoTokenizer, TextStreamer
+
+    tokenizer = AutoTokenizer.from_pretrained(save_tiny("llama", tmp_path / "llama"))
+    model = generation.enable(tiny_model("llama"))
+    ids = torch.randint(2, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+    out = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None,
+                         streamer=TextStreamer(tokenizer, skip_prompt=True))
+    assert capsys.readouterr().out.split() == tokenizer.decode(out[0, 6:]).split()

@@ -104,7 +104,6 @@ def _unsupported(config, kwargs) -> str | None:
 
 def fast_generate(backbone, plain, *args, **kwargs):
     """`generate` on a static cache kept between calls (compiled decode step on a GPU)."""
-    from transformers import CompileConfig
     from transformers.generation.utils import ALL_CACHE_NAMES
 
     caches = getattr(backbone, "_unsloth_fast_generation", None)
@@ -134,9 +133,8 @@ def fast_generate(backbone, plain, *args, **kwargs):
     config.cache_implementation = None  # the cache is ours; generate refuses both
     # TRL turns compilation off for its rollouts (made for a dynamic cache); we compile unless it failed
     config.disable_compile = backbone.__dict__.get("_unsloth_eager_decode", False)
-    if config.compile_config is None and backbone.device.type == "cuda":
-        # shapes specialized: one graph per (batch, bucket), none of them symbolic
-        config.compile_config = CompileConfig(dynamic=False)
+    if config.compile_config is None:
+        config.compile_config = _compile_config(backbone)
     was_training = backbone.training
     backbone.eval()  # no dropout in rollouts, as with vLLM; the caller's mode comes back after
     quantizer = _hide_bitsandbytes_4bit(backbone) if not config.disable_compile else None
@@ -156,6 +154,14 @@ def fast_generate(backbone, plain, *args, **kwargs):
         if quantizer is not None:
             backbone.hf_quantizer = quantizer
         backbone.train(was_training)
+
+
+def _compile_config(backbone):
+    """How transformers compiles the decode step: on a GPU with shapes specialized, so one graph per
+    (batch, bucket), none of them symbolic; elsewhere it does not compile (None)."""
+    from transformers import CompileConfig
+
+    return CompileConfig(dynamic=False) if backbone.device.type == "cuda" else None
 
 
 def _hide_bitsandbytes_4bit(backbone):
