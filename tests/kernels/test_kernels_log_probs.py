@@ -121,7 +121,7 @@ def test_without_grad_and_empty_input():
     with torch.no_grad():
         logp = fused_linear_log_probs(x.requires_grad_(), w, labels, use_triton=False)[0]
     assert not logp.requires_grad
-    empty = torch.zeros(0, 16, requires_grad=True)
+    empty = torch.zeros(0, 16, device=x.device, requires_grad=True)
     logp = fused_linear_log_probs(empty, w, labels[:0], use_triton=False)[0]
     logp.sum().backward()
     assert logp.shape == (0,) and empty.grad.shape == (0, 16)
