@@ -138,3 +138,26 @@ def fake_tree(root, *, table=(), registered=()):
     entries = "".join(f"    {name!r}: 'llama',\n" for name in table)
     (root / "conversion" / "__init__.py").write_text(f"TEXT_MODEL_MAP: dict[str, str] = {{\n{entries}}}\n")
     return root
+
+
+GREEDY_PROMPTS = ("The capital of France is", "def add(a, b):", "Once upon a time")
+GREEDY_TOKENS = 12
+
+
+def greedy_agreement(model, llm, tokenizer, prompts=GREEDY_PROMPTS, n_tokens=GREEDY_TOKENS):
+    """llama.cpp (`llm`) against transformers (`model`), free-running greedy from each prompt: the steps
+    on which they agree before their first divergence (after one, the texts differ), the steps run,
+    the tokens transformers chose, and each prompt's ids with llama.cpp's tokens."""
+    from unsloth.export import runtime
+    from unsloth.export.validate import reference_greedy
+
+    agree, total, seen, runs = 0, 0, set(), []
+    for prompt in prompts:
+        ids = tokenizer(prompt)["input_ids"]
+        expected, _ = reference_greedy(model, ids, n_tokens)
+        got = runtime.greedy(llm, ids, n_tokens)
+        agree += next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), n_tokens)
+        total += n_tokens
+        seen.update(expected)
+        runs.append((ids, got))
+    return agree, total, seen, runs

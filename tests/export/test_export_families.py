@@ -14,10 +14,9 @@ import textwrap
 
 import pytest
 
-from export_models import LLAMA_CPP_ARCHITECTURES, fake_tree, make_model, make_spm_tokenizer, make_tokenizer
+from export_models import (LLAMA_CPP_ARCHITECTURES, fake_tree, greedy_agreement, make_model, make_spm_tokenizer,
+                           make_tokenizer)
 
-N_TOKENS = 12
-PROMPTS = ("The capital of France is", "def add(a, b):", "Once upon a time")
 
 
 def test_supported_architectures_read_from_both_layouts(tmp_path):
@@ -143,7 +142,6 @@ def test_family_exports_through_llama_cpp_and_matches_transformers(arch, convert
     from unsloth.export import runtime
     from unsloth.export.gguf import save_pretrained_gguf
     from unsloth.export.llama_cpp_converter import hf_architecture
-    from unsloth.export.validate import reference_greedy
 
     model = make_model(arch)
     assert hf_architecture(model) in converter.architectures, f"{converter.origin} lacks {arch}"
@@ -158,15 +156,8 @@ def test_family_exports_through_llama_cpp_and_matches_transformers(arch, convert
 
     llm = runtime.load(result.files["f16"], n_ctx=128, gpu=False)
     try:
-        seen = {t for p in report.prompts for t in p.reference}  # the validation's five prompts, and these
-        agree, total = 0, 0
-        for prompt in PROMPTS:
-            ids = tokenizer(prompt)["input_ids"]
-            expected, _ = reference_greedy(model, ids, N_TOKENS)
-            got = runtime.greedy(llm, ids, N_TOKENS)
-            agree += next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), N_TOKENS)
-            total += N_TOKENS
-            seen.update(expected)
+        agree, total, seen, _ = greedy_agreement(model, llm, tokenizer)
+        seen |= {t for p in report.prompts for t in p.reference}  # and the validation's five prompts
     finally:
         llm.close()
     # Free-running greedy from the first divergence on is a different text; the validation above

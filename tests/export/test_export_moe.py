@@ -10,11 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from export_models import make_model, make_tokenizer
+from export_models import GREEDY_TOKENS, greedy_agreement, make_model, make_tokenizer
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PROMPTS = ("The capital of France is", "def add(a, b):", "Once upon a time")
-N_TOKENS = 12
 # Shapes on top of export_models' COMMON (hidden 256, 2 layers). The families exported and compared
 # here; llama.cpp's converter also lists OLMoE (its GGUF of the tiny model does not load in
 # llama-cpp-python 0.3.36: the export fails with that message), DeepSeek-V3, GLM-4 MoE and Llama 4
@@ -84,16 +82,10 @@ def test_moe_lora_merges_into_a_gguf_with_the_adapted_models_tokens(arch, conver
     assert report.passed and report.tokenizer_mismatches == [], report.summary()
 
     llm = runtime.load(result.files["f16"], n_ctx=128, gpu=False)
-    agree, total, differs = 0, 0, 0
     try:
         with torch.no_grad():
-            for prompt in PROMPTS:
-                ids = tokenizer(prompt)["input_ids"]
-                expected, _ = reference_greedy(model, ids, N_TOKENS)
-                got = runtime.greedy(llm, ids, N_TOKENS)
-                agree += next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), N_TOKENS)
-                total += N_TOKENS
-                differs += got != reference_greedy(base, ids, N_TOKENS)[0]
+            agree, total, _, runs = greedy_agreement(model, llm, tokenizer)
+            differs = sum(got != reference_greedy(base, ids, GREEDY_TOKENS)[0] for ids, got in runs)
     finally:
         llm.close()
     # free-running greedy after a first (near-tie) divergence is another text: most steps must agree before it

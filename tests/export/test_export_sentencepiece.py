@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from export_models import CORPUS, make_model
+from export_models import CORPUS, greedy_agreement, make_model
 
-N_TOKENS = 12
-PROMPTS = ("The capital of France is", "def add(a, b):", "Once upon a time")
 TEST_STRING = "Hello world!  Numbers 123 4567, café 我想 🦙\n\tdef f(x): return x"
 VOCAB = 384
 
@@ -95,7 +93,6 @@ def test_merged_save_keeps_the_sentencepiece_model(family, tmp_path):
 def test_sentencepiece_family_exports_and_matches_transformers(family, tmp_path):
     from unsloth.export import runtime
     from unsloth.export.gguf import save_pretrained_gguf
-    from unsloth.export.validate import reference_greedy
 
     name, model, tokenizer = family
     result = save_pretrained_gguf(model, tmp_path, tokenizer, "f16")
@@ -108,14 +105,7 @@ def test_sentencepiece_family_exports_and_matches_transformers(family, tmp_path)
         ids = tokenizer(TEST_STRING)["input_ids"]  # the validation above also compared its own samples
         assert llm.tokenize(TEST_STRING.encode(), add_bos=True, special=True) == ids, name
         assert llm.detokenize(ids).decode().strip() == TEST_STRING.strip()
-        agree, total, seen = 0, 0, set()
-        for prompt in PROMPTS:
-            ids = tokenizer(prompt)["input_ids"]
-            expected, _ = reference_greedy(model, ids, N_TOKENS)
-            got = runtime.greedy(llm, ids, N_TOKENS)
-            agree += next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), N_TOKENS)
-            total += N_TOKENS
-            seen.update(expected)
+        agree, total, seen, _ = greedy_agreement(model, llm, tokenizer)
     finally:
         llm.close()
     assert agree >= 0.75 * total, (name, agree, total)
