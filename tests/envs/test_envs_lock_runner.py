@@ -64,6 +64,19 @@ def test_a_failed_step_keeps_its_full_log_and_shows_the_tail(tmp_path):
     assert "unsloth install --dry-run" in error.fix
 
 
+def test_a_step_ended_by_the_file_size_limit_names_the_disk(tmp_path):
+    # the step writes past `ulimit -f` with the signal's default action (as uv has it; Python itself
+    # ignores SIGXFSZ): the OS ends it, and it says nothing
+    script = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_DFL); "
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
+              "fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT); os.write(fd, bytes(8192)); os.write(fd, bytes(8192))")
+    step = Step("torch", "PyTorch", [sys.executable, "-c", script, str(tmp_path / "big")], env={})
+    console = Console(file=open(tmp_path / "screen", "w"))
+    with pytest.raises(StepFailed) as failed:
+        run_step(step, tmp_path / "logs", console, 2)
+    assert "file-size limit" in failed.value.fix and "Free some disk space" in failed.value.fix
+
+
 def test_a_good_step_returns_its_output_and_gets_exactly_its_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_FIND_LINKS", "/somewhere")
     console = Console(file=open(tmp_path / "screen", "w"))
@@ -78,6 +91,8 @@ def test_a_good_step_returns_its_output_and_gets_exactly_its_environment(tmp_pat
     [
         ("error: failed to lookup address information: Name or service not known", "could not be reached"),
         ("OSError: [Errno 28] No space left on device", "disk space"),
+        ("error: Failed to install: torch-2.13.0 ... File too large (os error 27)", "disk space"),
+        ("OSError: [Errno 122] Disk quota exceeded", "disk space"),
         ("CMake Error at CMakeLists.txt: could not find compiler", "--without llama-cpp"),
         ("something else entirely", "Read the log"),
     ],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -154,6 +155,25 @@ def test_a_killed_update_leaves_the_previous_env_working_and_is_swept_later(sand
     assert again.returncode == 0 and f"Removed unfinished builds left by an interrupted run: {half.name}" in again.stdout
     assert not half.exists() and sandbox.envs() == [active]  # ... so the next run ends it and sweeps
     assert not [p for p in psutil.process_iter() if _session(p.pid) == step]
+
+
+def _file_size_limit(limit: int = 20 << 20):
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+def test_an_update_that_runs_out_of_disk_keeps_the_previous_env(sandbox, installed):
+    """A file-size limit stands in for a full disk: the package step cannot write torch's libraries.
+    One message with the fix, no traceback, the half-built environment gone, the previous one current."""
+    active = sandbox.current()
+    env = {**sandbox.env, "UV_LINK_MODE": "copy"}  # copied out of uv's cache, not hard-linked: real writes
+    done = subprocess.run([str(sandbox.launcher), "install", "--force", "--yes", *WITHOUT], env=env, cwd=sandbox.home,
+                          capture_output=True, text=True, timeout=900, preexec_fn=_file_size_limit)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and "Traceback" not in out, out[-3000:]
+    assert "Free some disk space" in out and "still the active environment" in out, out[-3000:]
+    assert sandbox.envs() == [active]
+    _previous_env_still_works(sandbox, active)
 
 
 def _session(pid: int) -> int | None:

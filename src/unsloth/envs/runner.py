@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -43,7 +44,9 @@ def redact(text: str) -> str:
 
 # (pattern in the output, what to do about it): first match wins.
 _FIXES = (
-    (r"No space left on device", "Free some disk space (the log says where), then run the same command again."),
+    # a full disk, a quota or a file-size limit, as the OS and uv's Rust errors say it
+    (r"No space left on device|File too large|Disk quota exceeded|os error (28|27|122)",
+     "Free some disk space (the log says where), then run the same command again."),
     (
         r"timed out|Timeout was reached|operation timed out|ReadTimeout",
         "A download stopped answering and was given up after {timeout}. Check the network or proxy, or allow "
@@ -144,6 +147,12 @@ def run_step(step: Step, log_dir: Path, console: Console, index: int) -> str:
         finally:
             pidfile.unlink(missing_ok=True)
     output = "".join(lines)
+    if code != 0 and code == -getattr(signal, "SIGXFSZ", 0):
+        # the OS ended the step for writing past the file-size limit (subprocess gives children the
+        # signal's default action): it said nothing, so the cause is named here
+        raise StepFailed(step, log, "\n".join(tail), "A file could not be written in full: a file-size limit "
+                         "(`ulimit -f`) or a full disk stopped it. Free some disk space or raise the limit, then "
+                         "run the same command again.")
     if code != 0:
         raise StepFailed(step, log, "\n".join(tail), likely_fix(output, step.env.get("UV_HTTP_TIMEOUT")))
     console.print(f"[green]✓[/] {escape(step.title)} [dim]({clock(time.monotonic() - started)})[/]")
