@@ -60,8 +60,12 @@ def registered_model(kind: str, family: str):
     return tiny_model(family)
 
 
+# Registry entries whose tiny model is already a vision-language one (a vision tower in its config)
+TINY_MULTIMODAL = {"mistral3"}
+
+
 def _multimodal(family: str) -> bool:
-    return family in VISION_FAMILIES or family in MULTIMODAL
+    return family in VISION_FAMILIES or family in MULTIMODAL or family in TINY_MULTIMODAL
 
 
 def _adapters(kind: str, family: str, model):
