@@ -158,6 +158,10 @@ def save_pretrained_gguf(
 
 
 
+# llama.cpp's converters that read a SentencePiece-style vocab from tokenizer.json, not tokenizer.model
+_VOCAB_FROM_JSON = {"gemma4", "gemma4_text"}
+
+
 def _llama_cpp_converter(model: Any, tokenizer: Any) -> LlamaCppConverter | None:
     """None where our converter writes the model and its tokenizer; else llama.cpp's, checked to support it.
 
@@ -170,7 +174,7 @@ def _llama_cpp_converter(model: Any, tokenizer: Any) -> LlamaCppConverter | None
         return None
     converter = find_converter()
     require_support(converter, base)
-    if sentencepiece and sentencepiece_model(tokenizer) is None:
+    if sentencepiece and sentencepiece_model(tokenizer) is None and base.config.model_type not in _VOCAB_FROM_JSON:
         raise ExportError(
             f"the tokenizer is a SentencePiece tokenizer, and the tokenizer.model it was made from is not "
             "known (transformers 5 saves only tokenizer.json); llama.cpp's converter needs that file; "
