@@ -24,3 +24,7 @@ def test_processor_saves_and_loads_back(family, tmp_path):
     theirs = processor(text=[text], images=images(1), return_tensors="pt", add_special_tokens=False)
     assert ours["input_ids"].tolist() == theirs["input_ids"].tolist()
     assert (ours["pixel_values"] == theirs["pixel_values"]).all()
+    assert set(loaded.tokenizer.all_special_tokens) == set(processor.tokenizer.all_special_tokens)
+    loaded.save_pretrained(tmp_path / "again")  # a second round trip loses none either
+    assert set(load_processor(str(tmp_path / "again")).tokenizer.all_special_tokens) == set(
+        processor.tokenizer.all_special_tokens)

@@ -92,12 +92,19 @@ def _ids(tokenizer, *tokens):
     return [tokenizer.convert_tokens_to_ids(t) for t in tokens]
 
 
-def build_processor(family: str, byte_level: bool = False):
+def family_tokens(family: str):
+    """(special tokens, {processor attribute: token}, eos, chat template) of a family, for tokenizers made elsewhere."""
+    specials, named, _, eos, _, template = _TOKENS[family]
+    return specials, named, eos, template
+
+
+def build_processor(family: str, byte_level: bool = False, tokenizer=None):
+    """The family's processor over `tokenizer` (default: build_tokenizer's, byte-level or word-level)."""
     import transformers as t
 
     from unsloth.models.vision import without_video
 
-    tokenizer = build_tokenizer(family, byte_level)
+    tokenizer = tokenizer or build_tokenizer(family, byte_level)
     template = tokenizer.chat_template
     if family in ("qwen2_5_vl", "qwen3_vl"):
         patch = 8
@@ -110,8 +117,13 @@ def build_processor(family: str, byte_level: bool = False):
         return t.Gemma3Processor(images, tokenizer, chat_template=template, image_seq_length=4)
     if family == "gemma4":
         images = t.Gemma4ImageProcessorPil(patch_size=8, pooling_kernel_size=2, max_soft_tokens=70)
-        return without_video(t.Gemma4Processor)(t.Gemma4AudioFeatureExtractor(), images, tokenizer, None,
-                                                chat_template=template, image_seq_length=70)
+        processor = without_video(t.Gemma4Processor)(t.Gemma4AudioFeatureExtractor(), images, tokenizer, None,
+                                                     chat_template=template, image_seq_length=70)
+        # it sets the tokenizer's extra special tokens to <|video|> alone: the turn markers stay special
+        # (llama.cpp's converter marks only special tokens as control tokens)
+        tokenizer.add_special_tokens({"extra_special_tokens": ["<start_of_turn>", "<end_of_turn>"]},
+                                     replace_extra_special_tokens=False)
+        return processor
     if family == "mllama":
         images = t.MllamaImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, max_image_tiles=1)
         return t.MllamaProcessor(images, tokenizer, chat_template=template)

@@ -80,7 +80,7 @@ def load_processor(model_name: str, **hub):
 
     processor_class = None if is_torchvision_available() else _processor_class(model_name, **hub)
     if processor_class is None:
-        return AutoProcessor.from_pretrained(model_name, **hub)
+        return _with_saved_special_tokens(AutoProcessor.from_pretrained(model_name, **hub))
     loaders = {"tokenizer": AutoTokenizer, "image_processor": AutoImageProcessor,
                "feature_extractor": AutoFeatureExtractor}
     parts = {name: loaders[name].from_pretrained(model_name, **hub)
@@ -96,7 +96,20 @@ def load_processor(model_name: str, **hub):
         options["chat_template"] = getattr(parts["tokenizer"], "chat_template", None)
     if "video_processor" in processor_class.get_attributes():
         parts["video_processor"] = None
-    return without_video(processor_class)(**parts, **options)
+    return _with_saved_special_tokens(without_video(processor_class)(**parts, **options))
+
+
+def _with_saved_special_tokens(processor):
+    """`processor` with its tokenizer's saved extra special tokens (Gemma 4's processor replaces them
+    with its video token): a loaded and saved processor keeps them, and llama.cpp's converter, which
+    marks only special tokens as control tokens, sees them."""
+    tokenizer = getattr(processor, "tokenizer", None)
+    saved = getattr(tokenizer, "init_kwargs", {}).get("extra_special_tokens")
+    if isinstance(saved, list) and hasattr(tokenizer, "extra_special_tokens"):
+        lost = [t for t in saved if isinstance(t, str) and t not in tokenizer.extra_special_tokens]
+        if lost:
+            tokenizer.add_special_tokens({"extra_special_tokens": lost}, replace_extra_special_tokens=False)
+    return processor
 
 
 def is_vision_module(name: str) -> bool:
