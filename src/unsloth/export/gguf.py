@@ -144,6 +144,7 @@ def save_pretrained_gguf(
                 write(partial, reference_method, mmproj=True)
                 if validate_export:
                     check = check_projector(model, reference, partial)
+                    check.file = str(mmproj)
                     result.validations["mmproj"] = check
                     if not check.passed:
                         raise ExportError(f"the projector file does not hold the model's vision tower: "
@@ -153,7 +154,7 @@ def save_pretrained_gguf(
 
     if modelfile:
         preferred = next(result.files[m.name] for m in methods)
-        result.modelfile = write_modelfile(out_dir, preferred, tokenizer)
+        result.modelfile = write_modelfile(out_dir, preferred, text_tokenizer)
     return result
 
 

@@ -298,7 +298,8 @@ def check_projector(model: Any, text_path: Path, mmproj_path: Path) -> Projector
     fields = {key: reader.fields[key].contents() for key in reader.fields if not key.startswith("GGUF.")}
     blocks = {int(t.name.split(".")[2]) for t in reader.tensors if t.name.startswith("v.blk.")}
     expected = sum(math.prod(t.shape) for name, t in merged_tensors(model).items() if is_vision_module(name))
-    check = ProjectorCheck(str(mmproj_path), fields.get("clip.projector_type"), len(blocks),
+    projector = fields.get("clip.vision.projector_type", fields.get("clip.projector_type"))  # newer: per encoder
+    check = ProjectorCheck(str(mmproj_path), projector, len(blocks),
                            _vision_depth(base_model(model).config), sum(int(np.prod(t.shape)) for t in reader.tensors),
                            expected)
     if fields.get("general.architecture") != "clip" or not fields.get("clip.has_vision_encoder"):
