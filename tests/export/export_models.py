@@ -82,15 +82,18 @@ def make_tokenizer(pre_tokenizer=None, tokenizer_class=None, extra_specials=()):
     )
 
 
-def make_spm_tokenizer():
+def make_spm_tokenizer(specials=(), named=None, eos="<eos>", chat_template=CHAT_TEMPLATE):
     """A SentencePiece-style BPE tokenizer (spaces as U+2581, unknown bytes as <0xNN> tokens, BOS added),
-    as Gemma ships: the only kind llama.cpp's Gemma 4 converter reads. Ids as Gemma's: pad 0, eos 1, bos 2."""
+    as Gemma ships: the only kind llama.cpp's Gemma 4 converter reads. Ids as Gemma's: pad 0, eos 1, bos 2.
+    ``specials``: more added tokens after those (a vision family's image markers), ``named``: the ones the
+    processor finds by attribute ({"image_token": ...}), ``eos``: the end token (Gemma's <end_of_turn>)."""
     import json
 
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    base = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    specials = base + [s for s in specials if s not in base]
     learner = Tokenizer(models.BPE(unk_token="<unk>"))
     learner.normalizer = normalizers.Replace(" ", "\u2581")
     learner.pre_tokenizer = pre_tokenizers.Split("\n", behavior="isolated")  # llama.cpp splits at newlines
@@ -106,8 +109,14 @@ def make_spm_tokenizer():
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
                                                        special_tokens=[("<bos>", 2)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                   unk_token="<unk>", chat_template=CHAT_TEMPLATE)
+    if len(specials) > len(base):
+        tok.add_special_tokens(specials[len(base):])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token=eos, pad_token="<pad>",
+                                        unk_token="<unk>", extra_special_tokens=named or None, chat_template=chat_template)
+    unnamed = [s for s in specials[len(base):] if s not in (named or {}).values() and s != eos]
+    if unnamed:  # special to the converter too (it marks only the tokenizer's special tokens as control tokens)
+        tokenizer.add_special_tokens({"extra_special_tokens": unnamed}, replace_extra_special_tokens=False)
+    return tokenizer
 
 
 def make_model(arch: str, seed: int = 0, **overrides):

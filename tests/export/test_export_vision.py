@@ -2,7 +2,7 @@
 both validated, then `unsloth generate/chat --image` on them. Tiny random Qwen2.5-VL, Qwen3-VL and
 Gemma 3 models with a byte-level tokenizer llama.cpp reads; Gemma 3 saved in its released layout
 (vision_tower.vision_model.*, which llama.cpp's converter reads; transformers 5 writes it without
-vision_model.)."""
+vision_model.); Gemma 4 with a SentencePiece-style tokenizer (the only kind its converter reads)."""
 
 from __future__ import annotations
 
@@ -17,27 +17,31 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # the tiny vision families
 
-from tiny_vision import build_processor, images, save_tiny_vision, vision_config  # noqa: E402
+from export_models import make_spm_tokenizer  # noqa: E402
+from tiny_vision import build_processor, family_tokens, images, save_tiny_vision, vision_config  # noqa: E402
 
 pytest.importorskip("PIL")
 pytestmark = pytest.mark.slow  # exports through llama.cpp's converter and runs llama.cpp
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "gemma4")
 
 
 def save_exportable(family: str, directory: Path) -> str:
     """A tiny model of `family` llama.cpp can convert: 4 vision blocks for the Qwens (their merger's
-    names need more blocks than 2), Gemma's attention scale and no SigLIP pooling head, as released."""
+    names need more blocks than 2), Gemma 3's attention scale and no SigLIP pooling head, as released."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForImageTextToText
 
-    processor = build_processor(family, byte_level=True)
+    if family == "gemma4":
+        processor = build_processor(family, tokenizer=make_spm_tokenizer(*family_tokens(family)))
+    else:
+        processor = build_processor(family, byte_level=True)
     config = vision_config(family, processor.tokenizer)
     if family.startswith("qwen"):
         config.vision_config.depth = 4
         if family == "qwen2_5_vl":
             config.vision_config.fullatt_block_indexes = [1, 3]
-    else:
+    elif family == "gemma3":
         config.text_config.query_pre_attn_scalar = config.text_config.head_dim
         config.vision_config.vision_use_head = False
     torch.manual_seed(0)
@@ -70,18 +74,23 @@ def test_save_pretrained_gguf_writes_the_model_and_its_projector(family, tmp_pat
     model, processor = FastVisionModel.from_pretrained(save_exportable(family, tmp_path / "base"), load_in_4bit=False,
                                                        dtype="float32")
     model = FastVisionModel.get_peft_model(model, r=4, lora_alpha=8, init_lora_weights=False)
-    result = model.save_pretrained_gguf(str(tmp_path / "gguf"), processor, quantization_method="f16",
-                                        modelfile=False)  # q8_0 (quantized from the f16): the CLI test below
+    # q8_0 (quantized from the f16): the CLI test below
+    result = model.save_pretrained_gguf(str(tmp_path / "gguf"), processor, quantization_method="f16")
     assert set(result.files) == {"f16", "mmproj"} and result.files["mmproj"].name == "mmproj-model.F16.gguf"
     assert result.validations["f16"].passed
     check = result.validations["mmproj"]
     assert check.passed and check.weights == check.expected_weights and check.blocks == check.expected_blocks
+    assert check.file == str(result.files["mmproj"]) and check.projector_type  # gemma4v, qwen2.5vl_merger, ...
     if runtime.multimodal_available():
         assert check.image_tokens > 0 and check.reply_tokens > 0, check.summary()
     reader = gguf.GGUFReader(str(result.files["mmproj"]))
     assert reader.fields["general.architecture"].contents() == "clip"
     assert reader.fields["clip.has_vision_encoder"].contents() is True
-    assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == ["mmproj-model.F16.gguf", "model.F16.gguf"]
+    assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == ["Modelfile", "mmproj-model.F16.gguf",
+                                                                     "model.F16.gguf"]
+    # the Modelfile is the language model's, its turns from the processor's chat template
+    assert (tmp_path / "gguf" / "Modelfile").read_text().startswith("FROM ./model.F16.gguf")
+    assert "TEMPLATE" in (tmp_path / "gguf" / "Modelfile").read_text()
 
 
 @pytest.fixture(scope="module")
