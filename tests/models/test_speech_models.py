@@ -99,3 +99,64 @@ def test_audio_codes_audio_round_trip_through_the_models_own_codec():
         assert codes.shape == (1, CODEBOOKS, 3) and 0 <= int(codes.min()) and int(codes.max()) < CODEBOOK_SIZE
         wave = model.codec_model.decode(codes).audio_values
     assert wave.shape == (1, 1, 3 * SAMPLES_PER_FRAME) and torch.isfinite(wave).all()
+
+
+def _forced(module, codes_by_call):
+    """A forward hook making `module`'s logits pick codes_by_call[i] (a code, or None: free) at its i-th call."""
+    calls = []
+
+    def hook(_, __, logits):
+        code = codes_by_call[min(len(calls), len(codes_by_call) - 1)]
+        calls.append(code)
+        if code is None:
+            return logits
+        forced = torch.full_like(logits, -1e4)
+        forced[..., code] = 0.0
+        return forced
+
+    return module.register_forward_hook(hook)
+
+
+def _codec_codes_only(module, codebook_size):
+    return module.register_forward_hook(lambda _, __, logits: logits.index_fill(
+        -1, torch.arange(codebook_size, logits.shape[-1]), -1e4))
+
+
+@pytest.mark.slow
+def test_csm_audio_from_frames_the_codec_cannot_decode_is_a_clear_result(tmp_path, caplog, monkeypatch):
+    """transformers' CSM decoding crashes where the first frame is end-of-audio (a convolution over no
+    frames) and where a generated code is past the codec's codebooks (csm-1b: 2051 codes against 2048).
+    Through FastModel: an empty waveform for the first, and for the second the frames before the bad one,
+    with a warning naming it."""
+    from transformers import CsmForConditionalGeneration
+
+    from tiny_csm import CODEBOOK_SIZE, SAMPLES_PER_FRAME, save_tiny_csm
+    from unsloth import FastModel
+
+    monkeypatch.setenv("UNSLOTH_KERNELS", "0")  # the decoding is checked here; the kernels above
+    model, processor = FastModel.from_pretrained(save_tiny_csm(tmp_path / "csm", codes=CODEBOOK_SIZE + 3),
+                                                 auto_model=CsmForConditionalGeneration, load_in_4bit=False,
+                                                 dtype=torch.float32)
+    FastModel.for_inference(model)
+    inputs = processor("[0]the cat sat", add_special_tokens=True)
+    greedy = dict(max_new_tokens=4, do_sample=False, depth_decoder_do_sample=False)
+    heads = model.depth_decoder.codebooks_head
+
+    hooks = [_forced(model.lm_head, [0]), _forced(heads, [0])]  # every code the end code: audio ends at once
+    with caplog.at_level("WARNING", logger="unsloth"):
+        [audio] = model.generate(**inputs, output_audio=True, **greedy)
+    [h.remove() for h in hooks]
+    assert audio.shape == (0,) and "ends at its first frame" in caplog.text
+
+    caplog.clear()
+    past = CODEBOOK_SIZE + 1  # a code the model's heads have and the codec's codebooks do not
+    hooks = [_forced(model.lm_head, [1, 1, past, None]), _codec_codes_only(heads, CODEBOOK_SIZE)]
+    with caplog.at_level("WARNING", logger="unsloth"):
+        out = model.generate(**inputs, output_audio=True, return_dict_in_generate=True, **greedy)
+    [h.remove() for h in hooks]
+    assert out.sequences[0, 2, 0] == past  # it was generated, and the two frames before it decode
+    assert out.audio[0].shape == (2 * SAMPLES_PER_FRAME,) and torch.isfinite(out.audio[0]).all()
+    assert f"frame 2 holds code {past}, outside the codec's {CODEBOOK_SIZE}-entry codebooks" in caplog.text
+
+    codes = model.generate(**inputs, **greedy)  # without output_audio: the codes, as transformers gives them
+    assert isinstance(codes, torch.Tensor) and codes.dim() == 3

@@ -44,7 +44,8 @@ def build_tokenizer(texts=TEXTS):
                                    pad_token="<|PAD|>", chat_template=CHAT_TEMPLATE)
 
 
-def tiny_config(tokenizer):
+def tiny_config(tokenizer, codes: int = CODEBOOK_SIZE):
+    """`codes`: the model's code vocabulary (csm-1b's heads have 2051 codes, its codec's codebooks 2048)."""
     from transformers import CsmConfig, MimiConfig
 
     ids = tokenizer.convert_tokens_to_ids
@@ -53,24 +54,24 @@ def tiny_config(tokenizer):
                        num_hidden_layers=1, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2,
                        head_dim=8, sliding_window=16, max_position_embeddings=256)
     return CsmConfig(
-        num_codebooks=CODEBOOKS, vocab_size=CODEBOOK_SIZE, codebook_pad_token_id=CODEBOOK_SIZE - 1,
+        num_codebooks=CODEBOOKS, vocab_size=codes, codebook_pad_token_id=codes - 1,
         codebook_eos_token_id=0, text_vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         bos_token_id=ids("<|begin_of_text|>"), pad_token_id=ids("<|PAD|>"), audio_token_id=ids("<|AUDIO|>"),
         audio_eos_token_id=ids("<|audio_eos|>"),
-        depth_decoder_config=dict(num_codebooks=CODEBOOKS, backbone_hidden_size=64, vocab_size=CODEBOOK_SIZE,
+        depth_decoder_config=dict(num_codebooks=CODEBOOKS, backbone_hidden_size=64, vocab_size=codes,
                                   hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                   num_key_value_heads=1, max_position_embeddings=CODEBOOKS + 1),
         codec_config=codec.to_dict())
 
 
-def tiny_csm(seed: int = 0):
+def tiny_csm(seed: int = 0, codes: int = CODEBOOK_SIZE):
     """(model, processor), the model in eval mode with random norm weights (so a wrong norm convention shows)."""
     from transformers import CsmForConditionalGeneration, CsmProcessor, EncodecFeatureExtractor
 
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    model = CsmForConditionalGeneration(tiny_config(tokenizer))
+    model = CsmForConditionalGeneration(tiny_config(tokenizer, codes))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and "codec" not in name:
@@ -80,8 +81,8 @@ def tiny_csm(seed: int = 0):
     return model.eval(), processor
 
 
-def save_tiny_csm(folder, seed: int = 0):
-    model, processor = tiny_csm(seed)
+def save_tiny_csm(folder, seed: int = 0, codes: int = CODEBOOK_SIZE):
+    model, processor = tiny_csm(seed, codes)
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return str(folder)

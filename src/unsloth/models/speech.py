@@ -6,13 +6,21 @@ audio-frame embeddings that predicts each frame's first codebook, a small Llama-
 decoder that writes the frame's other codebooks, and the Mimi codec (audio <-> codes). Our text
 kernels go into the backbone and the depth decoder through the patch registry (by behaviour, as
 for any family); the codec runs frozen under no_grad inside transformers' own forward, so it gets
-no LoRA, no patches and no checkpointing. The Unsloth notebook loads it as
+no LoRA, no patches and no checkpointing. Its `generate(..., output_audio=True)` decodes only the frames
+the codec can (decode_audio_safely). The Unsloth notebook loads it as
 ``FastModel.from_pretrained(name, auto_model=CsmForConditionalGeneration)``.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
+
+import torch
 from torch import nn
+
+log = logging.getLogger("unsloth")
 
 CODEC = "codec_model"  # where transformers' speech models keep their audio codec
 CODEC_MODULES = rf"{CODEC}\..*"  # peft exclude_modules: nothing inside the codec is adapted
@@ -53,4 +61,74 @@ def load_speech_pretrained(model_name: str, auto_model, *args, **options):
     from unsloth.models.loader import load_pretrained
     from unsloth.models.vision import load_processor
 
-    return load_pretrained(model_name, *args, auto_class=auto_model, load_tokenizer=load_processor, **options)
+    model, processor = load_pretrained(model_name, *args, auto_class=auto_model, load_tokenizer=load_processor,
+                                       **options)
+    return decode_audio_safely(model), processor
+
+
+def _end_codes(model: nn.Module) -> tuple[int, int] | None:
+    """(end-of-audio code, the codec's codebook size) of a model whose generate decodes frames of codes
+    through its codec (CSM: ``generate(..., output_audio=True)``), else None."""
+    codec = codec_of(model)
+    eos = getattr(model.config, "codebook_eos_token_id", None)
+    size = getattr(getattr(codec, "config", None), "codebook_size", None)
+    if codec is None or not isinstance(eos, int) or not isinstance(size, int):
+        return None
+    if "output_audio" not in inspect.signature(type(model).generate).parameters:
+        return None
+    return eos, size
+
+
+def audio_frames(codes: torch.Tensor, eos: int, codebook_size: int) -> tuple[torch.Tensor, str | None]:
+    """The frames of one generated sequence ([frames, codebooks]) the codec can decode, and why it stops
+    early (None: all of them). They end before the first end-of-audio frame, by generation's own rule
+    (every codebook but the last holds the end code), and before the first frame with a code the codec
+    has no entry for (CSM's heads have more codes than Mimi's codebooks: csm-1b's 2051 against 2048)."""
+    ended = (codes[:, :-1] == eos).all(dim=-1) if codes.shape[-1] > 1 else codes[:, 0] == eos
+    outside = ((codes < 0) | (codes >= codebook_size)).any(dim=-1)
+    stop, why = codes.shape[0], None
+    if ended.any():
+        stop = int(ended.nonzero()[0])
+    if outside[:stop].any():
+        stop = int(outside.nonzero()[0])
+        bad = codes[stop][(codes[stop] < 0) | (codes[stop] >= codebook_size)]
+        why = f"frame {stop} holds code {int(bad[0])}, outside the codec's {codebook_size}-entry codebooks"
+    return codes[:stop], why
+
+
+def decode_audio_safely(model: nn.Module) -> nn.Module:
+    """`model` whose ``generate(..., output_audio=True)`` decodes only the frames the codec can (see
+    audio_frames): an empty waveform where the first frame already ends the audio, and a warning naming the
+    frame and code where a code is outside the codec's codebooks. transformers' own decoding crashes on
+    both (a convolution over no frames; an index past the codec's codebook). Other models: unchanged."""
+    found = _end_codes(model)
+    if found is None:
+        return model
+    eos, size = found
+    original = model.generate
+
+    @functools.wraps(original)
+    def generate(*args, output_audio: bool = False, **kwargs):
+        output = original(*args, **kwargs)
+        if not output_audio:
+            return output
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        codec = codec_of(model)
+        audio = []
+        with torch.no_grad():
+            for row, codes in enumerate(sequences):
+                frames, why = audio_frames(codes, eos, size)
+                if why:
+                    log.warning("unsloth: generated audio %d is cut at %s; the frames before it are kept", row, why)
+                if not len(frames):
+                    log.warning("unsloth: generated audio %d ends at its first frame: an empty waveform", row)
+                    audio.append(torch.zeros(0, dtype=next(codec.parameters()).dtype, device=codes.device))
+                    continue
+                audio.append(codec.decode(frames.transpose(0, 1).unsqueeze(0)).audio_values[0, 0])
+        if isinstance(output, torch.Tensor):
+            return audio
+        output.audio = audio
+        return output
+
+    model.generate = generate
+    return model
