@@ -117,7 +117,7 @@ def test_inference_with_an_image_answers_as_the_stock_model(family, tmp_path, mo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "mllama"])
+@pytest.mark.parametrize("family", VISION_FAMILIES)
 def test_merged_16bit_save_reloads_with_the_same_logits(family, tmp_path, monkeypatch, one_thread):
     from transformers import AutoModelForImageTextToText
 
