@@ -138,3 +138,20 @@ def test_merged_16bit_save_reloads_with_the_same_logits(family, tmp_path, monkey
         got = reloaded(**batch).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert load_processor(str(tmp_path / "merged")).apply_chat_template(_chat(0)["messages"], tokenize=False)
+
+
+def test_a_sub_model_without_the_requested_attention_gets_its_fallback():
+    """Gemma 4 E2B / E4B have an audio tower with no SDPA path: asked for SDPA, transformers refuses to
+    load the whole model. It gets eager alone; a model whose parts all have SDPA gets the plain string."""
+    from transformers import Gemma4AudioConfig
+
+    from tiny_vision import build_processor, vision_config
+    from unsloth.models.loader import sub_model_attention
+
+    tokenizer = build_processor("gemma4").tokenizer
+    config = vision_config("gemma4", tokenizer)
+    assert sub_model_attention(config, "sdpa") == "sdpa"
+    config.audio_config = Gemma4AudioConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    chosen = sub_model_attention(config, "sdpa")
+    assert chosen["audio_config"] == "eager" and chosen["text_config"] == chosen[""] == "sdpa"
+    assert sub_model_attention(vision_config("qwen2_5_vl", build_processor("qwen2_5_vl").tokenizer), "sdpa") == "sdpa"

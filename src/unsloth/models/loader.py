@@ -161,6 +161,32 @@ def choose_attention(model_class, requested: str | None) -> tuple[str | None, st
     return fallback, why
 
 
+def sub_model_attention(config, requested):
+    """`requested` for a composite model (text, vision, audio sub-configs): a {sub-config: implementation}
+    dict, as transformers takes it, where one of its sub-models does not support it (Gemma 4's audio
+    tower has no SDPA path and fails to load when asked for it); those get choose_attention's fallback.
+    `requested` itself otherwise."""
+    from transformers import AutoModel
+
+    if not isinstance(requested, str):
+        return requested
+    per_part, why = {}, []
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is None:
+            continue
+        try:
+            model_class = AutoModel._model_mapping[type(sub)]
+        except KeyError:  # a part transformers builds inside its parent only (Gemma 4's vision tower)
+            model_class = None
+        per_part[key], reason = choose_attention(model_class, requested)
+        why += [reason] if reason else []
+    if not why:
+        return requested
+    log.info("unsloth: %s.", "; ".join(why))
+    return {"": requested, **per_part}
+
+
 def _causal_lm_class(model_name: str, auto_class=None, **options):
     """The transformers class `auto_class` (AutoModelForCausalLM) would build for `model_name`, or None
     if it is not a built-in one."""
@@ -279,6 +305,11 @@ def load_pretrained(
     attn_implementation, why = choose_attention(model_class, attn_implementation)
     if why:
         log.warning("unsloth: %s.", why)
+    if getattr(getattr(model_class, "config_class", None), "sub_configs", None):  # a composite model
+        from transformers import AutoConfig
+
+        attn_implementation = sub_model_attention(AutoConfig.from_pretrained(model_name, **hub_options),
+                                                  attn_implementation)
     published = _published_quantization(model_name, dtype, **hub_options)
     with _experts_in_4bit_while_loading(load_in_4bit and not full_finetuning):
         model = auto_class.from_pretrained(
