@@ -292,12 +292,14 @@ def check_projector(model: Any, text_path: Path, mmproj_path: Path) -> Projector
     import gguf
 
     from unsloth.models.merge import base_model, merged_tensors
-    from unsloth.models.vision import is_vision_module
+    from unsloth.models.vision import is_audio_module, is_vision_module
 
     reader = gguf.GGUFReader(str(mmproj_path))
     fields = {key: reader.fields[key].contents() for key in reader.fields if not key.startswith("GGUF.")}
     blocks = {int(t.name.split(".")[2]) for t in reader.tensors if t.name.startswith("v.blk.")}
-    expected = sum(math.prod(t.shape) for name, t in merged_tensors(model).items() if is_vision_module(name))
+    audio = bool(fields.get("clip.has_audio_encoder"))  # Gemma 4 E2B / E4B: the audio tower goes in too
+    expected = sum(math.prod(t.shape) for name, t in merged_tensors(model).items()
+                   if is_vision_module(name) or (audio and is_audio_module(name)))
     projector = fields.get("clip.vision.projector_type", fields.get("clip.projector_type"))  # newer: per encoder
     check = ProjectorCheck(str(mmproj_path), projector, len(blocks),
                            _vision_depth(base_model(model).config), sum(int(np.prod(t.shape)) for t in reader.tensors),
@@ -307,8 +309,8 @@ def check_projector(model: Any, text_path: Path, mmproj_path: Path) -> Projector
     if check.expected_blocks is not None and blocks != set(range(check.expected_blocks)):
         check.problems.append(f"vision blocks {sorted(blocks)} in the file, {check.expected_blocks} in the model")
     if check.weights != check.expected_weights:
-        check.problems.append(f"{check.weights} weights in the file, {check.expected_weights} in the model's vision "
-                              "tower and projector")
+        towers = "vision and audio towers and projectors" if audio else "vision tower and projector"
+        check.problems.append(f"{check.weights} weights in the file, {check.expected_weights} in the model's {towers}")
     if not check.problems and runtime.multimodal_available():
         check.image_tokens, check.reply_tokens = _run_image(text_path, mmproj_path)
         if check.image_tokens <= 0 or check.reply_tokens <= 0:

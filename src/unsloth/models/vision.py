@@ -19,6 +19,8 @@ log = logging.getLogger("unsloth")
 
 # Where the towers live in transformers' composite models (module path components).
 VISION_PARTS = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "embed_vision")
+# An audio tower beside them (Gemma 4 E2B / E4B): llama.cpp's projector file holds it too.
+AUDIO_PARTS = ("audio_tower", "embed_audio")
 ATTENTION_PARTS = ("attn", "attention")
 MLP_PARTS = ("mlp", "feed_forward", "ffn", "merger", "multi_modal_projector", "embed_vision")
 
@@ -114,6 +116,10 @@ def _with_saved_special_tokens(processor):
 
 def is_vision_module(name: str) -> bool:
     return any(part in name.split(".") for part in VISION_PARTS)
+
+
+def is_audio_module(name: str) -> bool:
+    return any(part in name.split(".") for part in AUDIO_PARTS)
 
 
 def lora_target_regex(model: nn.Module, vision: bool, language: bool, attention: bool, mlp: bool,
