@@ -50,6 +50,8 @@ def save_exportable(family: str, directory: Path) -> str:
         for name, p in model.named_parameters():
             if not p.any() and "bias" not in name:  # Gemma's projection starts at zero: open it
                 p.normal_(0.0, 0.5)
+    if family == "gemma4":  # as E2B / E4B ship: an audio tower too, which the projector file also holds
+        model = _with_audio_tower(model, processor.tokenizer)
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
     if family == "gemma3":
@@ -60,10 +62,25 @@ def save_exportable(family: str, directory: Path) -> str:
     return str(directory)
 
 
+def _with_audio_tower(model, tokenizer):
+    """A Gemma 4 like `model` (the same weights) with a tiny audio tower beside its vision tower."""
+    from transformers import AutoModelForImageTextToText, Gemma4AudioConfig
+
+    config = model.config
+    config.audio_config = Gemma4AudioConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                            output_proj_dims=48)
+    config.audio_token_id, config.boa_token_id, config.eoa_token_id = (
+        tokenizer.convert_tokens_to_ids(t) for t in ("<|audio|>", "<|audio>", "<audio|>"))
+    with_audio = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    missing = with_audio.load_state_dict(model.state_dict(), strict=False).missing_keys
+    assert missing and all("audio" in name for name in missing)
+    return with_audio
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_save_pretrained_gguf_writes_the_model_and_its_projector(family, tmp_path, monkeypatch):
     """The notebook call on a LoRA model: the text GGUF (its f16 reference token-exact against
-    transformers), and mmproj-*.gguf holding the whole vision tower, loaded beside it by llama.cpp
+    transformers), and mmproj-*.gguf holding the whole vision tower (and Gemma 4's audio tower), loaded beside it by llama.cpp
     with an image run through both where llama-cpp-python has its multimodal library."""
     import gguf
 
@@ -86,6 +103,8 @@ def test_save_pretrained_gguf_writes_the_model_and_its_projector(family, tmp_pat
     reader = gguf.GGUFReader(str(result.files["mmproj"]))
     assert reader.fields["general.architecture"].contents() == "clip"
     assert reader.fields["clip.has_vision_encoder"].contents() is True
+    if family == "gemma4":  # its audio tower's weights are counted in the check above
+        assert reader.fields["clip.has_audio_encoder"].contents() is True
     assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == ["Modelfile", "mmproj-model.F16.gguf",
                                                                      "model.F16.gguf"]
     # the Modelfile is the language model's, its turns from the processor's chat template
