@@ -565,7 +565,7 @@ def _rows(data: dict[str, Any], key: str, path: str, *keys: str, required: bool 
 
 def _label(section: str, number: int, row: dict[str, Any]) -> str:
     """How an error names a row: by its name or variant where it has one, else by position."""
-    name = row.get("name", row.get("variant"))
+    name = row.get("spec") if section == "vllm" else row.get("name", row.get("variant"))
     if isinstance(name, str):
         return f"{section} {name!r}"
     family = row.get("family")
