@@ -379,7 +379,7 @@ def _vllm(data: dict[str, Any], path: str, oses: tuple[str, ...], variants: set[
         for text in packages:
             entry.requirement_text("torch_packages", text)
         rows.append(VllmRow(
-            backend=entry.choice("backend", BACKENDS),
+            backend=entry.choice("backend", ("cuda",)),  # its published wheels are CUDA builds, from a cuda_index
             oses=entry.oses(oses),
             machines=tuple(entry.str_list("machines")),
             spec=str(spec),

@@ -8,8 +8,10 @@ import dataclasses
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from plan_helpers import amd, machine, nvidia
+from test_plan_invariants import platforms
 from unsloth.matrix import MatrixError, parse_matrix
 from unsloth.plan import Plan, Vllm, resolve
 from unsloth.platform.facts import Gpu
@@ -136,6 +138,7 @@ def _matrix_data(matrix) -> dict:
     ({"torch": "2.13.0"}, "'torch' '2.13.0' is not a version specifier"),
     ({"torch_packages": ["torchvision=0.28"]}, "is not a requirement"),
     ({"os": ["linux", "bsd"]}, "unknown os 'bsd'"),
+    ({"backend": "rocm"}, "bad backend 'rocm'; expected one of cuda"),
     ({"souce": "typo"}, "unknown key 'souce'"),
 ])
 def test_bad_vllm_rows_are_refused_naming_the_row(matrix, change, problem):
@@ -144,3 +147,21 @@ def test_bad_vllm_rows_are_refused_naming_the_row(matrix, change, problem):
     with pytest.raises(MatrixError, match=f"^m.toml: vllm '{data['vllm'][0]['spec']}': ") as raised:
         parse_matrix(data, "m.toml")
     assert problem in str(raised.value)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(platform=platforms)
+def test_with_vllm_either_pins_its_torch_or_refuses_and_changes_nothing(matrix, platform):
+    """Generated machines: an included vLLM always comes with its exact torch on an NVIDIA GPU under
+    Linux or WSL; a refused one leaves the plan exactly as without --with, with its reason in one line."""
+    default = resolve(platform, matrix)
+    plan = with_vllm(platform, matrix)
+    if plan.vllm.available:
+        row = next(r for r in matrix.vllm if r.spec == plan.vllm.spec)
+        assert plan.os in row.oses and plan.device is not None and plan.device.vendor == "nvidia"
+        assert (plan.torch.variant, plan.torch.version_spec) == (row.variant, f"torch{row.torch}")
+        assert plan.bitsandbytes == default.bitsandbytes and plan.fits == default.fits
+    else:
+        assert {k: v for k, v in plan.to_json().items() if k != "vllm"} == default.to_json()
+        assert plan.vllm.note.startswith("--with vllm is refused: ") and STILL_WORKS in plan.vllm.note
+        assert "\n" not in plan.vllm.note

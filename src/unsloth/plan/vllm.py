@@ -65,11 +65,10 @@ def _row(inputs: Inputs, torch: TorchChoice, device: Gpu | None) -> tuple[VllmRo
     if row is None:
         machines = sorted({m for r in for_backend for m in r.machines})
         return None, f"vLLM publishes no wheel for {machine} CPUs (only {', '.join(machines)})"
-    index = next((i for i in inputs.matrix.cuda_indexes if i.variant == row.variant), None)
-    if torch.backend == "cuda" and index is not None:
-        why = _cuda_misfit(inputs, index, device)
-        if why:
-            return None, why
+    index = next(i for i in inputs.matrix.cuda_indexes if i.variant == row.variant)  # the matrix checks it is one
+    why = _cuda_misfit(inputs, index, device)
+    if why:
+        return None, why
     pinned = inputs.pins.torch_index_url
     leaf = pinned.rstrip("/").rsplit("/", 1)[-1] if pinned else None
     if leaf and leaf != row.variant:
