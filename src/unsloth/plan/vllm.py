@@ -38,7 +38,7 @@ def vllm_choice(inputs: Inputs, torch: TorchChoice, device: Gpu | None, wanted: 
     else:
         note = (f"vLLM {version} is built against {pinned.version_spec} ({row.variant}): the plan installs that torch "
                 f"in place of {torch.version_spec or 'torch'} ({torch.variant})")
-    return (Vllm("pypi", row.spec, pinned.version_spec, row.python, note), pinned, NO_NOTES.cite(row.source))
+    return Vllm("pypi", row.spec, pinned.version_spec, row.python, note), pinned, NO_NOTES.cite(row.source)
 
 
 def _index_url(inputs: Inputs, row: VllmRow) -> str:
