@@ -18,7 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # the tiny vision families
 
 from export_models import make_spm_tokenizer  # noqa: E402
-from tiny_vision import build_processor, family_tokens, images, save_tiny_vision, vision_config  # noqa: E402
+from tiny_vision import (add_audio_tower, build_processor, family_tokens, images, save_tiny_vision,  # noqa: E402
+                         vision_config)
 
 pytest.importorskip("PIL")
 pytestmark = pytest.mark.slow  # exports through llama.cpp's converter and runs llama.cpp
@@ -64,14 +65,9 @@ def save_exportable(family: str, directory: Path) -> str:
 
 def _with_audio_tower(model, tokenizer):
     """A Gemma 4 like `model` (the same weights) with a tiny audio tower beside its vision tower."""
-    from transformers import AutoModelForImageTextToText, Gemma4AudioConfig
+    from transformers import AutoModelForImageTextToText
 
-    config = model.config
-    config.audio_config = Gemma4AudioConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                            output_proj_dims=48)
-    config.audio_token_id, config.boa_token_id, config.eoa_token_id = (
-        tokenizer.convert_tokens_to_ids(t) for t in ("<|audio|>", "<|audio>", "<audio|>"))
-    with_audio = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with_audio = AutoModelForImageTextToText.from_config(add_audio_tower(model.config, tokenizer), dtype=torch.float32)
     missing = with_audio.load_state_dict(model.state_dict(), strict=False).missing_keys
     assert missing and all("audio" in name for name in missing)
     return with_audio

@@ -155,3 +155,28 @@ def test_a_sub_model_without_the_requested_attention_gets_its_fallback():
     chosen = sub_model_attention(config, "sdpa")
     assert chosen["audio_config"] == "eager" and chosen["text_config"] == chosen[""] == "sdpa"
     assert sub_model_attention(vision_config("qwen2_5_vl", build_processor("qwen2_5_vl").tokenizer), "sdpa") == "sdpa"
+
+
+@pytest.mark.slow
+def test_the_audio_tower_is_adapted_only_when_asked(tmp_path, monkeypatch):
+    """Gemma 4 E2B / E4B: FastVisionModel loads it (its audio tower with eager attention), and
+    finetune_audio_layers (off by default, as in Unsloth) alone puts LoRA into the audio tower."""
+    from transformers import AutoModelForImageTextToText
+
+    from tiny_vision import add_audio_tower, build_processor, vision_config
+    from unsloth import FastVisionModel
+
+    monkeypatch.setenv("UNSLOTH_KERNELS", "0")
+    processor = build_processor("gemma4")
+    config = add_audio_tower(vision_config("gemma4", processor.tokenizer), processor.tokenizer)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path / "gemma4")
+    processor.save_pretrained(tmp_path / "gemma4")
+
+    def adapted(**switches):
+        model, _ = FastVisionModel.from_pretrained(str(tmp_path / "gemma4"), load_in_4bit=False, dtype="float32")
+        model = FastVisionModel.get_peft_model(model, r=4, **switches)
+        return {n.split(".")[3] for n, p in model.named_parameters() if p.requires_grad}  # base_model.model.model.*
+
+    assert adapted() == {"language_model", "vision_tower", "embed_vision"}
+    assert adapted(finetune_audio_layers=True, finetune_vision_layers=False) == {"language_model", "audio_tower",
+                                                                                   "embed_audio"}

@@ -187,6 +187,17 @@ def vision_config(family: str, tokenizer):
     raise KeyError(family)
 
 
+def add_audio_tower(config, tokenizer):
+    """A Gemma 4 config given a tiny audio tower beside its vision tower, as E2B / E4B ship."""
+    from transformers import Gemma4AudioConfig
+
+    config.audio_config = Gemma4AudioConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                            output_proj_dims=48)
+    config.audio_token_id, config.boa_token_id, config.eoa_token_id = (
+        tokenizer.convert_tokens_to_ids(t) for t in ("<|audio|>", "<|audio>", "<audio|>"))
+    return config
+
+
 def tiny_vision_model(family: str, seed: int = 0):
     """(model, processor): random weights in float32."""
     from transformers import AutoModelForImageTextToText

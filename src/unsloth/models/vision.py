@@ -123,12 +123,13 @@ def is_audio_module(name: str) -> bool:
 
 
 def lora_target_regex(model: nn.Module, vision: bool, language: bool, attention: bool, mlp: bool,
-                      names=None) -> str:
+                      names=None, audio: bool = False) -> str:
     """A peft target_modules regex for the linear layers the finetune_* switches select.
 
-    Layers are told apart by where they are: in the vision tower (or the projector) or the language
-    model; under an attention or an MLP module. `names` narrows to those leaf names (a notebook's
-    target_modules list). The LM head is never a target.
+    Layers are told apart by where they are: in the vision tower (or the projector), the audio tower
+    (Gemma 4 E2B / E4B; `audio`, off by default as in Unsloth) or the language model; under an
+    attention or an MLP module. `names` narrows to those leaf names (a notebook's target_modules list).
+    The LM head is never a target.
     """
     chosen = []
     for name, module in model.named_modules():
@@ -137,7 +138,7 @@ def lora_target_regex(model: nn.Module, vision: bool, language: bool, attention:
         parts = name.split(".")
         if names is not None and parts[-1] not in names:
             continue
-        if not (vision if is_vision_module(name) else language):
+        if not (audio if is_audio_module(name) else vision if is_vision_module(name) else language):
             continue
         in_attention = any(key in part for part in parts[:-1] for key in ATTENTION_PARTS)
         in_mlp = not in_attention and any(key in part for part in parts for key in MLP_PARTS)

@@ -105,14 +105,17 @@ class FastVisionModel(FastLanguageModel):
 
     @staticmethod
     def get_peft_model(model, *args, finetune_vision_layers: bool = True, finetune_language_layers: bool = True,
-                       finetune_attention_modules: bool = True, finetune_mlp_modules: bool = True, **kwargs):
+                       finetune_attention_modules: bool = True, finetune_mlp_modules: bool = True,
+                       finetune_audio_layers: bool = False, **kwargs):
         """LoRA on the towers and module kinds the finetune_* switches pick (`target_modules`, a list of
-        names or "all-linear", narrows them; a regex string is used as it is)."""
+        names or "all-linear", narrows them; a regex string is used as it is). The audio tower (Gemma 4
+        E2B / E4B) only with finetune_audio_layers=True."""
         targets = kwargs.get("target_modules")
         if not isinstance(targets, str) or targets == "all-linear":
             names = None if targets in (None, "all-linear") else set(targets)
             kwargs["target_modules"] = lora_target_regex(model, finetune_vision_layers, finetune_language_layers,
-                                                         finetune_attention_modules, finetune_mlp_modules, names)
+                                                         finetune_attention_modules, finetune_mlp_modules, names,
+                                                         audio=finetune_audio_layers)
         peft_model = add_lora(model, *args, **kwargs)
         _attach(peft_model, getattr(model, "_unsloth_tokenizer", None))
         return peft_model
