@@ -157,7 +157,6 @@ def test_a_sub_model_without_the_requested_attention_gets_its_fallback():
     assert sub_model_attention(vision_config("qwen2_5_vl", build_processor("qwen2_5_vl").tokenizer), "sdpa") == "sdpa"
 
 
-@pytest.mark.slow
 def test_the_audio_tower_is_adapted_only_when_asked(tmp_path, monkeypatch):
     """Gemma 4 E2B / E4B: FastVisionModel loads it (its audio tower with eager attention), and
     finetune_audio_layers (off by default, as in Unsloth) alone puts LoRA into the audio tower."""
