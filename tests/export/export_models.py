@@ -17,6 +17,8 @@ COMMON = dict(
     num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.02,
     bos_token_id=0, eos_token_id=1, pad_token_id=2,
 )
+# What the later additions use: hidden 64, 2 layers (COMMON's hidden 256 predates them; CI time)
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 PER_ARCH = {
     "llama": dict(tie_word_embeddings=False),
     "qwen2": dict(tie_word_embeddings=True),
@@ -46,9 +48,33 @@ LLAMA_CPP_PER_ARCH = {
                         hidden_size_per_layer_input=16, final_logit_softcapping=30.0,
                         layer_types=["sliding_attention", "full_attention"], pad_token_id=0, bos_token_id=2),
     "glm4": dict(head_dim=64, pad_token_id=None),  # GLM-4 dense: post-norms, partial interleaved rotary
+    "glm": dict(TINY, head_dim=16, pad_token_id=None),  # GLM: fused gate-up MLP, partial interleaved rotary
+    # Granite 4 dense (attention layers only, no experts: the released dense ones say top-k 0)
+    "granitemoehybrid": dict(TINY, shared_intermediate_size=128, num_local_experts=0, num_experts_per_tok=0,
+                             layer_types=["attention", "attention"], position_embedding_type="rope",
+                             residual_multiplier=0.5, embedding_multiplier=2.0, logits_scaling=4.0),
+}
+# The MoE families exported with LoRA on their experts (test_export_moe), at the tiny sizes of TINY.
+# Where llama.cpp fixes a shape, as the released models have it: OLMoE's key norm spans every head
+# (no grouped-query attention), Llama 4 has no RoPE on every 4th layer (so 4 layers).
+_TINY_EXPERTS = dict(moe_intermediate_size=32, num_experts_per_tok=2)
+MOE_PER_ARCH = {
+    "olmoe": dict(TINY, head_dim=16, num_key_value_heads=4, intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(TINY, shared_expert_intermediate_size=64, num_experts=4, **_TINY_EXPERTS),
+    "deepseek_v3": dict(TINY, num_key_value_heads=4, n_routed_experts=4, n_group=2, topk_group=1, n_shared_experts=1,
+                        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16, **_TINY_EXPERTS),
+    "glm4_moe": dict(TINY, head_dim=16, n_routed_experts=4, n_group=2, topk_group=1, n_shared_experts=1,
+                     first_k_dense_replace=1, **_TINY_EXPERTS),
+    "llama4_text": dict(TINY, num_hidden_layers=4, head_dim=16, intermediate_size=32, intermediate_size_mlp=128,
+                        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1),
 }
 PER_ARCH.update(LLAMA_CPP_PER_ARCH)
+PER_ARCH.update(MOE_PER_ARCH)
 LLAMA_CPP_ARCHITECTURES = tuple(LLAMA_CPP_PER_ARCH)
+# Special tokens llama.cpp's converters look up by name: GLM's set EOS, BOS and EOT from these
+EXTRA_SPECIALS = {"glm4": ("<|endoftext|>", "<|user|>"), "glm": ("<|endoftext|>", "<|user|>"),
+                  "glm4_moe": ("<|endoftext|>", "<|user|>", "[gMASK]", "<|observation|>")}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

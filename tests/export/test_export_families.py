@@ -14,8 +14,8 @@ import textwrap
 
 import pytest
 
-from export_models import (LLAMA_CPP_ARCHITECTURES, fake_tree, greedy_agreement, make_model, make_spm_tokenizer,
-                           make_tokenizer)
+from export_models import (EXTRA_SPECIALS, LLAMA_CPP_ARCHITECTURES, fake_tree, greedy_agreement, make_model,
+                           make_spm_tokenizer, make_tokenizer)
 
 
 
@@ -164,10 +164,6 @@ def test_family_exports_through_llama_cpp_and_matches_transformers(arch, convert
     # already allowed only near ties, so most steps must agree before any divergence.
     assert agree >= 0.75 * total, (arch, agree, total)
     assert len(seen) > 4, "the model is degenerate; the comparison would prove nothing"
-
-
-# llama.cpp's GLM-4 converter sets EOS, BOS and EOT from these added tokens of GLM-4's tokenizer
-EXTRA_SPECIALS = {"glm4": ("<|endoftext|>", "<|user|>")}
 
 
 def _tokenizer_class(arch):
