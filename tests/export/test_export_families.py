@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from export_models import (EXTRA_SPECIALS, LLAMA_CPP_ARCHITECTURES, fake_tree, greedy_agreement, make_model,
+from export_models import (EXTRA_SPECIALS, LLAMA_CPP_ARCHITECTURES, TINY, fake_tree, greedy_agreement, make_model,
                            make_spm_tokenizer, make_tokenizer)
 
 
@@ -50,15 +50,29 @@ def test_converter_env_must_name_a_llama_cpp_tree(tmp_path, monkeypatch):
     assert "UNSLOTH_LLAMA_CPP" in caught.value.fix
 
 
-def test_qwen3_moe_without_renormalized_experts_refused(tmp_path, monkeypatch):
-    """llama.cpp's qwen3moe graph always renormalizes the top-k weights: norm_topk_prob=False (transformers'
-    default) would convert cleanly and answer differently, so it is refused."""
+# Configs llama.cpp's converter would write a file for that answers differently (Qwen3-MoE: its graph
+# always renormalizes the top-k weights; Llama 4: attention settings it hard-codes), that its loader
+# refuses (OLMoE's key norm spans every head) or aborts the process on (a dense Granite 4 asking for
+# experts; Llama 4 with no layer of its every-4th-layer attention temperature).
+REFUSED_CONFIGS = [
+    ("qwen3_moe", "Qwen3MoeForCausalLM", dict(norm_topk_prob=False), "norm_topk_prob=False"),
+    ("olmoe", "OlmoeForCausalLM", dict(num_key_value_heads=2), "2 key/value heads for 4 attention heads"),
+    ("granitemoehybrid", "GraniteMoeHybridForCausalLM", dict(num_experts_per_tok=2), "num_experts_per_tok=2"),
+    ("llama4_text", "Llama4ForCausalLM", dict(attention_chunk_size=64), "'attention_chunk_size': 64"),
+    ("llama4_text", "Llama4ForCausalLM", dict(num_hidden_layers=2), "has 2 layers"),
+]
+
+
+@pytest.mark.parametrize("arch, architecture, overrides, problem", REFUSED_CONFIGS)
+def test_config_llama_cpp_cannot_represent_is_refused_before_any_file(arch, architecture, overrides, problem,
+                                                                      tmp_path, monkeypatch):
     from unsloth.export.errors import ExportError
     from unsloth.export.gguf import save_pretrained_gguf
 
-    monkeypatch.setenv("UNSLOTH_LLAMA_CPP", str(fake_tree(tmp_path / "tree", table=["Qwen3MoeForCausalLM"])))
-    with pytest.raises(ExportError, match="norm_topk_prob=False"):
-        save_pretrained_gguf(make_model("qwen3_moe", norm_topk_prob=False), tmp_path / "out", make_tokenizer(), "f16")
+    monkeypatch.setenv("UNSLOTH_LLAMA_CPP", str(fake_tree(tmp_path / "tree", table=[architecture])))
+    with pytest.raises(ExportError, match="nothing was written") as caught:
+        save_pretrained_gguf(make_model(arch, **overrides), tmp_path / "out", make_tokenizer(), "f16")
+    assert problem in str(caught.value) and caught.value.fix
     assert not (tmp_path / "out").exists()
 
 
@@ -172,3 +186,32 @@ def _tokenizer_class(arch):
 
         return GPT2Tokenizer
     return None
+
+
+@pytest.mark.slow
+def test_architecture_the_installed_converter_lacks_is_refused_before_any_file(converter, tmp_path):
+    """transformers' Ministral (its own model_type; the released Ministral-8B says MistralForCausalLM) has
+    no class in llama.cpp's converter: refused by name, with the fix, before the merged save."""
+    from unsloth.export.errors import ExportError
+    from unsloth.export.gguf import save_pretrained_gguf
+
+    assert "MinistralForCausalLM" not in converter.architectures
+    model = make_model("ministral", **TINY, head_dim=16, layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(ExportError, match="does not support MinistralForCausalLM .'ministral'.") as caught:
+        save_pretrained_gguf(model, tmp_path / "out", make_tokenizer(), "f16")
+    assert "save_pretrained_merged" in caught.value.fix
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_special_token_the_converter_needs_is_named(converter, tmp_path):
+    """llama.cpp's GLM converter looks GLM's <|endoftext|> up by name; without it the export names the token
+    and the fix (it was a bare KeyError inside "converter failed"), and keeps nothing."""
+    from unsloth.export.errors import ExportError
+    from unsloth.export.gguf import save_pretrained_gguf
+
+    with pytest.raises(ExportError, match="tokenizer's '<\\|endoftext\\|>' token") as caught:
+        save_pretrained_gguf(make_model("glm"), tmp_path, make_tokenizer(), "f16", validate_export=False)
+    assert "GlmForCausalLM" in str(caught.value) and "nothing was written" in str(caught.value)
+    assert "add_special_tokens" in caught.value.fix
+    assert list(tmp_path.iterdir()) == []
