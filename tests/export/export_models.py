@@ -66,12 +66,19 @@ MOE_PER_ARCH = {
                         qk_nope_head_dim=8, v_head_dim=16, **_TINY_EXPERTS),
     "glm4_moe": dict(TINY, head_dim=16, n_routed_experts=4, n_group=2, topk_group=1, n_shared_experts=1,
                      first_k_dense_replace=1, **_TINY_EXPERTS),
+    # Qwen3.5-MoE: head_dim 64 as Qwen3.5's, whose rotary sections llama.cpp asserts fit the rotated part
+    "qwen3_5_moe_text": dict(TINY, **_HYBRID, num_experts=4, shared_expert_intermediate_size=32, **_TINY_EXPERTS),
     "llama4_text": dict(TINY, num_hidden_layers=4, head_dim=16, intermediate_size=32, intermediate_size_mlp=128,
                         num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1),
 }
 PER_ARCH.update(LLAMA_CPP_PER_ARCH)
 PER_ARCH.update(MOE_PER_ARCH)
 LLAMA_CPP_ARCHITECTURES = tuple(LLAMA_CPP_PER_ARCH)
+# transformers loads a Qwen 3.5 (MoE) folder's tokenizer as Qwen3_5Tokenizer, with Qwen 3.5's own split
+# rule whatever tokenizer.json says: the tiny tokenizer is trained with that rule, as the real one is
+QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLIT_RULES = {"qwen3_5_moe_text": QWEN35_SPLIT}
 # Special tokens llama.cpp's converters look up by name: GLM's set EOS, BOS and EOT from these
 EXTRA_SPECIALS = {"glm4": ("<|endoftext|>", "<|user|>"), "glm": ("<|endoftext|>", "<|user|>"),
                   "glm4_moe": ("<|endoftext|>", "<|user|>", "[gMASK]", "<|observation|>")}
@@ -106,6 +113,24 @@ def make_tokenizer(pre_tokenizer=None, tokenizer_class=None, extra_specials=()):
         tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>", *extra_specials], chat_template=CHAT_TEMPLATE,
     )
+
+
+def split_then_bytes(regex: str):
+    """A pre-tokenizer as Llama 3's and Qwen's tokenizer.json have it: a regex split, then bytes."""
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def family_tokenizer(arch: str):
+    """The tiny tokenizer with what llama.cpp's converter for `arch` reads from it (special tokens by name,
+    Qwen 3.5's split rule)."""
+    split = SPLIT_RULES.get(arch)
+    return make_tokenizer(pre_tokenizer=split_then_bytes(split) if split else None,
+                          extra_specials=EXTRA_SPECIALS.get(arch, ()))
 
 
 def make_spm_tokenizer():

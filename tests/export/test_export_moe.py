@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from export_models import EXTRA_SPECIALS, GREEDY_TOKENS, MOE_PER_ARCH, greedy_agreement, make_model, make_tokenizer
+from export_models import GREEDY_TOKENS, MOE_PER_ARCH, family_tokenizer, greedy_agreement, make_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Shapes on top of export_models' COMMON (hidden 256, 2 layers), or its tiny MOE_PER_ARCH ones (hidden 64).
@@ -74,7 +74,7 @@ def test_moe_lora_merges_into_a_gguf_with_the_adapted_models_tokens(arch, conver
 
     model, base = moe_lora(arch)
     assert hf_architecture(model.get_base_model()) in converter.architectures, f"{converter.origin} lacks {arch}"
-    tokenizer = make_tokenizer(extra_specials=EXTRA_SPECIALS.get(arch, ()))
+    tokenizer = family_tokenizer(arch)
     result = save_pretrained_gguf(model, tmp_path, tokenizer, "f16")
     report = result.validations["f16"]
     assert report.passed and report.tokenizer_mismatches == [], report.summary()
