@@ -215,3 +215,29 @@ def test_special_token_the_converter_needs_is_named(converter, tmp_path):
     assert "GlmForCausalLM" in str(caught.value) and "nothing was written" in str(caught.value)
     assert "add_special_tokens" in caught.value.fix
     assert list(tmp_path.iterdir()) == []
+
+
+# Registry families with no GGUF export test, each with the reason (docs/export.md lists them too)
+NOT_EXPORT_TESTED = {
+    "ministral": "llama.cpp's converter has no MinistralForCausalLM (refused, tested above)",
+    "mllama": "llama.cpp's converter has no Llama 3.2 Vision",
+    "csm": "llama.cpp's converter has no Sesame CSM",
+    "mistral3": "vision-language: its projector file is not tested yet",
+    "qwen3_5": "vision-language: its projector file is not tested yet (qwen3_5_text is)",
+    "gemma4": "vision-language: its projector file is not tested yet (gemma4_text is)",
+    "llama4": "vision-language: its projector file is not tested yet (llama4_text is)",
+}
+
+
+def test_every_registry_family_is_export_tested_or_says_why():
+    """A family added to the registry gets a GGUF export test, or an entry above saying why not."""
+    from test_export_moe import MOE
+    from test_export_vision import FAMILIES as VISION
+
+    from export_models import ARCHITECTURES
+    from unsloth.models.patches import FAMILIES, MOE_FAMILIES
+
+    registry = set(FAMILIES) | set(MOE_FAMILIES)
+    tested = set(ARCHITECTURES) | set(LLAMA_CPP_ARCHITECTURES) | set(MOE) | set(VISION)
+    assert registry - tested - set(NOT_EXPORT_TESTED) == set(), "no export test and no reason"
+    assert set(NOT_EXPORT_TESTED) - registry == set() and not tested & set(NOT_EXPORT_TESTED)
