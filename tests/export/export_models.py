@@ -76,9 +76,13 @@ PER_ARCH.update(MOE_PER_ARCH)
 LLAMA_CPP_ARCHITECTURES = tuple(LLAMA_CPP_PER_ARCH)
 # transformers loads a Qwen 3.5 (MoE) folder's tokenizer as Qwen3_5Tokenizer, with Qwen 3.5's own split
 # rule whatever tokenizer.json says: the tiny tokenizer is trained with that rule, as the real one is
-QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-SPLIT_RULES = {"qwen3_5_moe_text": QWEN35_SPLIT}
+def qwen35_split() -> str:
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
+
+    return PRETOKENIZE_REGEX
+
+
+SPLIT_RULES = {"qwen3_5_moe_text": qwen35_split}
 # Special tokens llama.cpp's converters look up by name: GLM's set EOS, BOS and EOT from these
 EXTRA_SPECIALS = {"glm4": ("<|endoftext|>", "<|user|>"), "glm": ("<|endoftext|>", "<|user|>"),
                   "glm4_moe": ("<|endoftext|>", "<|user|>", "[gMASK]", "<|observation|>")}
@@ -129,7 +133,7 @@ def family_tokenizer(arch: str):
     """The tiny tokenizer with what llama.cpp's converter for `arch` reads from it (special tokens by name,
     Qwen 3.5's split rule)."""
     split = SPLIT_RULES.get(arch)
-    return make_tokenizer(pre_tokenizer=split_then_bytes(split) if split else None,
+    return make_tokenizer(pre_tokenizer=split_then_bytes(split()) if split else None,
                           extra_specials=EXTRA_SPECIALS.get(arch, ()))
 
 

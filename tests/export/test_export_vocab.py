@@ -8,7 +8,7 @@ import gguf
 import pytest
 from tokenizers import pre_tokenizers
 
-from export_models import QWEN35_SPLIT, make_model, make_tokenizer, split_then_bytes
+from export_models import make_model, make_tokenizer, qwen35_split, split_then_bytes
 from unsloth.export import ExportError
 from unsloth.export.vocab import _LLAMA3_SPLIT, _QWEN2_SPLIT, pre_tokenizer_name, token_table
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # exports and runs models through llama.cpp
     (None, "gpt-2"),
     (split_then_bytes(_LLAMA3_SPLIT), "llama-bpe"),
     (split_then_bytes(_QWEN2_SPLIT), "qwen2"),
-    (split_then_bytes(QWEN35_SPLIT), "qwen35"),  # the regex transformers' Qwen3_5Tokenizer sets
+    (split_then_bytes(qwen35_split()), "qwen35"),  # the regex transformers' Qwen3_5Tokenizer sets
 ])
 def test_known_pre_tokenizers_round_trip_through_llama_cpp(tmp_path, pre, name):
     from unsloth.export.gguf import save_pretrained_gguf
