@@ -131,7 +131,13 @@ def split_then_bytes(regex: str):
 
 def family_tokenizer(arch: str):
     """The tiny tokenizer with what llama.cpp's converter for `arch` reads from it (special tokens by name,
-    Qwen 3.5's split rule)."""
+    Qwen 3.5's split rule, Gemma's SentencePiece-style vocab, Phi-4's tokenizer class)."""
+    if arch == "gemma4_text":  # llama.cpp's Gemma 4 converter reads Gemma's SentencePiece-style BPE only
+        return make_spm_tokenizer()
+    if arch == "phi3":  # Phi-4 ships a GPT2Tokenizer; llama.cpp reads its BPE vocab only then
+        from transformers import GPT2Tokenizer
+
+        return make_tokenizer(tokenizer_class=GPT2Tokenizer)
     split = SPLIT_RULES.get(arch)
     return make_tokenizer(pre_tokenizer=split_then_bytes(split()) if split else None,
                           extra_specials=EXTRA_SPECIALS.get(arch, ()))

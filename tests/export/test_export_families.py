@@ -14,8 +14,8 @@ import textwrap
 
 import pytest
 
-from export_models import (EXTRA_SPECIALS, LLAMA_CPP_ARCHITECTURES, TINY, fake_tree, greedy_agreement, make_model,
-                           make_spm_tokenizer, make_tokenizer)
+from export_models import (LLAMA_CPP_ARCHITECTURES, TINY, fake_tree, family_tokenizer, greedy_agreement, make_model,
+                           make_tokenizer)
 
 
 
@@ -159,10 +159,7 @@ def test_family_exports_through_llama_cpp_and_matches_transformers(arch, convert
 
     model = make_model(arch)
     assert hf_architecture(model) in converter.architectures, f"{converter.origin} lacks {arch}"
-    if arch == "gemma4_text":  # llama.cpp's Gemma 4 converter reads Gemma's SentencePiece-style BPE only
-        tokenizer = make_spm_tokenizer()
-    else:
-        tokenizer = make_tokenizer(tokenizer_class=_tokenizer_class(arch), extra_specials=EXTRA_SPECIALS.get(arch, ()))
+    tokenizer = family_tokenizer(arch)
     result = save_pretrained_gguf(model, tmp_path, tokenizer, "f16")
     report = result.validations["f16"]
     assert report.passed and report.tokenizer_mismatches == [], report.summary()
@@ -178,14 +175,6 @@ def test_family_exports_through_llama_cpp_and_matches_transformers(arch, convert
     # already allowed only near ties, so most steps must agree before any divergence.
     assert agree >= 0.75 * total, (arch, agree, total)
     assert len(seen) > 4, "the model is degenerate; the comparison would prove nothing"
-
-
-def _tokenizer_class(arch):
-    if arch == "phi3":  # Phi-4 ships a GPT2Tokenizer; llama.cpp reads its BPE vocab only then
-        from transformers import GPT2Tokenizer
-
-        return GPT2Tokenizer
-    return None
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from export_models import GREEDY_TOKENS, MOE_PER_ARCH, family_tokenizer, greedy_agreement, make_model
+from export_models import GREEDY_TOKENS, MOE_PER_ARCH, TINY, family_tokenizer, greedy_agreement, make_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Shapes on top of export_models' COMMON (hidden 256, 2 layers), or its tiny MOE_PER_ARCH ones (hidden 64).
@@ -19,6 +19,8 @@ MOE = {
     "qwen3_moe": {},
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     **{arch: {} for arch in MOE_PER_ARCH},
+    # Gemma 4's MoE variant: its dense config with an expert block beside the MLP of every layer
+    "gemma4_text": dict(TINY, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
 }
 
 
