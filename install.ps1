@@ -228,6 +228,7 @@ Usage: powershell -File install.ps1 [options] [-PassThrough @(options for `unslo
   -FindLinks DIR       a wheelhouse, for offline installs (UNSLOTH_FIND_LINKS)
   -TorchIndexUrl URL   take PyTorch from this index, e.g. a mirror (UNSLOTH_TORCH_INDEX_URL)
   -Without PART        leave out llama-cpp, export, bitsandbytes or train (UNSLOTH_WITHOUT)
+  -With PART           add vllm (Linux/WSL with an NVIDIA GPU only: refused here, use WSL) (UNSLOTH_WITH)
   -Pip                 install with pip instead of uv (UNSLOTH_INSTALLER=pip)
   -NoModifyPath        do not add the launcher's folder to the user PATH (UNSLOTH_NO_MODIFY_PATH=1)
   -Help                this help
@@ -250,6 +251,7 @@ function Install-Unsloth {
         [string]$FindLinks,
         [string]$TorchIndexUrl,
         [string]$Without,
+        [string]$With,
         [switch]$Pip,
         [switch]$NoModifyPath,
         [switch]$Help,
@@ -272,6 +274,7 @@ function Install-Unsloth {
     if ($FindLinks) { $env:UNSLOTH_FIND_LINKS = $FindLinks }
     if ($TorchIndexUrl) { $env:UNSLOTH_TORCH_INDEX_URL = $TorchIndexUrl }
     if ($Without) { $env:UNSLOTH_WITHOUT = $Without }
+    if ($With) { $env:UNSLOTH_WITH = $With }
     if ($Pip) { $env:UNSLOTH_INSTALLER = 'pip' }
     if ($NoModifyPath) { $env:UNSLOTH_NO_MODIFY_PATH = '1' }
 

@@ -47,6 +47,8 @@ Usage: sh install.sh [options] [-- options for `unsloth install`]
       --find-links DIR    a wheelhouse, for offline installs (UNSLOTH_FIND_LINKS)
       --torch-index-url U take PyTorch from this index, e.g. a mirror (UNSLOTH_TORCH_INDEX_URL)
       --without PART      leave out llama-cpp, export, bitsandbytes or train (UNSLOTH_WITHOUT)
+      --with PART         add vllm: GRPO rollouts for fast_inference=True, on Linux/WSL with an NVIDIA GPU;
+                          it pins the torch its wheel was built for (UNSLOTH_WITH)
       --pip               install with pip instead of uv (UNSLOTH_INSTALLER=pip)
       --no-modify-path    do not add the launcher's folder to PATH (UNSLOTH_NO_MODIFY_PATH=1)
   -h, --help              this help
@@ -66,7 +68,7 @@ parse_args() {
       -h | --help) usage; exit 0 ;;
       --pip) UNSLOTH_INSTALLER=pip ;;
       --no-modify-path) UNSLOTH_NO_MODIFY_PATH=1 ;;
-      --version | --source | --home | --bin-dir | --python | --index-url | --extra-index-url | --find-links | --torch-index-url | --without)
+      --version | --source | --home | --bin-dir | --python | --index-url | --extra-index-url | --find-links | --torch-index-url | --without | --with)
         [ $# -ge 2 ] || die "$1 needs a value (see --help)"
         set_option "$1" "$2"
         shift
@@ -92,6 +94,7 @@ set_option() {
     --find-links) UNSLOTH_FIND_LINKS="${UNSLOTH_FIND_LINKS:-} $2"; export UNSLOTH_FIND_LINKS ;;
     --torch-index-url) UNSLOTH_TORCH_INDEX_URL=$2; export UNSLOTH_TORCH_INDEX_URL ;;
     --without) UNSLOTH_WITHOUT="${UNSLOTH_WITHOUT:-} $2"; export UNSLOTH_WITHOUT ;;
+    --with) UNSLOTH_WITH="${UNSLOTH_WITH:-} $2"; export UNSLOTH_WITH ;;
   esac
 }
 

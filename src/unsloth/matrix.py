@@ -96,6 +96,21 @@ class BitsandbytesRow:
 
 
 @dataclass(frozen=True)
+class VllmRow:
+    """vLLM's wheels for one backend: where they exist, and the exact torch they were built against."""
+
+    backend: str
+    oses: tuple[str, ...]
+    machines: tuple[str, ...]  # CPU architectures with a wheel: "x86_64", "aarch64"
+    spec: str  # "vllm==0.32.0"
+    variant: str  # the PyTorch index its torch comes from: "cu130"
+    torch: str  # the torch it pins: "==2.13.0"
+    torch_packages: tuple[str, ...]  # the rest of the PyTorch family it pins: "torchvision==0.28.0"
+    python: str  # the Pythons its wheels install on: ">=3.11,<3.15"
+    source: str
+
+
+@dataclass(frozen=True)
 class LlamaCppRow:
     backend: str
     oses: tuple[str, ...]
@@ -140,6 +155,7 @@ class Matrix:
     fits: Fits
     sources: dict[str, str]  # section -> citation, for sections without rows
     xpu_torch: str | None = None  # torch specifier for PyTorch's XPU index (Intel Arc); None: no XPU builds
+    vllm: tuple[VllmRow, ...] = ()  # where `--with vllm` can install it; none: refused everywhere
 
     def family_of(self, arch: str) -> Family | None:
         for family in self.families.values():
@@ -197,13 +213,14 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
     amd_entry = _table(data, "amd_wheels", path, "torch", "source")
     attention_entry = _table(data, "attention", path, *BACKENDS, "source")
     xpu_entry = _table(data, "xpu_wheels", path, "torch", "source") if "xpu_wheels" in data else None
+    cuda_indexes = _cuda_indexes(data, path)
     return Matrix(
         path=path,
         oses=oses,
         urls=urls,
         families=families,
         support=_support(data, path, families, oses),
-        cuda_indexes=_cuda_indexes(data, path),
+        cuda_indexes=cuda_indexes,
         rocm_indexes=_rocm_indexes(data, path, archs),
         bitsandbytes=_bitsandbytes(data, path, oses, archs),
         llama_cpp=_llama_cpp(data, path, oses, archs),
@@ -217,6 +234,7 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
         sources={"urls": urls_entry.source(), "amd_wheels": amd_entry.source(), "attention": attention_entry.source(),
                  **({"xpu_wheels": xpu_entry.source()} if xpu_entry else {})},
         xpu_torch=xpu_entry.specifier("torch") if xpu_entry else None,
+        vllm=_vllm(data, path, oses, {index.variant for index in cuda_indexes}),
     )
 
 
@@ -347,6 +365,33 @@ def _llama_cpp(
     return tuple(rows)
 
 
+def _vllm(data: dict[str, Any], path: str, oses: tuple[str, ...], variants: set[str]) -> tuple[VllmRow, ...]:
+    rows = []
+    for entry in _rows(data, "vllm", path, "backend", "os", "machines", "spec", "variant", "torch", "torch_packages",
+                       "python", "source", required=False):
+        spec = entry.requirement("spec")
+        if spec.name != "vllm" or not any(s.operator in ("==", "===") for s in spec.specifier):
+            raise entry.error(f"spec {str(spec)!r} must pin one vllm release (vllm==X): its torch pin is for that one")
+        variant = entry.text("variant")
+        if variant not in variants:
+            raise entry.error(f"variant {variant!r} is not a cuda_index variant ({', '.join(sorted(variants))})")
+        packages = entry.str_list("torch_packages") if "torch_packages" in entry.data else []
+        for text in packages:
+            entry.requirement_text("torch_packages", text)
+        rows.append(VllmRow(
+            backend=entry.choice("backend", ("cuda",)),  # its published wheels are CUDA builds, from a cuda_index
+            oses=entry.oses(oses),
+            machines=tuple(entry.str_list("machines")),
+            spec=str(spec),
+            variant=variant,
+            torch=entry.specifier("torch"),
+            torch_packages=tuple(packages),
+            python=entry.specifier("python"),
+            source=entry.source(),
+        ))
+    return tuple(rows)
+
+
 def _fits(data: dict[str, Any], path: str) -> Fits:
     entry = _table(data, "fits", path, *(f.name for f in fields(Fits)))
     return Fits(
@@ -439,6 +484,15 @@ class _Entry:
             raise self.error(f"'{key}' {value!r} is not a version specifier: {exc}") from exc
         return value
 
+    def requirement(self, key: str) -> Requirement:
+        return self.requirement_text(key, self.text(key))
+
+    def requirement_text(self, key: str, value: str) -> Requirement:
+        try:
+            return Requirement(value)
+        except InvalidRequirement as exc:
+            raise self.error(f"'{key}' {value!r} is not a requirement: {exc}") from exc
+
     def archs(self, key: str, known: dict[str, str]) -> list[str]:
         values = self.str_list(key)
         for value in values:
@@ -511,7 +565,7 @@ def _rows(data: dict[str, Any], key: str, path: str, *keys: str, required: bool 
 
 def _label(section: str, number: int, row: dict[str, Any]) -> str:
     """How an error names a row: by its name or variant where it has one, else by position."""
-    name = row.get("name", row.get("variant"))
+    name = row.get("spec") if section == "vllm" else row.get("name", row.get("variant"))
     if isinstance(name, str):
         return f"{section} {name!r}"
     family = row.get("family")

@@ -28,6 +28,7 @@ def render(matrix: Matrix) -> str:
         _overrides(matrix),
         _bitsandbytes(matrix),
         _llama_cpp(matrix),
+        _vllm(matrix),
         _env(matrix),
         _fits(matrix),
         _sources(matrix),
@@ -206,6 +207,29 @@ def _llama_cpp(matrix: Matrix) -> str:
             f"| {row.backend} | {', '.join(row.oses)} | {tags} | {archs} "
             f"| `{row.cmake_args or '(none)'}` | {row.source} |"
         )
+    return "\n".join(lines)
+
+
+def _vllm(matrix: Matrix) -> str:
+    lines = [
+        "## vLLM (`--with vllm`)",
+        "",
+        "Opt-in: only `unsloth install --with vllm` installs it, from the package sources, for GRPO rollouts",
+        "through TRL's colocated vLLM engine when a model is loaded with `fast_inference=True`. Its wheel is",
+        "built against one exact torch, so that plan installs that torch from that index instead of the newest.",
+        "No matching row (native Windows, macOS, ROCm, Intel, CPU-only, another CPU, a GPU or driver the CUDA",
+        "build does not cover): `--with vllm` is refused before anything is installed, with the reason;",
+        "GRPO and `fast_inference=True` then run on unsloth's own fast generation path.",
+        "",
+        "| Backend | OS | CPUs | Package | torch (index) | Also pinned | Python | Source |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in matrix.vllm:
+        pinned = ", ".join(f"`{text}`" for text in row.torch_packages) or "—"
+        lines.append(f"| {row.backend} | {', '.join(row.oses)} | {', '.join(row.machines)} | `{row.spec}` "
+                     f"| `torch{row.torch}` ({row.variant}) | {pinned} | {row.python} | {row.source} |")
+    if not matrix.vllm:
+        lines.append("| — | — | — | none: refused everywhere | — | — | — | — |")
     return "\n".join(lines)
 
 

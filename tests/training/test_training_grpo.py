@@ -84,6 +84,7 @@ def test_trls_own_grpo_trainer_rolls_out_through_the_fast_path(tmp_path, caplog)
         assert trainer.args.use_vllm is False and generation.enabled(model)
     said = [r.getMessage() for r in caplog.records if "vLLM is not" in r.getMessage()]
     assert len(said) == 1 and "unsloth's static-cache path" in said[0], said
+    assert "`unsloth install --with vllm`" in said[0]  # how to get it, where its wheels exist
 
 
 def test_completion_logprobs_match_full_logits_without_building_them(tmp_path):

@@ -16,6 +16,7 @@ from unsloth.commands.detect import add_from_argument, detect_platform
 from unsloth.commands import results as r
 from unsloth.envs.steps import OPTIONAL_PARTS
 from unsloth.errors import UsageError
+from unsloth.plan.vllm import WITH_PARTS
 
 
 def _env_list(name: str) -> list[str]:
@@ -42,6 +43,9 @@ def _add_build_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not read pip's configuration for indexes, find-links and constraints")
     parser.add_argument("--without", action="append", default=_env_list("UNSLOTH_WITHOUT"), metavar="PART",
                         help=f"leave out an optional part: {', '.join(OPTIONAL_PARTS)} (repeatable or comma-separated)")
+    parser.add_argument("--with", dest="with_parts", action="append", default=_env_list("UNSLOTH_WITH"), metavar="PART",
+                        help=f"add an opt-in part: {', '.join(WITH_PARTS)} (GRPO rollouts for fast_inference=True; "
+                        "Linux/WSL with an NVIDIA GPU, where its wheels exist; it pins the torch)")
     parser.add_argument("--pip", action="store_true", default=os.environ.get("UNSLOTH_INSTALLER") == "pip",
                         help="install with pip instead of uv")
     parser.add_argument("--no-modify-path", action="store_true", default=_env_flag("UNSLOTH_NO_MODIFY_PATH"),
@@ -87,7 +91,7 @@ def make_plan(args: argparse.Namespace):
     overrides = Overrides.from_env(os.environ)
     if args.torch_index_url:
         overrides = dataclasses.replace(overrides, torch_index_url=args.torch_index_url)
-    return platform, resolve(platform, load_matrix(), overrides=overrides)
+    return platform, resolve(platform, load_matrix(), overrides=overrides, with_parts=args.with_parts)
 
 
 def optional_parts(values: list[str]) -> list[str]:
@@ -100,17 +104,41 @@ def optional_parts(values: list[str]) -> list[str]:
     return parts
 
 
+def opt_in_parts(values: list[str]) -> list[str]:
+    """--with as given (repeated, comma- or space-separated) -> the parts, each checked."""
+    parts = sorted({part for value in values for part in value.replace(",", " ").split()})
+    unknown = sorted(set(parts) - set(WITH_PARTS))
+    if unknown:
+        raise UsageError(f"--with {', '.join(unknown)}: not an opt-in part ({', '.join(WITH_PARTS)})",
+                         f"add only those, e.g. --with {','.join(WITH_PARTS)}", kept="nothing was changed")
+    return parts
+
+
+def refuse_unavailable(plan) -> None:
+    """An opt-in part the plan cannot install stops the install before anything is built: never dropped."""
+    if plan.vllm is not None and not plan.vllm.available:
+        raise UsageError(plan.vllm.note, "run `unsloth install` without --with vllm (and UNSLOTH_WITH unset)",
+                         kept="nothing was installed")
+
+
 def run_install(args: argparse.Namespace) -> (r.PlanReport | r.Installed | r.UpToDate | r.BuildRefused
                                               | r.BuildInterrupted | r.Declined):
     if args.json and not args.dry_run:  # never start a build when only the plan was asked for
         raise UsageError("--json prints the plan", "add --dry-run")
     args.without = optional_parts(args.without)
+    args.with_parts = opt_in_parts(args.with_parts)
+    if args.upgrade and not args.with_parts:  # `update` keeps what the active environment opted into
+        from unsloth.envs import manager
+        from unsloth.envs.paths import home
+
+        args.with_parts = opt_in_parts(manager.active_request(home()).get("with", []))
     platform, plan = make_plan(args)  # an unreadable dump or matrix is a UsageError / MatrixError naming it
     if args.dry_run:  # for a dump, this machine's pip configuration says nothing about that one's sources
         return r.PlanReport(plan, None if args.from_dir is not None else _install_sources(args, plan))
     if args.from_dir is not None:
         raise UsageError("--from plans for another machine's dump", "add --dry-run to see that plan",
                          kept="nothing was installed")
+    refuse_unavailable(plan)
 
     from unsloth.envs import manager
     from unsloth.envs.paths import home
@@ -128,7 +156,7 @@ def run_install(args: argparse.Namespace) -> (r.PlanReport | r.Installed | r.UpT
         args.without = manager.active_request(root).get("without", [])
     sources, _ = _package_sources(args)
     request = Request(source=source, sources=sources, without=tuple(sorted(set(args.without))), python=args.python,
-                      torch_index_url=_torch_index_url(args))
+                      torch_index_url=_torch_index_url(args), with_parts=tuple(args.with_parts))
     console = render.progress_console()
     render.plan_summary(console, plan)
     confirm = None

@@ -294,7 +294,13 @@ def plan_summary(console: Console, plan) -> None:
     device = plan.device.name if plan.device else "CPU"
     console.print(f"Plan: [bold]{plan.support}[/] support on {escape(device)} — PyTorch {plan.torch.backend}"
                   f" ({plan.torch.variant}) from {escape(str(plan.torch.index_url))}")
+    if plan.vllm is not None:
+        console.print(f"  vLLM: {escape(vllm_row(plan.vllm))}")
     advice(console, plan.warnings)
+
+
+def vllm_row(vllm) -> str:
+    return f"{vllm.spec} from the package sources — {vllm.note}" if vllm.available else vllm.note
 
 
 def plan_rows(plan) -> dict[str, str]:
@@ -307,6 +313,7 @@ def plan_rows(plan) -> dict[str, str]:
         "torch": f"{plan.torch.backend} ({plan.torch.variant}) {plan.torch.version_spec or 'torch'} from {plan.torch.index_url}",
         "bitsandbytes": (bnb.spec or "none") + (f" — {bnb.note}" if bnb.note else ""),
         "llama.cpp": f"{llama.backend} — {how}",
+        **({"vllm": vllm_row(plan.vllm)} if plan.vllm is not None else {}),  # only when --with vllm asked
         "attention": plan.attention,
         "env": " ".join(f"{k}={v}" for k, v in plan.env.items()) or "-",
     }

@@ -23,7 +23,7 @@ from unsloth.envs.paths import active_env, env_python, home
 from unsloth.envs.receipt import read_receipt
 from unsloth.matrix import MatrixError, load_matrix
 from unsloth.plan import Overrides, Plan, resolve
-from unsloth.selftest.judge import probe_findings, skipped_env_findings
+from unsloth.selftest.judge import opt_in_checks, probe_findings, skipped_env_findings
 from unsloth.selftest.run import DEFAULT_TIMEOUT_S, run_env_probe
 from unsloth.platform.facts import Platform
 
@@ -141,21 +141,24 @@ def diagnose(platform: Platform, *, source: str = "live", python: Path | None = 
     findings.append(env_finding)
     timings["machine checks"] = time.monotonic() - start
 
+    # vLLM's check runs where the install put it in (`--with vllm`, in the receipt's plan), else none is shown.
+    with_checks = opt_in_checks(target.receipt.plan) if target is not None and target.receipt else ()
     if not live:
         findings += skipped_env_findings(checks.NOT_LIVE)
     elif target is None:
         findings += skipped_env_findings("No managed environment to check (run `unsloth install`)")
     elif not env_checks:
-        findings += skipped_env_findings("Skipped by --quick")
+        findings += skipped_env_findings("Skipped by --quick", with_checks)
     elif env_finding.fails:
-        findings += skipped_env_findings("The environment is broken (see above)")
+        findings += skipped_env_findings("The environment is broken (see above)", with_checks)
     else:
         start = time.monotonic()
 
         def environment_checks() -> list[Finding]:
-            run = run_env_probe(target.python, checks.backend(plan), timeout_s, plan.env if plan else None)
+            run = run_env_probe(target.python, checks.backend(plan), timeout_s, plan.env if plan else None,
+                                with_checks)
             without = (target.receipt.without if target.receipt else None) or ()
-            return probe_findings(run, platform, plan, without)
+            return probe_findings(run, platform, plan, without, with_checks)
 
         findings += _listed("env-checks", "Environment checks", environment_checks)
         timings["environment checks"] = time.monotonic() - start

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from rich.console import Console
 from rich.markup import escape
 
@@ -31,7 +32,7 @@ from unsloth.envs.sources import TORCH_FAMILY, local_listings, torch_source
 from unsloth.envs.steps import Request, Tool
 from unsloth.envs.verify import problems
 from unsloth.errors import UnslothError
-from unsloth.selftest.judge import probe_findings
+from unsloth.selftest.judge import opt_in_checks, probe_findings
 from unsloth.selftest.parse import parse_probe_output, verification
 from unsloth.selftest.run import copy_script, run_env_probe
 from unsloth.selftest.script import IMPORTS
@@ -192,12 +193,13 @@ def _build(
 
     info = _json_from(python, "import sys, json; print(json.dumps([sys.version.split()[0], f'cp{sys.version_info[0]}{sys.version_info[1]}']))")
     py_version, py_tag = info
+    _check_python_for_vllm(plan, py_version, base_python)
     torch = torch_source(plan.torch, request.sources, py_tag, local_listings(request.sources.find_links), request.torch_index_url)
     run(plan_steps.torch_step(tool, torch, request.sources, plan.torch.backend))
 
     pins = env / "unsloth-pins.txt"
     pins.write_text(plan_steps.pins_text(installed_versions(python), TORCH_FAMILY), encoding="utf-8")
-    run(plan_steps.packages_step(tool, request, pins, plan.bitsandbytes))
+    run(plan_steps.packages_step(tool, request, pins, plan.bitsandbytes, plan.vllm))
     export_requires = _export_requires(python)
     export = plan_steps.export_step(tool, request, pins, export_requires)
     if export:
@@ -260,6 +262,8 @@ def _verify(run, python: Path, plan, request: Request, optional_failed: dict[str
         required.append("bitsandbytes")
     if not {"export", "llama-cpp"} & (set(request.without) | set(optional_failed)):
         required.append("llama_cpp")
+    if plan.vllm is not None and plan.vllm.available:
+        required.append("vllm")
     script = copy_script(logs)
     probe_step = Step("verify", "Verify: imports, the torch build, the GPU",
                       [str(python), str(script), "--backend", plan.torch.backend, "--only", "torch", "--imports", *IMPORTS])
@@ -282,8 +286,9 @@ def _verify(run, python: Path, plan, request: Request, optional_failed: dict[str
 def _doctor_checks(python: Path, plan, platform, request: Request, logs: Path, console: Console) -> None:
     """doctor's environment checks (a real matmul, bitsandbytes, Triton, llama.cpp) must not fail."""
     with console.status("Doctor's environment checks"):
-        run = run_env_probe(python, plan.torch.backend)
-    findings = probe_findings(run, platform, plan, request.without)
+        with_checks = opt_in_checks(plan.to_json())
+        run = run_env_probe(python, plan.torch.backend, with_checks=with_checks)
+    findings = probe_findings(run, platform, plan, request.without, with_checks)
     (logs / "doctor.json").write_text(json.dumps([f.to_json() for f in findings], indent=2), encoding="utf-8")
     failed = [f for f in findings if f.fails]
     if failed:
@@ -291,6 +296,18 @@ def _doctor_checks(python: Path, plan, platform, request: Request, logs: Path, c
         raise BuildFailed("doctor's environment checks failed in the new environment",
                           [f"{f.title}: {f.message}" for f in failed], fixes)
     console.print(f"[green]✓[/] Doctor's environment checks [dim]({run.seconds:.1f}s)[/]")
+
+
+def _check_python_for_vllm(plan, py_version: str, base_python: str) -> None:
+    """vLLM's wheels install on some Pythons only: say so before minutes of downloads, not in uv's words."""
+    vllm = plan.vllm
+    if vllm is None or not vllm.available or not vllm.python:
+        return
+    if not SpecifierSet(vllm.python).contains(py_version):
+        raise BuildFailed(f"{vllm.spec} installs on Python {vllm.python}, and this environment's Python "
+                          f"({base_python}) is {py_version}", [f"--with vllm needs Python {vllm.python}"],
+                          "Pass a Python it installs on, e.g. `unsloth install --with vllm --python python3.12`, "
+                          "or leave out --with vllm")
 
 
 def _requires(python: Path) -> list[str]:
@@ -339,7 +356,7 @@ def has_newer(env: Path, request: Request, plan) -> bool | None:
     torch = torch_source(plan.torch, request.sources, f"cp{version[0]}{version[1]}",
                          local_listings(request.sources.find_links), request.torch_index_url)
     steps = [plan_steps.torch_step(tool, torch, request.sources, plan.torch.backend),
-             plan_steps.packages_step(tool, request, pins, plan.bitsandbytes),
+             plan_steps.packages_step(tool, request, pins, plan.bitsandbytes, plan.vllm),
              plan_steps.export_step(tool, request, pins, export_requires),
              plan_steps.llama_cpp_step(tool, request, pins, export_requires, plan.llama_cpp,
                                        cache=env.parent.parent / CACHE)]

@@ -2,8 +2,9 @@
 
 Order (each later step pins what the earlier ones installed, so nothing replaces them):
 1. the PyTorch family, from the torch source only (the plan's index, or a wheelhouse with that exact build);
-2. this package with its ``train`` extra, and bitsandbytes where the plan has it, from the general
-   sources (PyPI or the configured mirror), torch pinned by a constraints file;
+2. this package with its ``train`` extra, bitsandbytes where the plan has it, and vLLM where the plan
+   has it (`--with vllm`: resolved together, so transformers fits both), from the general sources
+   (PyPI or the configured mirror), torch pinned by a constraints file;
 3. the ``export`` extra but llama-cpp-python;
 4. llama-cpp-python, from the plan's prebuilt wheel index alone (then its dependencies) or built
    with the plan's CMAKE_ARGS (unless left out), in a build cache of its own per plan (below).
@@ -26,7 +27,7 @@ from typing import Any
 from packaging.requirements import Requirement
 
 from unsloth.envs.runner import Step
-from unsloth.plan import BitsAndBytes, LlamaCpp
+from unsloth.plan import BitsAndBytes, LlamaCpp, Vllm
 from unsloth.envs.sources import Sources, TorchSource
 
 DIST_NAME = "unsloth-installer"  # ours; PyPI's `unsloth` is another project and is never asked for
@@ -58,15 +59,19 @@ class Request:
     without: tuple[str, ...] = ()
     torch_index_url: str | None = None  # overrides the plan's index (a mirror of it)
     python: str | None = None
+    with_parts: tuple[str, ...] = ()  # opt-in parts (`--with vllm`)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data = {
             "source": self.source,
             "sources": self.sources.to_json(),
             "without": sorted(self.without),
             "torch_index_url": self.torch_index_url,
             "python": self.python,
         }
+        if self.with_parts:  # only then: a request without it hashes as it always did
+            data["with"] = sorted(self.with_parts)
+        return data
 
 
 def is_local_source(source: str) -> bool:
@@ -95,12 +100,15 @@ def bitsandbytes_requirement(plan_bnb: BitsAndBytes) -> str | None:
     return plan_bnb.spec or "bitsandbytes"
 
 
-def packages_step(tool: Tool, request: Request, pins: Path, plan_bnb: BitsAndBytes) -> Step:
+def packages_step(tool: Tool, request: Request, pins: Path, plan_bnb: BitsAndBytes,
+                  plan_vllm: Vllm | None = None) -> Step:
     extras = "" if "train" in request.without else "[train]"
     requirements = [f"{DIST_NAME}{extras} @ {_as_url(request.source)}"]
     bnb = bitsandbytes_requirement(plan_bnb)
     if bnb and plan_bnb.source == "pypi" and "bitsandbytes" not in request.without:
         requirements.append(bnb)
+    if plan_vllm is not None and plan_vllm.available and plan_vllm.spec:
+        requirements.append(plan_vllm.spec)  # its torch pin is the plan's torch, installed in step 1
     refresh = ["--reinstall-package", DIST_NAME] if tool.name == "uv" and is_local_source(request.source) else []
     argv = [*tool.install, *request.sources.args(), "--constraint", str(pins), *refresh, *requirements]
     return Step("packages", "unsloth, transformers, PEFT, TRL and the rest", argv)

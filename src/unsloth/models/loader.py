@@ -300,8 +300,9 @@ def load_pretrained(
     model._unsloth_fast_inference = bool(fast_inference)
     if fast_inference and not vllm_usable(model):
         log.info("unsloth: fast_inference=True: vLLM is not %s, so generation (GRPO rollouts, fast_generate) runs "
-                 "on unsloth's static-cache path%s.", "installed" if importlib.util.find_spec("vllm") is None
-                 else "used off a GPU", " with CUDA graphs" if torch.cuda.is_available() else "")
+                 "on unsloth's static-cache path%s.", "installed (`unsloth install --with vllm` adds it where its "
+                 "wheels exist)" if importlib.util.find_spec("vllm") is None else "used off a GPU",
+                 " with CUDA graphs" if torch.cuda.is_available() else "")
     patch_model(model)
     if full_finetuning:
         for p in model.parameters():

@@ -9,30 +9,37 @@ warnings and the matrix rows it cited):
   2. torch_channel.py: where PyTorch comes from for it (CUDA, ROCm, AMD's wheels; CPU / MPS
      without a usable GPU), then the user's pin;
   3. runtime.py: what the runtime needs beside the wheels, and variables that mislead it;
-  4. extras.py: bitsandbytes and llama.cpp for that torch build;
-  5. fits.py: which model sizes fit in its memory.
+  4. vllm.py: vLLM, only when asked for (`--with vllm`): its wheel and the exact torch it pins, which
+     replaces step 2's, or the reason it is refused;
+  5. extras.py: bitsandbytes and llama.cpp for that torch build;
+  6. fits.py: which model sizes fit in its memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from unsloth.matrix import Matrix
 from unsloth.plan.device import choose_device, host_fallback
 from unsloth.plan.extras import bitsandbytes_choice, llama_cpp_choice
 from unsloth.plan.fits import fits
-from unsloth.plan.model import NO_NOTES, Advice, BitsAndBytes, FitRow, Fits, Inputs, LlamaCpp, Overrides, Plan, TorchChoice
+from unsloth.plan.model import (NO_NOTES, Advice, BitsAndBytes, FitRow, Fits, Inputs, LlamaCpp, Overrides, Plan,
+                                TorchChoice, Vllm)
 from unsloth.plan.runtime import user_env_advice
 from unsloth.plan.torch_channel import apply_pins, host_torch, torch_for_device
 from unsloth.plan.versions import gfx_of, os_cell, support_phrase, version_or_none
+from unsloth.plan.vllm import WITH_PARTS, vllm_choice
 from unsloth.platform.facts import Platform
 
-__all__ = ["Advice", "BitsAndBytes", "FitRow", "Fits", "LlamaCpp", "Overrides", "Plan", "TorchChoice", "gfx_of", "os_cell",
-           "resolve", "support_phrase", "version_or_none"]
+__all__ = ["WITH_PARTS", "Advice", "BitsAndBytes", "FitRow", "Fits", "LlamaCpp", "Overrides", "Plan", "TorchChoice",
+           "Vllm", "gfx_of", "os_cell", "resolve", "support_phrase", "version_or_none"]
 
 
-def resolve(platform: Platform, matrix: Matrix, *, overrides: Overrides | Mapping[str, str] | None = None) -> Plan:
-    """Decide what to install for this platform, and say how well it is supported and why."""
+def resolve(platform: Platform, matrix: Matrix, *, overrides: Overrides | Mapping[str, str] | None = None,
+            with_parts: Iterable[str] = ()) -> Plan:
+    """Decide what to install for this platform, and say how well it is supported and why.
+
+    ``with_parts``: the opt-in parts the user asked for (`--with`, of WITH_PARTS)."""
     pins = overrides if isinstance(overrides, Overrides) else Overrides(**dict(overrides or {}))
     inputs = Inputs(platform, matrix, pins, os_cell(platform),
                     pytorch=(pins.pytorch_mirror or matrix.urls["pytorch"]).rstrip("/"),
@@ -67,6 +74,8 @@ def resolve(platform: Platform, matrix: Matrix, *, overrides: Overrides | Mappin
     notes += user_env_advice(inputs, family.vendor if family else None, env, effective_arch)
     torch, more = apply_pins(inputs, torch)
     notes += more
+    vllm, torch, more = vllm_choice(inputs, torch, device, "vllm" in set(with_parts))
+    notes += more
     bitsandbytes, more = bitsandbytes_choice(inputs, torch, device, effective_arch)
     notes += more
     llama_cpp, more = llama_cpp_choice(inputs, torch, effective_arch)
@@ -86,4 +95,5 @@ def resolve(platform: Platform, matrix: Matrix, *, overrides: Overrides | Mappin
         sources=list(notes.sources),
         os=inputs.os,
         family=family.name if family else None,
+        vllm=vllm,
     )

@@ -67,6 +67,29 @@ class LlamaCpp:
 
 
 @dataclass
+class Vllm:
+    """vLLM (GRPO rollouts for fast_inference=True), in a plan only when `--with vllm` asked for it:
+    its PyPI wheel where one exists for this machine, else refused, with the reason."""
+
+    source: str  # "pypi" | "none" (refused)
+    spec: str | None = None  # "vllm==0.32.0"
+    torch: str | None = None  # the exact torch it was built against, which the plan then installs: "torch==2.13.0"
+    python: str | None = None  # the Pythons its wheels install on: ">=3.11,<3.15"
+    note: str = ""  # what it changed in the plan, or why it is refused and what still works
+
+    @property
+    def available(self) -> bool:
+        return self.source != "none"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Vllm:
+        return cls(**data)
+
+
+@dataclass
 class FitRow:
     params_b: float  # model size, billions of parameters
     qlora_gib: float  # memory QLoRA needs for it
@@ -107,9 +130,13 @@ class Plan:
     sources: list[str] = field(default_factory=list)  # the matrix rows' citations
     os: str | None = None  # the matrix OS cell: "linux" | "wsl" | "windows" | "macos"
     family: str | None = None  # the matrix family planned for ("RDNA3", "Ada", "CPU", ...)
+    vllm: Vllm | None = None  # None: not asked for (`--with vllm`), and then absent from the JSON
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if self.vllm is None:
+            del data["vllm"]  # a plan without `--with vllm` reads as it always did
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Plan:
@@ -122,6 +149,7 @@ class Plan:
             "llama_cpp": LlamaCpp.from_json(data["llama_cpp"]),
             "warnings": [Advice(**advice) for advice in data.get("warnings", [])],
             "fits": Fits.from_json(data["fits"]) if data.get("fits") else None,
+            "vllm": Vllm.from_json(data["vllm"]) if data.get("vllm") else None,
         })
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +11,7 @@ from unsloth.platform.facts import Gpu, Platform
 from unsloth.plan import Plan
 from unsloth.selftest.findings import Finding
 from unsloth.selftest.run import ProbeRun
-from unsloth.selftest.script import CHECKS
+from unsloth.selftest.script import checks_with
 
 REINSTALL = "unsloth install --force"  # a plain install is a no-op while the request is unchanged
 TITLES = {
@@ -21,6 +22,7 @@ TITLES = {
     "triton": "Triton kernel",
     "llama_cpp": "llama.cpp",
     "multi_gpu": "Several GPUs in torch",
+    "vllm": "vLLM",
 }
 
 
@@ -40,8 +42,15 @@ def finding_id(name: str) -> str:
     return f"env-{name.replace('_', '-')}"  # "llama_cpp" -> "env-llama-cpp"
 
 
-def skipped_env_findings(reason: str) -> list[Finding]:
-    return [Finding(finding_id(name), TITLES[name], "skipped", reason) for name in CHECKS]
+def opt_in_checks(plan_json: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The opt-in parts a plan (as JSON: a receipt's, or ``plan.to_json()``) installed, whose checks run
+    too: vLLM where `--with vllm` put it in. Nothing for a plan without it, so doctor says nothing of it."""
+    vllm = (plan_json or {}).get("vllm") or {}
+    return ("vllm",) if vllm.get("source", "none") != "none" else ()
+
+
+def skipped_env_findings(reason: str, with_checks: tuple[str, ...] = ()) -> list[Finding]:
+    return [Finding(finding_id(name), TITLES[name], "skipped", reason) for name in checks_with(with_checks)]
 
 
 @dataclass(frozen=True)
@@ -64,13 +73,13 @@ Verdict = tuple[str, str, str | None, bool]
 
 
 def probe_findings(run: ProbeRun, platform: Platform, plan: Plan | None,
-                   without: list[str] | tuple[str, ...] = ()) -> list[Finding]:
+                   without: list[str] | tuple[str, ...] = (), with_checks: tuple[str, ...] = ()) -> list[Finding]:
     """What the probe printed, judged against the plan. The first check it never reported hung or
-    crashed; the ones after it were not reached."""
+    crashed; the ones after it were not reached. ``with_checks``: the opt-in parts it was run with."""
     context = _Context(platform, plan, tuple(without))
     findings: list[Finding] = []
     stopped = False  # the probe prints in order: after the first missing check, nothing ran
-    for name in CHECKS:
+    for name in checks_with(with_checks):
         result = run.results.get(name)
         if result is not None:
             status, message, fix, required = JUDGES[name](result, context)
@@ -174,6 +183,16 @@ def _judge_llama_cpp(result: dict[str, Any], context: _Context) -> Verdict:
     return "ok", result["message"], None, False
 
 
+def _judge_vllm(result: dict[str, Any], context: _Context) -> Verdict:
+    """Asked only where the install put vLLM in (`--with vllm`): then a failure is an error, but not a
+    required one, since GRPO falls back to our own generation path."""
+    if (skipped := _could_not_run(result)) is not None:
+        return skipped
+    if not result["ok"]:
+        return "error", f"{result['message']}; GRPO falls back to unsloth's own generation", REINSTALL, False
+    return "ok", result["message"], None, False
+
+
 def _judge_multi_gpu(result: dict[str, Any], context: _Context) -> Verdict:
     if (skipped := _could_not_run(result)) is not None:
         return skipped
@@ -203,4 +222,5 @@ JUDGES = {
     "triton": _judge_triton,
     "llama_cpp": _judge_llama_cpp,
     "multi_gpu": _judge_multi_gpu,
+    "vllm": _judge_vllm,
 }

@@ -44,11 +44,11 @@ def copy_script(folder: Path) -> Path:
 
 
 def run_env_probe(python: Path, plan_backend: str, timeout_s: float = DEFAULT_TIMEOUT_S,
-                  plan_env: Mapping[str, str] | None = None) -> ProbeRun:
+                  plan_env: Mapping[str, str] | None = None, with_checks: tuple[str, ...] = ()) -> ProbeRun:
     """Run selftest.py with ``python``, under the plan's env vars (``plan.env``: an
     HSA_OVERRIDE_GFX_VERSION some GPUs need), as training will run. It runs from a fresh folder so
     nothing in the current directory (a project's own `torch/` or `kernels/`) shadows the
-    environment's packages."""
+    environment's packages. ``with_checks``: the opt-in parts the environment holds (vLLM), checked too."""
     with tempfile.TemporaryDirectory(prefix="unsloth-selftest-") as tmp:
         copy = copy_script(Path(tmp))
         env = {**os.environ, **(plan_env or {}), "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -56,7 +56,8 @@ def run_env_probe(python: Path, plan_backend: str, timeout_s: float = DEFAULT_TI
         start = time.monotonic()
         try:
             # Its own session, so a hang is ended with everything it started (compilers, workers).
-            process = subprocess.Popen([str(python), str(copy), "--backend", plan_backend], cwd=tmp, env=env,
+            argv = [str(python), str(copy), "--backend", plan_backend, *(f"--with={name}" for name in with_checks)]
+            process = subprocess.Popen(argv, cwd=tmp, env=env,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                        start_new_session=os.name == "posix")
         except OSError as exc:  # the interpreter is missing or not executable

@@ -25,9 +25,18 @@ import traceback
 
 # multi_gpu last: a broken peer-to-peer link can hang its copy, and a hang only hides what comes after.
 CHECKS = ("torch", "gpu", "matmul", "bitsandbytes", "triton", "llama_cpp", "multi_gpu")
+# Checks of opt-in parts (`unsloth install --with PART`): run only when asked (`--with vllm`), in this order.
+OPT_IN_CHECKS = ("vllm",)
+ORDER = ("torch", "gpu", "matmul", "bitsandbytes", "triton", "llama_cpp", "vllm", "multi_gpu")
 GPU_BACKENDS = ("cuda", "rocm")
 # What an install verifies imports (the plan decides which of them must).
-IMPORTS = ("unsloth", "transformers", "peft", "trl", "accelerate", "datasets", "bitsandbytes", "gguf", "llama_cpp")
+IMPORTS = ("unsloth", "transformers", "peft", "trl", "accelerate", "datasets", "bitsandbytes", "gguf", "llama_cpp",
+           "vllm")
+
+
+def checks_with(opt_in):
+    """The checks a run reports, in order: every default one, and the opt-in ones named."""
+    return tuple(name for name in ORDER if name not in OPT_IN_CHECKS or name in opt_in)
 
 
 class Skip(Exception):
@@ -172,6 +181,34 @@ def check_llama_cpp(state):
     }
 
 
+def torch_pin(requires):
+    """The exact torch a distribution's Requires-Dist pins ("torch==2.13.0"), or None."""
+    for text in requires or []:
+        head = text.split(";")[0].replace(" ", "").replace("(", "").replace(")", "")
+        if head.startswith("torch=="):
+            return head[len("torch=="):].split(",")[0]
+    return None
+
+
+def check_vllm(state):
+    torch = need_torch(state)
+    try:
+        dist = importlib.metadata.distribution("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return False, "vLLM is not installed", {}
+    pin = torch_pin(dist.requires)
+    have = torch.__version__.split("+")[0]
+    facts = {"version": dist.version, "torch_pin": pin, "torch": torch.__version__}
+    if pin is not None and pin != have:
+        # Not imported: its compiled ops against another torch fail to load, or worse.
+        return False, "vLLM %s is built for torch %s, but torch %s is installed" % (dist.version, pin, torch.__version__), dict(
+            facts, matches=False)
+    import vllm
+
+    return True, "vLLM %s imports, built for torch %s (torch %s here)" % (
+        getattr(vllm, "__version__", dist.version), pin or "any", torch.__version__), dict(facts, matches=True)
+
+
 def check_multi_gpu(state):
     torch = need_torch(state)
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -217,12 +254,14 @@ def run(name, check, state):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="cpu", help="the plan's torch backend: cuda, rocm, cpu, ...")
-    parser.add_argument("--only", type=lambda text: text.split(","), default=list(CHECKS),
-                        help="comma-separated checks to run, of: " + ",".join(CHECKS))
+    parser.add_argument("--only", type=lambda text: text.split(","), default=list(ORDER),
+                        help="comma-separated checks to run, of: " + ",".join(ORDER))
+    parser.add_argument("--with", dest="opt_in", action="append", default=[], choices=OPT_IN_CHECKS,
+                        help="also check this opt-in part (installed with `unsloth install --with PART`)")
     parser.add_argument("--imports", nargs="*", default=[], metavar="MODULE",
                         help="also report whether these modules import, and every installed distribution")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.only) - set(CHECKS))
+    unknown = sorted(set(args.only) - set(ORDER))
     if unknown:
         parser.error("unknown check(s): " + ", ".join(unknown))
     if args.backend not in GPU_BACKENDS and "triton" in args.only:
@@ -230,7 +269,7 @@ def main(argv=None):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     emit("python", True, sys.version.split()[0], executable=sys.executable)
     state = {}
-    for name in CHECKS:
+    for name in checks_with(args.opt_in):
         if name in args.only:
             run(name, globals()["check_" + name], state)
     if args.imports:
