@@ -168,7 +168,6 @@ def test_merged_save_names_the_weights_as_save_pretrained_does(family, tmp_path)
     either end of the window."""
     from peft import LoraConfig, get_peft_model
     from safetensors import safe_open
-
     from transformers import AutoModelForImageTextToText
 
     from unsloth.export.merged import save_pretrained_merged
