@@ -17,6 +17,8 @@ COMMON = dict(
     num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.02,
     bos_token_id=0, eos_token_id=1, pad_token_id=2,
 )
+# What the later additions use: hidden 64, 2 layers (COMMON's hidden 256 predates them; CI time)
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 PER_ARCH = {
     "llama": dict(tie_word_embeddings=False),
     "qwen2": dict(tie_word_embeddings=True),
@@ -46,9 +48,44 @@ LLAMA_CPP_PER_ARCH = {
                         hidden_size_per_layer_input=16, final_logit_softcapping=30.0,
                         layer_types=["sliding_attention", "full_attention"], pad_token_id=0, bos_token_id=2),
     "glm4": dict(head_dim=64, pad_token_id=None),  # GLM-4 dense: post-norms, partial interleaved rotary
+    "glm": dict(TINY, head_dim=16, pad_token_id=None),  # GLM: fused gate-up MLP, partial interleaved rotary
+    # Granite 4 dense (attention layers only, no experts: the released dense ones say top-k 0)
+    "granitemoehybrid": dict(TINY, shared_intermediate_size=128, num_local_experts=0, num_experts_per_tok=0,
+                             layer_types=["attention", "attention"], position_embedding_type="rope",
+                             residual_multiplier=0.5, embedding_multiplier=2.0, logits_scaling=4.0),
+}
+# The MoE families exported with LoRA on their experts (test_export_moe), at the tiny sizes of TINY.
+# Where llama.cpp fixes a shape, as the released models have it: OLMoE's key norm spans every head
+# (no grouped-query attention), Llama 4 has no RoPE on every 4th layer (so 4 layers).
+_TINY_EXPERTS = dict(moe_intermediate_size=32, num_experts_per_tok=2)
+MOE_PER_ARCH = {
+    "olmoe": dict(TINY, head_dim=16, num_key_value_heads=4, intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(TINY, shared_expert_intermediate_size=64, num_experts=4, **_TINY_EXPERTS),
+    "deepseek_v3": dict(TINY, num_key_value_heads=4, n_routed_experts=4, n_group=2, topk_group=1, n_shared_experts=1,
+                        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16, **_TINY_EXPERTS),
+    "glm4_moe": dict(TINY, head_dim=16, n_routed_experts=4, n_group=2, topk_group=1, n_shared_experts=1,
+                     first_k_dense_replace=1, **_TINY_EXPERTS),
+    # Qwen3.5-MoE: head_dim 64 as Qwen3.5's, whose rotary sections llama.cpp asserts fit the rotated part
+    "qwen3_5_moe_text": dict(TINY, **_HYBRID, num_experts=4, shared_expert_intermediate_size=32, **_TINY_EXPERTS),
+    "llama4_text": dict(TINY, num_hidden_layers=4, head_dim=16, intermediate_size=32, intermediate_size_mlp=128,
+                        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1),
 }
 PER_ARCH.update(LLAMA_CPP_PER_ARCH)
+PER_ARCH.update(MOE_PER_ARCH)
 LLAMA_CPP_ARCHITECTURES = tuple(LLAMA_CPP_PER_ARCH)
+# transformers loads a Qwen 3.5 (MoE) folder's tokenizer as Qwen3_5Tokenizer, with Qwen 3.5's own split
+# rule whatever tokenizer.json says: the tiny tokenizer is trained with that rule, as the real one is
+def qwen35_split() -> str:
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
+
+    return PRETOKENIZE_REGEX
+
+
+SPLIT_RULES = {"qwen3_5_moe_text": qwen35_split}
+# Special tokens llama.cpp's converters look up by name: GLM's set EOS, BOS and EOT from these
+EXTRA_SPECIALS = {"glm4": ("<|endoftext|>", "<|user|>"), "glm": ("<|endoftext|>", "<|user|>"),
+                  "glm4_moe": ("<|endoftext|>", "<|user|>", "[gMASK]", "<|observation|>")}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -80,6 +117,30 @@ def make_tokenizer(pre_tokenizer=None, tokenizer_class=None, extra_specials=()):
         tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>", *extra_specials], chat_template=CHAT_TEMPLATE,
     )
+
+
+def split_then_bytes(regex: str):
+    """A pre-tokenizer as Llama 3's and Qwen's tokenizer.json have it: a regex split, then bytes."""
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def family_tokenizer(arch: str):
+    """The tiny tokenizer with what llama.cpp's converter for `arch` reads from it (special tokens by name,
+    Qwen 3.5's split rule, Gemma's SentencePiece-style vocab, Phi-4's tokenizer class)."""
+    if arch == "gemma4_text":  # llama.cpp's Gemma 4 converter reads Gemma's SentencePiece-style BPE only
+        return make_spm_tokenizer()
+    if arch == "phi3":  # Phi-4 ships a GPT2Tokenizer; llama.cpp reads its BPE vocab only then
+        from transformers import GPT2Tokenizer
+
+        return make_tokenizer(tokenizer_class=GPT2Tokenizer)
+    split = SPLIT_RULES.get(arch)
+    return make_tokenizer(pre_tokenizer=split_then_bytes(split()) if split else None,
+                          extra_specials=EXTRA_SPECIALS.get(arch, ()))
 
 
 def make_spm_tokenizer(specials=(), named=None, eos="<eos>", chat_template=CHAT_TEMPLATE):

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from export_models import (LLAMA_CPP_ARCHITECTURES, fake_tree, greedy_agreement, make_model, make_spm_tokenizer,
+from export_models import (LLAMA_CPP_ARCHITECTURES, TINY, fake_tree, family_tokenizer, greedy_agreement, make_model,
                            make_tokenizer)
 
 
@@ -50,15 +50,29 @@ def test_converter_env_must_name_a_llama_cpp_tree(tmp_path, monkeypatch):
     assert "UNSLOTH_LLAMA_CPP" in caught.value.fix
 
 
-def test_qwen3_moe_without_renormalized_experts_refused(tmp_path, monkeypatch):
-    """llama.cpp's qwen3moe graph always renormalizes the top-k weights: norm_topk_prob=False (transformers'
-    default) would convert cleanly and answer differently, so it is refused."""
+# Configs llama.cpp's converter would write a file for that answers differently (Qwen3-MoE: its graph
+# always renormalizes the top-k weights; Llama 4: attention settings it hard-codes), that its loader
+# refuses (OLMoE's key norm spans every head) or aborts the process on (a dense Granite 4 asking for
+# experts; Llama 4 with no layer of its every-4th-layer attention temperature).
+REFUSED_CONFIGS = [
+    ("qwen3_moe", "Qwen3MoeForCausalLM", dict(norm_topk_prob=False), "norm_topk_prob=False"),
+    ("olmoe", "OlmoeForCausalLM", dict(num_key_value_heads=2), "2 key/value heads for 4 attention heads"),
+    ("granitemoehybrid", "GraniteMoeHybridForCausalLM", dict(num_experts_per_tok=2), "num_experts_per_tok=2"),
+    ("llama4_text", "Llama4ForCausalLM", dict(attention_chunk_size=64), "'attention_chunk_size': 64"),
+    ("llama4_text", "Llama4ForCausalLM", dict(num_hidden_layers=2), "has 2 layers"),
+]
+
+
+@pytest.mark.parametrize("arch, architecture, overrides, problem", REFUSED_CONFIGS)
+def test_config_llama_cpp_cannot_represent_is_refused_before_any_file(arch, architecture, overrides, problem,
+                                                                      tmp_path, monkeypatch):
     from unsloth.export.errors import ExportError
     from unsloth.export.gguf import save_pretrained_gguf
 
-    monkeypatch.setenv("UNSLOTH_LLAMA_CPP", str(fake_tree(tmp_path / "tree", table=["Qwen3MoeForCausalLM"])))
-    with pytest.raises(ExportError, match="norm_topk_prob=False"):
-        save_pretrained_gguf(make_model("qwen3_moe", norm_topk_prob=False), tmp_path / "out", make_tokenizer(), "f16")
+    monkeypatch.setenv("UNSLOTH_LLAMA_CPP", str(fake_tree(tmp_path / "tree", table=[architecture])))
+    with pytest.raises(ExportError, match="nothing was written") as caught:
+        save_pretrained_gguf(make_model(arch, **overrides), tmp_path / "out", make_tokenizer(), "f16")
+    assert problem in str(caught.value) and caught.value.fix
     assert not (tmp_path / "out").exists()
 
 
@@ -145,10 +159,7 @@ def test_family_exports_through_llama_cpp_and_matches_transformers(arch, convert
 
     model = make_model(arch)
     assert hf_architecture(model) in converter.architectures, f"{converter.origin} lacks {arch}"
-    if arch == "gemma4_text":  # llama.cpp's Gemma 4 converter reads Gemma's SentencePiece-style BPE only
-        tokenizer = make_spm_tokenizer()
-    else:
-        tokenizer = make_tokenizer(tokenizer_class=_tokenizer_class(arch), extra_specials=EXTRA_SPECIALS.get(arch, ()))
+    tokenizer = family_tokenizer(arch)
     result = save_pretrained_gguf(model, tmp_path, tokenizer, "f16")
     report = result.validations["f16"]
     assert report.passed and report.tokenizer_mismatches == [], report.summary()
@@ -166,13 +177,56 @@ def test_family_exports_through_llama_cpp_and_matches_transformers(arch, convert
     assert len(seen) > 4, "the model is degenerate; the comparison would prove nothing"
 
 
-# llama.cpp's GLM-4 converter sets EOS, BOS and EOT from these added tokens of GLM-4's tokenizer
-EXTRA_SPECIALS = {"glm4": ("<|endoftext|>", "<|user|>")}
+@pytest.mark.slow
+def test_architecture_the_installed_converter_lacks_is_refused_before_any_file(converter, tmp_path):
+    """transformers' Ministral (its own model_type; the released Ministral-8B says MistralForCausalLM) has
+    no class in llama.cpp's converter: refused by name, with the fix, before the merged save."""
+    from unsloth.export.errors import ExportError
+    from unsloth.export.gguf import save_pretrained_gguf
+
+    assert "MinistralForCausalLM" not in converter.architectures
+    model = make_model("ministral", **TINY, head_dim=16, layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(ExportError, match="does not support MinistralForCausalLM .'ministral'.") as caught:
+        save_pretrained_gguf(model, tmp_path / "out", make_tokenizer(), "f16")
+    assert "save_pretrained_merged" in caught.value.fix
+    assert not (tmp_path / "out").exists()
 
 
-def _tokenizer_class(arch):
-    if arch == "phi3":  # Phi-4 ships a GPT2Tokenizer; llama.cpp reads its BPE vocab only then
-        from transformers import GPT2Tokenizer
+@pytest.mark.slow
+def test_special_token_the_converter_needs_is_named(converter, tmp_path):
+    """llama.cpp's GLM converter looks GLM's <|endoftext|> up by name; without it the export names the token
+    and the fix (it was a bare KeyError inside "converter failed"), and keeps nothing."""
+    from unsloth.export.errors import ExportError
+    from unsloth.export.gguf import save_pretrained_gguf
 
-        return GPT2Tokenizer
-    return None
+    with pytest.raises(ExportError, match="tokenizer's '<\\|endoftext\\|>' token") as caught:
+        save_pretrained_gguf(make_model("glm"), tmp_path, make_tokenizer(), "f16", validate_export=False)
+    assert "GlmForCausalLM" in str(caught.value) and "nothing was written" in str(caught.value)
+    assert "add_special_tokens" in caught.value.fix
+    assert list(tmp_path.iterdir()) == []
+
+
+# Registry families with no GGUF export test, each with the reason (docs/export.md lists them too)
+NOT_EXPORT_TESTED = {
+    "ministral": "llama.cpp's converter has no MinistralForCausalLM (refused, tested above)",
+    "mllama": "llama.cpp's converter has no Llama 3.2 Vision",
+    "csm": "llama.cpp's converter has no Sesame CSM",
+    "mistral3": "vision-language: its projector file is not tested yet",
+    "qwen3_5": "vision-language: its projector file is not tested yet (qwen3_5_text is)",
+    "gemma4": "vision-language: its projector file is not tested yet (gemma4_text is)",
+    "llama4": "vision-language: its projector file is not tested yet (llama4_text is)",
+}
+
+
+def test_every_registry_family_is_export_tested_or_says_why():
+    """A family added to the registry gets a GGUF export test, or an entry above saying why not."""
+    from test_export_moe import MOE
+    from test_export_vision import FAMILIES as VISION
+
+    from export_models import ARCHITECTURES
+    from unsloth.models.patches import FAMILIES, MOE_FAMILIES
+
+    registry = set(FAMILIES) | set(MOE_FAMILIES)
+    tested = set(ARCHITECTURES) | set(LLAMA_CPP_ARCHITECTURES) | set(MOE) | set(VISION)
+    assert registry - tested - set(NOT_EXPORT_TESTED) == set(), "no export test and no reason"
+    assert set(NOT_EXPORT_TESTED) - registry == set() and not tested & set(NOT_EXPORT_TESTED)

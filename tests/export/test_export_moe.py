@@ -10,17 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from export_models import GREEDY_TOKENS, greedy_agreement, make_model, make_tokenizer
+from export_models import GREEDY_TOKENS, MOE_PER_ARCH, TINY, family_tokenizer, greedy_agreement, make_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Shapes on top of export_models' COMMON (hidden 256, 2 layers). The families exported and compared
-# here; llama.cpp's converter also lists OLMoE (its GGUF of the tiny model does not load in
-# llama-cpp-python 0.3.36: the export fails with that message), DeepSeek-V3, GLM-4 MoE and Llama 4
-# (not run yet).
+# Shapes on top of export_models' COMMON (hidden 256, 2 layers), or its tiny MOE_PER_ARCH ones (hidden 64).
 MOE = {
     "gpt_oss": {},
     "qwen3_moe": {},
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    **{arch: {} for arch in MOE_PER_ARCH},
+    # Gemma 4's MoE variant: its dense config with an expert block beside the MLP of every layer
+    "gemma4_text": dict(TINY, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
 }
 
 
@@ -76,7 +76,7 @@ def test_moe_lora_merges_into_a_gguf_with_the_adapted_models_tokens(arch, conver
 
     model, base = moe_lora(arch)
     assert hf_architecture(model.get_base_model()) in converter.architectures, f"{converter.origin} lacks {arch}"
-    tokenizer = make_tokenizer()
+    tokenizer = family_tokenizer(arch)
     result = save_pretrained_gguf(model, tmp_path, tokenizer, "f16")
     report = result.validations["f16"]
     assert report.passed and report.tokenizer_mismatches == [], report.summary()

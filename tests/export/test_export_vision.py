@@ -183,3 +183,26 @@ def test_a_vision_model_llama_cpp_cannot_run_is_refused_before_any_file(tmp_path
     with pytest.raises(ExportError, match="MllamaForConditionalGeneration"):
         save_pretrained_gguf(model, tmp_path / "gguf", processor, "f16")
     assert not (tmp_path / "gguf").exists()
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_merged_save_names_the_weights_as_save_pretrained_does(family, tmp_path):
+    """Vision-language models rename checkpoint keys on load (transformers 4 by a key mapping, 5 by its
+    weight conversions); the merged save writes the names the model's own save_pretrained writes, on
+    either end of the window."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors import safe_open
+    from transformers import AutoModelForImageTextToText
+
+    from unsloth.export.merged import save_pretrained_merged
+    from tiny_vision import build_tokenizer
+
+    model = AutoModelForImageTextToText.from_config(vision_config(family, build_tokenizer(family)))
+    model.save_pretrained(tmp_path / "plain")
+    lora = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    save_pretrained_merged(lora, str(tmp_path / "merged"))
+
+    def names(folder):
+        return {k for f in folder.glob("*.safetensors") for k in safe_open(f, "pt").keys()}
+
+    assert names(tmp_path / "merged") == names(tmp_path / "plain")

@@ -6,26 +6,20 @@ import json
 
 import gguf
 import pytest
-from tokenizers import Regex, pre_tokenizers
+from tokenizers import pre_tokenizers
 
-from export_models import make_model, make_tokenizer
+from export_models import make_model, make_tokenizer, qwen35_split, split_then_bytes
 from unsloth.export import ExportError
 from unsloth.export.vocab import _LLAMA3_SPLIT, _QWEN2_SPLIT, pre_tokenizer_name, token_table
 
 pytestmark = pytest.mark.slow  # exports and runs models through llama.cpp
 
 
-def split_then_bytes(regex: str):
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-
-
 @pytest.mark.parametrize(("pre", "name"), [
     (None, "gpt-2"),
     (split_then_bytes(_LLAMA3_SPLIT), "llama-bpe"),
     (split_then_bytes(_QWEN2_SPLIT), "qwen2"),
+    (split_then_bytes(qwen35_split()), "qwen35"),  # the regex transformers' Qwen3_5Tokenizer sets
 ])
 def test_known_pre_tokenizers_round_trip_through_llama_cpp(tmp_path, pre, name):
     from unsloth.export.gguf import save_pretrained_gguf

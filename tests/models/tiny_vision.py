@@ -60,6 +60,11 @@ _TOKENS = {
 _TOKENS["qwen3_vl"] = _TOKENS["qwen2_5_vl"]
 
 
+def _named(named):
+    """The named extra specials as a keyword (transformers 4 refuses extra_special_tokens=None)."""
+    return {"extra_special_tokens": named} if named else {}
+
+
 def build_tokenizer(family: str, byte_level: bool = False):
     """A word-level tokenizer of t0..t295 and the roles; `byte_level`: a byte-level BPE trained on
     those words instead (what llama.cpp's converter and runtime can read, for the export tests)."""
@@ -76,7 +81,7 @@ def build_tokenizer(family: str, byte_level: bool = False):
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         tok.train_from_iterator([" ".join(words), "\n".join(words)], trainer)
         return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
-                                       extra_special_tokens=named or None, chat_template=template,
+                                       **_named(named), chat_template=template,
                                        padding_side="right")
     vocab = {word: i for i, word in enumerate(words)}
     vocab.update({token: WORDS + i for i, token in enumerate(specials)})
@@ -84,7 +89,7 @@ def build_tokenizer(family: str, byte_level: bool = False):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens(specials)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
-                                   unk_token="t0", extra_special_tokens=named or None, chat_template=template,
+                                   unk_token="t0", **_named(named), chat_template=template,
                                    padding_side="right")
 
 

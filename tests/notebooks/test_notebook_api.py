@@ -229,3 +229,22 @@ def test_unsloth_training_arguments(trl):
     args = UnslothTrainingArguments(output_dir="o", embedding_learning_rate=5e-5, max_seq_length=32)
     assert isinstance(args, trl.SFTConfig) and args.embedding_learning_rate == 5e-5 and args.max_length == 32
     assert issubclass(UnslothTrainer, trl.SFTTrainer) and callable(unsloth_train)
+
+
+def test_generate_drops_token_type_ids_a_model_does_not_take(tmp_path, monkeypatch):
+    """A fast tokenizer whose config names no inputs returns token_type_ids on transformers 4 (and on
+    5 when asked); `model.generate(**inputs)` answers as without them on a Llama, which takes none."""
+    import torch
+
+    from tiny_notebook_models import write_model
+    from unsloth import FastLanguageModel
+
+    monkeypatch.setenv("UNSLOTH_KERNELS", "0")
+    model, tokenizer = FastLanguageModel.from_pretrained(write_model(tmp_path / "llama", "llama"),
+                                                         max_seq_length=64, load_in_4bit=False)
+    FastLanguageModel.for_inference(model)
+    inputs = tokenizer(["Name the capital of France."], return_tensors="pt", return_token_type_ids=True)
+    assert "token_type_ids" in inputs
+    out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    plain = {k: v for k, v in inputs.items() if k != "token_type_ids"}
+    assert torch.equal(out, model.generate(**plain, max_new_tokens=3, do_sample=False))

@@ -105,3 +105,11 @@ def alpaca_rows(n: int = 16):
 def sharegpt_rows(n: int = 16):
     return [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}], "source": "tiny",
              "score": 1.0} for q, a in (QA * 4)[:n]]
+
+
+def transformers_major() -> int:
+    """The major version of the transformers in use (scripts/test runs the notebooks on 4 and on 5)."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).major

@@ -200,15 +200,72 @@ def find_converter(fetch: bool = True) -> LlamaCppConverter:
     return LlamaCppConverter(root, f"llama-cpp-python {version}")
 
 
-def _config_checks(config: Any) -> None:
+def _refuse(problem: str, fix: str) -> None:
+    raise ExportError(problem + "; nothing was written", fix=fix)
+
+
+def _check_qwen3_moe(config: Any) -> None:
     # llama.cpp's qwen3moe graph always renormalizes the top-k expert weights; a config that does
     # not (transformers' default) would convert without error and answer differently.
-    if getattr(config, "model_type", None) == "qwen3_moe" and not getattr(config, "norm_topk_prob", True):
-        raise ExportError(
-            "this Qwen3-MoE config has norm_topk_prob=False, which llama.cpp's qwen3moe graph cannot "
-            "represent (it always renormalizes the chosen experts' weights); nothing was written",
-            fix="export a model trained with norm_topk_prob=True, as the released Qwen3 MoE models are",
-        )
+    if not getattr(config, "norm_topk_prob", True):
+        _refuse("this Qwen3-MoE config has norm_topk_prob=False, which llama.cpp's qwen3moe graph cannot "
+                "represent (it always renormalizes the chosen experts' weights)",
+                fix="export a model trained with norm_topk_prob=True, as the released Qwen3 MoE models are")
+
+
+def _check_olmoe(config: Any) -> None:
+    # llama.cpp's olmoe loader sizes the key norm for every attention head (the released models have
+    # no grouped-query attention); a GQA config writes a file it refuses to load.
+    if config.num_key_value_heads != config.num_attention_heads:
+        _refuse(f"this OLMoE config has {config.num_key_value_heads} key/value heads for "
+                f"{config.num_attention_heads} attention heads; llama.cpp's olmoe loader takes only "
+                "num_key_value_heads == num_attention_heads (its key norm spans every head)",
+                fix="export an OLMoE model without grouped-query attention, as the released OLMoE models "
+                "are; save_pretrained_merged still saves the merged model")
+
+
+def _check_granite_hybrid(config: Any) -> None:
+    # llama.cpp aborts the whole process (an assertion, not an error) loading a file whose experts per
+    # token exceed its expert count, which a dense Granite 4 config with the default top-k would write.
+    if not getattr(config, "num_local_experts", 0) and getattr(config, "num_experts_per_tok", 0):
+        _refuse(f"this Granite 4 config has no experts (num_local_experts=0) but num_experts_per_tok="
+                f"{config.num_experts_per_tok}; llama.cpp aborts loading such a file",
+                fix="set model.config.num_experts_per_tok = 0 (a dense model uses no experts: the released "
+                "dense Granite 4 models say 0) and export again")
+
+
+# What llama.cpp's llama4 graph hard-codes instead of reading it from the file (Llama 4 Scout's and
+# Maverick's values): every 4th layer without RoPE, 8192-token attention chunks, attention
+# temperature tuning from 8192 tokens with scale 0.1.
+_LLAMA4_FIXED = {"attention_chunk_size": 8192, "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1}
+
+
+def _check_llama4(config: Any) -> None:
+    differs = {k: getattr(config, k, v) for k, v in _LLAMA4_FIXED.items() if getattr(config, k, v) != v}
+    layers = config.num_hidden_layers
+    no_rope = [int((i + 1) % 4 != 0) for i in range(layers)]
+    if list(getattr(config, "no_rope_layers", None) or no_rope) != no_rope:
+        differs["no_rope_layers"] = config.no_rope_layers  # 1: RoPE; llama.cpp's: 0 on every 4th layer
+    if differs:
+        _refuse(f"this Llama 4 config sets {differs}, which llama.cpp's llama4 graph cannot represent (it "
+                f"assumes no RoPE on every 4th layer and {_LLAMA4_FIXED}, as the released Llama 4 models have them)",
+                fix="export a model with Llama 4's released attention settings; save_pretrained_merged still "
+                "saves the merged model")
+    if layers < 4:  # no layer without RoPE: llama.cpp aborts the process on its unused temperature input
+        _refuse(f"this Llama 4 config has {layers} layers; llama.cpp's llama4 graph needs at least 4 (every "
+                "4th layer is its attention-temperature layer, and without one it aborts)",
+                fix="export a model of at least 4 layers, as every released Llama 4 is")
+
+
+# Configs llama.cpp's converter would turn into a file that answers differently or does not load.
+_CONFIG_CHECKS = {"qwen3_moe": _check_qwen3_moe, "olmoe": _check_olmoe, "granitemoehybrid": _check_granite_hybrid,
+                  "llama4_text": _check_llama4}
+
+
+def _config_checks(config: Any) -> None:
+    check = _CONFIG_CHECKS.get(getattr(config, "model_type", None))
+    if check is not None:
+        check(config)
 
 
 def require_support(converter: LlamaCppConverter, model: Any) -> str:
@@ -249,10 +306,26 @@ def record_added_tokens(model_dir: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
 
 
+# Layer types under the names the published checkpoints use, for the families whose llama.cpp converter
+# reads only those: transformers 5 renames Granite 4's "attention" / "mamba" on load and saves the new
+# names, which the converter does not know (every layer would become a Mamba layer).
+_PUBLISHED_LAYER_TYPES = {"granitemoehybrid": {"full_attention": "attention", "linear_attention": "mamba"}}
+
+
+def record_published_layer_types(model_dir: Path) -> None:
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    names = _PUBLISHED_LAYER_TYPES.get(config.get("model_type"))
+    if names and config.get("layer_types"):
+        config["layer_types"] = [names.get(kind, kind) for kind in config["layer_types"]]
+        config_path.write_text(json.dumps(config, indent=2), encoding="utf-8")
+
+
 def convert(converter: LlamaCppConverter, model_dir: Path, outfile: Path, outtype: str, mmproj: bool = False) -> None:
     """Run the converter on a saved (merged) model folder, writing ``outfile`` in f32/f16/bf16: the
     language model, or with ``mmproj`` the vision tower and projector (llama.cpp's --mmproj file)."""
     record_added_tokens(model_dir)
+    record_published_layer_types(model_dir)
     command = [sys.executable, "-m", "unsloth.export.llama_cpp_driver", str(converter.root), str(model_dir),
                str(outfile), outtype, *(["mmproj"] if mmproj else [])]
     env = {**os.environ, "NO_LOCAL_GGUF": "1"}  # the driver puts the converter's own gguf-py first itself

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 EXIT_UNSUPPORTED = 3  # the converter has no class for this architecture
@@ -70,10 +72,32 @@ def convert(converter_dir: Path, model_dir: Path, outfile: Path, outtype: str, m
     if getattr(model_class, "supports_mtp_export", False):
         # transformers drops multi-token-prediction heads on load, so a merged save has none (--no-mtp)
         model_class.no_mtp = True
-    with torch.inference_mode():
+    with torch.inference_mode(), _named_missing_tokens(architecture):
         converter = model_class(model_dir, file_type, outfile, model_name=model_dir.name)
         converter.write()
     return 0
+
+
+@contextmanager
+def _named_missing_tokens(architecture: str):
+    """A converter that looks a special token up by name (GLM's set EOS/BOS/EOT from ``<|endoftext|>``,
+    ``<|user|>``, ``[gMASK]``) fails with a bare KeyError on a tokenizer without it: name the token."""
+    try:
+        yield
+    except KeyError as exc:
+        frames = traceback.extract_tb(exc.__traceback__)
+        token = exc.args[0] if exc.args else None
+        if not isinstance(token, str) or not any("vocab" in frame.name for frame in frames):
+            raise
+        from unsloth.export.errors import ExportError
+
+        raise ExportError(
+            f"llama.cpp's converter for {architecture} sets the model's special tokens from the "
+            f"tokenizer's {token!r} token, and this tokenizer has no {token!r}; nothing was written",
+            fix=f"export with the tokenizer the base model ships (AutoTokenizer.from_pretrained on the base "
+            f"checkpoint), which has it; or add it (tokenizer.add_special_tokens({{'additional_special_tokens': "
+            f"[{token!r}]}}), then model.resize_token_embeddings(len(tokenizer)) if the vocab grew)",
+        ) from None
 
 
 def main(argv: list[str]) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 
 import torch
 from torch import nn
@@ -74,11 +75,31 @@ def _checkpoint_layout(base: nn.Module, state: dict[str, torch.Tensor]) -> dict[
     transformers loads some families' experts into packed stacks (Mixtral's per-expert w1 / w2 / w3
     into gate_up_proj / down_proj) and reverts that on save; converters such as llama.cpp's read the
     published layout."""
-    from transformers.core_model_loading import revert_weight_conversion
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: experts load as published; only VLMs' key renames are reverted
+        return _reverted_key_mapping(base, state)
 
     reverted = revert_weight_conversion(base, state)
     # a split stack comes back as views into it; safetensors writes only tensors that own their storage
     return {name: t if t.untyped_storage().nbytes() == t.nbytes else t.clone() for name, t in reverted.items()}
+
+
+def _reverted_key_mapping(base: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 4's layout: a model that renames checkpoint keys on load (its
+    `_checkpoint_conversion_mapping`, a regex -> new prefix map: Qwen2-VL's `^visual` -> `model.visual`)
+    saves them under the checkpoint's names, so each renamed prefix goes back (first match wins)."""
+    renames = getattr(base, "_checkpoint_conversion_mapping", None) or {}
+    # the new name, as loaded, -> the checkpoint's own prefix (its pattern without anchors or look-arounds)
+    back = [(re.compile(re.escape(new)), re.sub(r"\(.*\)", "", old.lstrip("^"))) for old, new in renames.items()]
+    out = {}
+    for name, tensor in state.items():
+        for loaded, published in back:
+            name, done = loaded.subn(published, name, count=1)
+            if done:
+                break
+        out[name] = tensor
+    return out
 
 
 def _tied_copies(base: nn.Module, config) -> list[str]:

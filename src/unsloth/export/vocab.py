@@ -25,10 +25,14 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_SPLIT_PRE = {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2"}
+_QWEN35_SPLIT = (  # Qwen 2's, with combining marks (\p{M}) kept inside words
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_PRE = {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2", _QWEN35_SPLIT: "qwen35"}
 
 _UNSUPPORTED_FIX = (
-    "use a byte-level BPE tokenizer (GPT-2, Llama 3 or Qwen 2 style), or a SentencePiece tokenizer "
+    "use a byte-level BPE tokenizer (GPT-2, Llama 3, Qwen 2 or Qwen 3.5 style), or a SentencePiece tokenizer "
     "loaded with its tokenizer.model (Llama 2, Mistral v0.1-v0.3, Gemma)"
 )
 

@@ -11,6 +11,7 @@ comes first in every notebook.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import types
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from collections.abc import Mapping
 from unsloth.export.merged import save_pretrained_merged
 from unsloth.models import generation
 from unsloth.models.loader import add_lora, is_bfloat16_supported, load_pretrained, model_config
+from unsloth.models.merge import base_model
 from unsloth.models.speech import load_speech_pretrained, speech_model_class
 from unsloth.models.vision import load_vision_pretrained, lora_target_regex
 from unsloth.notebook import hub, vllm_compat
@@ -181,9 +183,12 @@ def _save_lora(model, save_directory, tokenizer=None, **kwargs):
     return save_directory
 
 
-def _generate_accepting_encodings(original):
+def _generate_accepting_encodings(original, model):
     """`generate` that also takes a BatchEncoding (what apply_chat_template returns in transformers 5)
-    where notebooks pass `input_ids`, positionally or by keyword."""
+    where notebooks pass `input_ids`, positionally or by keyword, and drops the `token_type_ids` a
+    tokenizer returns for a model that takes none (transformers 4's fast tokenizers return them unless
+    their config names the inputs; its generate then refuses them for Llama, Qwen, ...), as Unsloth does."""
+    takes_token_types = "token_type_ids" in inspect.signature(base_model(model).forward).parameters
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
@@ -193,6 +198,8 @@ def _generate_accepting_encodings(original):
         ids = kwargs.get("input_ids")
         if isinstance(ids, Mapping) and "input_ids" in ids:
             kwargs = {**kwargs, **dict(ids)}
+        if not takes_token_types:
+            kwargs.pop("token_type_ids", None)
         return original(*args, **kwargs)
 
     return generate
@@ -207,5 +214,5 @@ def _attach(model, tokenizer) -> None:
                          ("push_to_hub_merged", hub.push_to_hub_merged), ("push_to_hub_gguf", hub.push_to_hub_gguf)):
         setattr(model, name, types.MethodType(method, model))
     if not getattr(model.generate, "_unsloth_accepts_encodings", False):
-        model.generate = _generate_accepting_encodings(model.generate)
+        model.generate = _generate_accepting_encodings(model.generate, model)
         model.generate._unsloth_accepts_encodings = True
