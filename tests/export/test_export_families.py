@@ -213,7 +213,6 @@ NOT_EXPORT_TESTED = {
     "csm": "llama.cpp's converter has no Sesame CSM",
     "mistral3": "vision-language: its projector file is not tested yet",
     "qwen3_5": "vision-language: its projector file is not tested yet (qwen3_5_text is)",
-    "gemma4": "vision-language: its projector file is not tested yet (gemma4_text is)",
     "llama4": "vision-language: its projector file is not tested yet (llama4_text is)",
 }
 
