@@ -35,6 +35,16 @@ def test_configs_take_legacy_and_retired_arguments(trl, caplog):
     assert len(warnings) == (1 if retired else 0) and all(name in warnings[0] for name in retired)
 
 
+def test_dataset_kwargs_trl_no_longer_reads_are_dropped_with_one_warning(trl, caplog):
+    # what older notebooks pass; current TRL reads only skip_prepare_dataset from it
+    with caplog.at_level(logging.WARNING, logger="unsloth"):
+        config = trl.SFTConfig(output_dir="o", dataset_kwargs={"add_special_tokens": False, "append_concat_token": False,
+                                                               "skip_prepare_dataset": True})
+    assert config.dataset_kwargs == {"skip_prepare_dataset": True}
+    warnings = [r.getMessage() for r in caplog.records if "dataset_kwargs" in r.getMessage()]
+    assert len(warnings) == 1 and "add_special_tokens" in warnings[0] and "append_concat_token" in warnings[0]
+
+
 def test_unknown_and_doubled_keywords_are_clear_errors(trl):
     from unsloth.training.trl_compat import CompatError
 

@@ -32,6 +32,7 @@ import difflib
 import inspect
 import logging
 import math
+from collections.abc import Mapping
 
 from unsloth.errors import UnslothError
 from unsloth.models import generation
@@ -64,8 +65,13 @@ RETIRED = {
 }
 # Arguments whose meaning is gone: refused with the replacement, never dropped silently.
 REFUSED = {
-    "dataset_kwargs.add_special_tokens": "write the special tokens into the text (or rely on the chat template)",
     "model_init_kwargs": "the model is already loaded; pass its options to FastLanguageModel.from_pretrained",
+}
+# Keys of SFTConfig's `dataset_kwargs` that older TRL read and current TRL ignores (it reads only
+# skip_prepare_dataset): dropped, with one warning that says what happens instead.
+RETIRED_DATASET_KWARGS = {
+    "add_special_tokens": "the tokenizer adds its special tokens once; a BOS the text already starts with is not doubled",
+    "append_concat_token": "packing separates rows by their EOS",
 }
 
 
@@ -115,6 +121,8 @@ def normalize_config_kwargs(cls, kwargs: dict, where: str | None = None) -> dict
                     continue  # warmup_ratio set it; a zero warmup_steps beside it says nothing
                 raise CompatError(f"{where}: warmup_ratio and warmup_steps are both set",
                                   fix="keep one: warmup_steps takes a fraction of the run (0.1) or a step count")
+            if key_now == "dataset_kwargs" and isinstance(value, Mapping):
+                value = _without_retired_dataset_kwargs(value, where)
             out[key_now] = value
         elif key in REFUSED and key not in known:
             raise CompatError(f"{where}: {key!r} is no longer supported", fix=REFUSED[key])
@@ -126,6 +134,14 @@ def normalize_config_kwargs(cls, kwargs: dict, where: str | None = None) -> dict
         log.warning("unsloth: %s: ignoring retired arguments that change nothing here: %s", where,
                     "; ".join(f"{k} ({RETIRED[k]})" for k in dropped))
     return out
+
+
+def _without_retired_dataset_kwargs(value: Mapping, where: str) -> dict:
+    retired = [k for k in value if k in RETIRED_DATASET_KWARGS]
+    if retired:
+        log.warning("unsloth: %s: ignoring dataset_kwargs that TRL no longer reads: %s", where,
+                    "; ".join(f"{k} ({RETIRED_DATASET_KWARGS[k]})" for k in retired))
+    return {k: v for k, v in value.items() if k not in RETIRED_DATASET_KWARGS}
 
 
 # --- precision -----------------------------------------------------------------------------------
