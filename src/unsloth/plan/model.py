@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from unsloth.matrix import Matrix
 from unsloth.platform.facts import Gpu, Platform
@@ -28,8 +28,22 @@ class TorchChoice:
     packages: list[str] = field(default_factory=lambda: ["torch"])
 
 
+_Part = TypeVar("_Part", bound="_FlatJson")
+
+
+class _FlatJson:
+    """A plan part whose JSON is its fields, as they are."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls: type[_Part], data: Mapping[str, Any]) -> _Part:
+        return cls(**data)
+
+
 @dataclass
-class BitsAndBytes:
+class BitsAndBytes(_FlatJson):
     """bitsandbytes (QLoRA's 4-bit kernels), where a build exists for the device."""
 
     source: str  # "pypi" | "none"
@@ -40,16 +54,9 @@ class BitsAndBytes:
     def available(self) -> bool:
         return self.source != "none"
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> BitsAndBytes:
-        return cls(**data)
-
 
 @dataclass
-class LlamaCpp:
+class LlamaCpp(_FlatJson):
     """llama-cpp-python (GGUF chat): a prebuilt wheel from `index_url`, or built with `cmake_args`."""
 
     backend: str  # "cuda" | "hip" | "vulkan" | "metal" | "cpu"
@@ -58,16 +65,9 @@ class LlamaCpp:
     index_url: str | None = None
     cmake_args: str = ""
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> LlamaCpp:
-        return cls(**data)
-
 
 @dataclass
-class Vllm:
+class Vllm(_FlatJson):
     """vLLM (GRPO rollouts for fast_inference=True), in a plan only when `--with vllm` asked for it:
     its PyPI wheel where one exists for this machine, else refused, with the reason."""
 
@@ -80,13 +80,6 @@ class Vllm:
     @property
     def available(self) -> bool:
         return self.source != "none"
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Vllm:
-        return cls(**data)
 
 
 @dataclass
