@@ -462,10 +462,11 @@ def test_the_stop_check_is_deferred_on_cuda_inside_fast_calls_only():
     assert cache._is_user_defined is False
 
 
-@pytest.mark.parametrize("stop_early", [False, True])
-def test_deferred_stop_checks_give_transformers_tokens(monkeypatch, stop_early):
+@pytest.mark.parametrize("stop_early,sample", [(False, False), (True, False), (False, True)],
+                         ids=["greedy", "greedy-eos", "sampled"])
+def test_deferred_stop_checks_give_transformers_tokens(monkeypatch, stop_early, sample):
     """Deferred as on CUDA (the CPU runs in order, so events are no-ops): the same tokens as generate,
-    also when rows stop at EOS and the step past the stop is undone."""
+    also when rows stop at EOS and the step past the stop is undone, and seeded sampling the same."""
     from transformers.generation import utils
 
     class Event:  # the CPU has no events; its work is done when the call returns
@@ -487,10 +488,12 @@ def test_deferred_stop_checks_give_transformers_tokens(monkeypatch, stop_early):
     ids, mask = _prompts()
     plain = _greedy(model, ids, mask, new=8)
     eos = int(plain[0, ids.shape[1] + 2]) if stop_early else None  # row 0 stops after three tokens, row 1 too
-    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    options = dict(max_new_tokens=8, do_sample=sample, top_k=0, pad_token_id=0, eos_token_id=eos)
+    torch.manual_seed(3)
     expected = model.generate(input_ids=ids, attention_mask=mask, **options)
     assert not finished  # transformers' own generate on a CPU: a check per step
     generation.enable(model)
+    torch.manual_seed(3)
     out = model.generate(input_ids=ids, attention_mask=mask, **options)
     assert torch.equal(out, expected)
     assert (out.shape[1] < ids.shape[1] + 8) == stop_early  # every row stopped early: that was seen a step late

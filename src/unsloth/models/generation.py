@@ -19,6 +19,8 @@ reads that flag one step late instead (one extra decode step when rows stop earl
 but transformers turns it on for Apple's "mps" only and never for a cache the caller passed in.
 Inside our calls it decides for CUDA as it decides for "mps" (`_defer_stop_checks`), and our kept
 cache does not count as the caller's (nothing outside reads it back), so the host runs a step ahead.
+The tokens are generate's; only when sampling rows that all stop early does the undone step draw
+random numbers of its own, so the generator's state after the call is one step further on.
 """
 
 from __future__ import annotations
