@@ -48,7 +48,7 @@ _TOKENS = {
                {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
                "<bos>", "<end_of_turn>", "<pad>", _GEMMA.replace("{{ IMAGE }}", "<start_of_image>")),
     "gemma4": (["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>", "<|image>", "<image|>",
-                "<|image|>", "<|video|>", "<|audio>", "<audio|>", "<|audio|>", "<|turn>", "<turn|>"],
+                "<|image|>", "<|video|>", "<|audio>", "<audio|>", "<|audio|>"],
                {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>",
                 # the processor wants its audio tokens even for images (transformers 5.24)
                 "boa_token": "<|audio>", "eoa_token": "<audio|>", "audio_token": "<|audio|>"},

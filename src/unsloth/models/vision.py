@@ -64,7 +64,11 @@ class _TokenizerAttributes:
         tokenizer = self.__dict__.get("tokenizer")
         if name.startswith("__") or tokenizer is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(tokenizer, name)
+        try:
+            return getattr(tokenizer, name)
+        except AttributeError:
+            raise AttributeError(f"{type(self).__name__!r} object (and its tokenizer) has no attribute "
+                                 f"{name!r}") from None
 
     def __reduce_ex__(self, protocol):
         # pickled as its own processor class (pickle finds that one by name), answering again once loaded
@@ -209,8 +213,24 @@ def is_vision_language(model_name: str, **hub) -> bool:
     try:
         config = AutoConfig.from_pretrained(model_name, **hub)
     except Exception:  # noqa: BLE001 - not found, offline, a config transformers rejects: the loader names it
-        return False
+        base = _adapters_base(model_name, **hub)
+        if base is None:
+            return False
+        try:  # a folder of LoRA adapters (model.save_pretrained after get_peft_model): its base model's config
+            config = AutoConfig.from_pretrained(base, **{k: v for k, v in hub.items() if k != "revision"})
+        except Exception:  # noqa: BLE001 - as above
+            return False
     return is_vision_language_config(config)
+
+
+def _adapters_base(model_name: str, **hub) -> str | None:
+    """The base model a folder or hub name of peft adapters names, else None."""
+    try:
+        from peft import PeftConfig
+
+        return PeftConfig.from_pretrained(model_name, **hub).base_model_name_or_path
+    except Exception:  # noqa: BLE001 - no adapters there (or peft missing): not an adapter folder
+        return None
 
 
 def is_vision_language_config(config) -> bool:
