@@ -62,7 +62,7 @@ class _TokenizerAttributes:
 
     def __getattr__(self, name):
         tokenizer = self.__dict__.get("tokenizer")
-        if name.startswith("__") or tokenizer is None:
+        if name.startswith("_") or tokenizer is None:  # private names stay the processor's own
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         try:
             return getattr(tokenizer, name)
@@ -228,7 +228,8 @@ def _adapters_base(model_name: str, **hub) -> str | None:
     try:
         from peft import PeftConfig
 
-        return PeftConfig.from_pretrained(model_name, **hub).base_model_name_or_path
+        where = {k: v for k, v in hub.items() if k in ("token", "revision")}
+        return PeftConfig.from_pretrained(model_name, **where).base_model_name_or_path
     except Exception:  # noqa: BLE001 - no adapters there (or peft missing): not an adapter folder
         return None
 
