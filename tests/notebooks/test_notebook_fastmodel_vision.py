@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_vision import add_audio_tower, build_processor, build_tokenizer, images, save_tiny_vision, vision_config
+from tiny_vision import (VISION_FAMILIES, add_audio_tower, build_processor, build_tokenizer, images, save_tiny_vision,
+                         vision_config)
 
 pytest.importorskip("PIL")
 
@@ -86,6 +87,10 @@ def test_fastmodel_returns_a_processor_for_vision_models_and_a_tokenizer_for_tex
     assert _adapted_parts(peft) == {"language_model"}
     model, _ = _load(tmp_path / "gemma-3-4b-it")
     assert _adapted_parts(FastModel.get_peft_model(model, r=4)) == {"language_model", "vision_tower"}  # as Unsloth
+
+    for family in VISION_FAMILIES:  # Qwen2.5-VL, Qwen3-VL, Llama 3.2 Vision too: read off their configs
+        vision_config(family, build_tokenizer(family)).save_pretrained(tmp_path / "configs" / family)
+        assert is_vision_language(str(tmp_path / "configs" / family)), family
 
     # a causal LM keeps FastLanguageModel's route and its tokenizer; the audio switch is taken and changes nothing
     text = write_model(tmp_path / "Llama-3.2-1B", "llama")
