@@ -160,7 +160,7 @@ def test_fla_is_checked_against_the_plans_hopper_triton_rule(make_plan, part, re
     plan = make_plan("cuda", "cu130", HOPPER, flash_linear_attention=part)
     plan.torch.version_spec = "torch>=2.9,<2.14"
     finding = by_id(probe_findings(run, Platform(gpus=[HOPPER]), plan, without=without))["env-fla"]
-    assert (finding.status, finding.required, finding.title) == (status, False, "flash-linear-attention")
+    assert (finding.status, finding.required, finding.title) == (status, False, "fla kernels")
     assert all(word in finding.message for word in words), finding.message
     if "but not used" in finding.message:
         assert "unsloth update" in finding.fix and "torch>=2.9,<2.14" in finding.fix
@@ -298,6 +298,9 @@ def test_the_probe_on_a_real_gpu():
     assert results["triton"]["ok"] and results["triton"]["mode"] == "cuda:0", results["triton"]
     if importlib.util.find_spec("bitsandbytes") is not None:
         assert results["bitsandbytes"]["ok"], results["bitsandbytes"]
+    if importlib.util.find_spec("fla") is not None:
+        assert results["fla"]["ok"] and results["fla"]["triton"], results["fla"]
+        assert (results["fla"]["capability"] == device["capability"]) is (GPU_BACKEND == "cuda")
     if results["gpu"]["count"] >= 2:
         assert results["multi_gpu"]["ok"] and results["multi_gpu"]["copy_ok"], results["multi_gpu"]
     else:

@@ -23,7 +23,7 @@ TITLES = {
     "matmul": "Matrix multiply",
     "bitsandbytes": "bitsandbytes 4-bit",
     "triton": "Triton kernel",
-    "fla": "flash-linear-attention",
+    "fla": "fla kernels",  # flash-linear-attention
     "llama_cpp": "llama.cpp",
     "multi_gpu": "Several GPUs in torch",
     "vllm": "vLLM",
