@@ -226,11 +226,11 @@ def _build(
                                               prebuilt=False))
         except StepFailed as exc:  # optional: training works without it; doctor says how to add it
             _without_it(console, exc, optional_failed, "llama-cpp")
-    installed = installed_versions(python)
     pins_all = env / "unsloth-pins-all.txt"
-    pins_all.write_text(plan_steps.pins_text(installed, frozenset(installed)), encoding="utf-8")
     fla = plan_steps.fla_step(tool, request, pins_all, plan.flash_linear_attention)
     if fla:
+        installed = installed_versions(python)
+        pins_all.write_text(plan_steps.pins_text(installed, frozenset(installed)), encoding="utf-8")
         try:
             run(fla)
         except StepFailed as exc:  # an accelerator: transformers' torch path runs those layers without it
