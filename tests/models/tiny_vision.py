@@ -58,6 +58,8 @@ _TOKENS = {
                "<|begin_of_text|>", "<|eot_id|>", "<|finetune_right_pad_id|>", _LLAMA),
 }
 _TOKENS["qwen3_vl"] = _TOKENS["qwen2_5_vl"]
+_TOKENS["gemma3n"] = (_TOKENS["gemma3"][0] + ["<start_of_audio>", "<end_of_audio>", "<audio_soft_token>"],
+                      *_TOKENS["gemma3"][1:])
 
 
 def _named(named):
@@ -225,6 +227,47 @@ def save_tiny_vision(family: str, directory) -> str:
     model, processor = tiny_vision_model(family)
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
+    return str(directory)
+
+
+def gemma3n_text_config(tokenizer):
+    """Gemma 3n's language model at toy sizes with each of its parts: AltUp over 2 streams, LAuReL,
+    per-layer inputs, the last 2 of 4 layers reading the KV of earlier ones, and activation sparsity
+    (a top-k MLP) in its first layer."""
+    from transformers import Gemma3nTextConfig
+
+    vocab = len(tokenizer)
+    return Gemma3nTextConfig(
+        **{k: v for k, v in TEXT.items() if k != "num_hidden_layers"}, num_hidden_layers=4, head_dim=16,
+        vocab_size=vocab, vocab_size_per_layer_input=vocab, hidden_size_per_layer_input=8, altup_num_inputs=2,
+        laurel_rank=4, num_kv_shared_layers=2, sliding_window=64, layer_types=["sliding_attention", "full_attention"] * 2,
+        activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+
+
+def gemma3n_config(tokenizer):
+    """The whole Gemma 3n (Gemma3nForConditionalGeneration): the language model above, a tiny audio
+    tower, and the vision tower's config (a timm MobileNetV5: transformers builds it only with timm)."""
+    from transformers import Gemma3nConfig
+
+    boi, eoi, image, boa, eoa, audio = _ids(tokenizer, "<start_of_image>", "<end_of_image>", "<image_soft_token>",
+                                            "<start_of_audio>", "<end_of_audio>", "<audio_soft_token>")
+    return Gemma3nConfig(text_config=gemma3n_text_config(tokenizer).to_dict(),
+                         vision_config=dict(hidden_size=64, vocab_size=8, vocab_offset=len(tokenizer)),
+                         audio_config=dict(hidden_size=32, conf_num_hidden_layers=1, conf_num_attention_heads=2,
+                                           vocab_size=8, vocab_offset=len(tokenizer) + 8),
+                         boi_token_id=boi, eoi_token_id=eoi, image_token_id=image, boa_token_id=boa,
+                         eoa_token_id=eoa, audio_token_id=audio, vision_soft_tokens_per_image=4)
+
+
+def save_tiny_gemma3n_text(directory, seed: int = 0) -> str:
+    """A loadable folder of Gemma 3n's language model alone (Gemma3nForCausalLM) and its tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer("gemma3n")
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(gemma3n_text_config(tokenizer), dtype=torch.float32).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
     return str(directory)
 
 

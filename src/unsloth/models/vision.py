@@ -16,6 +16,8 @@ import re
 
 from torch import nn
 
+from unsloth.errors import UnslothError
+
 log = logging.getLogger("unsloth")
 
 # Where the towers live in transformers' composite models (module path components).
@@ -195,10 +197,16 @@ def lora_target_regex(model: nn.Module, vision: bool, language: bool, attention:
 def load_vision_pretrained(model_name: str, **options):
     """Load a vision-language model and its processor, with our kernels in its language model.
     Returns (model, processor); takes load_pretrained's options (4-bit, dtype, checkpointing...)."""
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     from unsloth.models.loader import load_pretrained
 
+    hub = {k: options[k] for k in ("token", "revision", "trust_remote_code") if options.get(k) is not None}
+    try:
+        check_tower_backends(AutoConfig.from_pretrained(model_name, **hub))
+    except ImportError as error:
+        _refuse_missing_backend(error)
+        raise
     return load_pretrained(model_name, auto_class=AutoModelForImageTextToText, load_tokenizer=load_processor,
                            **options)
 
@@ -212,6 +220,9 @@ def is_vision_language(model_name: str, **hub) -> bool:
 
     try:
         config = AutoConfig.from_pretrained(model_name, **hub)
+    except ImportError as error:  # a tower's library missing (Gemma 3n's timm): say so, not "no such model"
+        _refuse_missing_backend(error)
+        return False
     except Exception:  # noqa: BLE001 - not found, offline, a config transformers rejects: the loader names it
         base = _adapters_base(model_name, **hub)
         if base is None:
@@ -241,3 +252,28 @@ def is_vision_language_config(config) -> bool:
     towers = any(getattr(config, part, None) is not None for part in ("vision_config", "audio_config"))
     remote = AutoModelForImageTextToText.__name__ in (getattr(config, "auto_map", None) or {})
     return towers and (remote or type(config) in AutoModelForImageTextToText._model_mapping)
+
+
+def _timm_missing(model: str) -> UnslothError:
+    return UnslothError(
+        f"{model}'s vision tower is a timm model (Gemma 3n: MobileNetV5), and timm is not installed",
+        "pip install timm, with the torchvision release built for your torch (from the index your torch "
+        "came from: PyPI's CUDA torchvision does not load on a CPU or ROCm torch)")
+
+
+def check_tower_backends(config) -> None:
+    """Refuses a model whose vision tower transformers builds through timm (TimmWrapperModel: Gemma 3n)
+    where timm cannot be imported, before any weight is read."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+    from transformers.utils import is_timm_available
+
+    vision = getattr(config, "vision_config", None)
+    tower = None if vision is None else MODEL_MAPPING.get(type(vision), None)
+    if tower is not None and tower.__name__.startswith("Timm") and not is_timm_available():
+        raise _timm_missing(type(config).__name__.removesuffix("Config"))
+
+
+def _refuse_missing_backend(error: ImportError) -> None:
+    """An ImportError of transformers' that names timm (a config that needs it to be read) as our error."""
+    if "timm" in str(error):
+        raise _timm_missing("This model") from error
