@@ -14,6 +14,7 @@ import os
 import threading
 import types
 from collections import deque
+from collections.abc import MutableMapping
 
 import torch
 from torch import nn
@@ -266,6 +267,13 @@ def _checkpointed_forward(self, hidden_states, *args, **kwargs):
     for name in ("cache", "past_key_values", "past_key_value", "layer_past"):
         if kwargs.get(name) is not None:
             kwargs[name] = None
+    if any(isinstance(a, MutableMapping) for a in (*args, *kwargs.values())):
+        # A side channel the layer writes tensors into for later layers (the KV states Gemma 3n's last
+        # layers share): those need their graph, which the Function's no-grad first pass would cut, and
+        # a later layer reads them from it unseen. torch's non-reentrant checkpoint keeps both right.
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(original, hidden_states, *args, use_reentrant=False, **kwargs)
     returns_tuple = []
     # Arguments that need a gradient (rare: the hidden state and masks do not) are inputs of the
     # Function beside the parameters; the recompute reads them as fresh leaves to get theirs.
