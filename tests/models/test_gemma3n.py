@@ -52,6 +52,49 @@ def test_the_whole_model_is_refused_clearly_where_timm_is_missing(labels_saved, 
     assert "pip install timm" in refused.value.fix and "torchvision" in refused.value.fix
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True, "unsloth"])
+def test_our_patches_and_checkpointing_keep_the_loss_and_gradients(checkpointing, one_thread):
+    """Against the stock model. Checkpointed, the layers that store the KV states the last layers share
+    keep their graph (a no-grad first pass would cut the shared layers' gradients to them)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from tiny_vision import gemma3n_text_config
+    from transformers import AutoModelForCausalLM
+    from unsloth.models.checkpointing import apply_gradient_checkpointing
+    from unsloth.models.patches import patch_model, patch_peft_model
+
+    tokenizer = build_tokenizer("gemma3n")
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(gemma3n_text_config(tokenizer), dtype=torch.float32)
+    patched = copy.deepcopy(reference)
+    report = patch_model(patched)
+    assert report.rms_norm > 0 and report.mlp == 3 and report.loss  # layer 0's top-k MLP stays stock
+    lora = LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    reference, patched = get_peft_model(reference, lora), get_peft_model(patched, copy.deepcopy(lora))
+    patched.load_state_dict(reference.state_dict())
+    patch_peft_model(patched)
+    assert apply_gradient_checkpointing(patched.get_base_model(), checkpointing) == (4 if checkpointing else 0)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, len(tokenizer), (2, 12), generator=g)
+    labels = ids.clone()
+    labels[:, :4] = -100
+    grads = []
+    for model in (reference, patched):
+        model.train()
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (ref_loss, ref_grads), (loss, fast_grads) = grads
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    assert ref_grads.keys() == fast_grads.keys() and ref_grads
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(fast_grads[name], grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
 def _trained_names(model) -> set[str]:
     return {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.requires_grad}
 
@@ -76,7 +119,7 @@ def test_the_language_model_loads_and_the_finetune_switches_pick_its_modules(tmp
 
 
 @pytest.mark.slow
-def test_the_conversational_notebook_trains_and_generates_on_the_language_model(tmp_path, one_thread):
+def test_the_conversational_notebook_trains_and_generates_on_the_language_model(tmp_path, one_thread, monkeypatch):
     """Gemma3N_(4B)-Conversational's cells on the language model: the "gemma-3n" template, SFTTrainer
     on the rendered text, train_on_responses_only, falling loss, then generate from the chat template."""
     from unsloth import FastModel  # first, as in the notebooks: TRL's trainers then take what they pass
@@ -85,6 +128,7 @@ def test_the_conversational_notebook_trains_and_generates_on_the_language_model(
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
+    monkeypatch.setenv("UNSLOTH_KERNELS", "0")  # the cells are under test here; the kernels just above
     model, tokenizer = _load(save_tiny_gemma3n_text(tmp_path / "gemma-3n-text"))
     model = FastModel.get_peft_model(model, finetune_vision_layers=False, finetune_language_layers=True,
                                      finetune_attention_modules=True, finetune_mlp_modules=True, r=8, lora_alpha=8,

@@ -50,6 +50,10 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     # input embeddings go through our checkpoint as layer arguments, softcapping into the fused loss.
     "gemma4_text": ALL,
     "gemma4": ALL,
+    # Gemma 3n: norms and MLPs, less the first layers' activation-sparse (top-k) MLPs, which the probe
+    # leaves stock, as it does the RoPE; AltUp, LAuReL and the per-layer inputs run stock.
+    "gemma3n_text": ALL,
+    "gemma3n": ALL,
     # Llama 3.2 / 3.3 are "llama". Phi-4 (phi3): fused qkv and gate_up projections, the MLP through
     # the fused-layout patch; its partial rotary (Phi-4-mini rotates 3/4 of each head) through our RoPE.
     "phi3": ALL,
