@@ -256,6 +256,23 @@ class _CheckpointedLayer(torch.autograd.Function):
         return (None, None, None, *grads)
 
 
+def _kv_sharing(layers: list[nn.Module]) -> list[bool | None]:
+    """Per layer: whether it writes K/V into the mapping its layers share for later layers that read
+    them, or is one of those readers (Gemma 3n, Gemma 4 E2B / E4B), by transformers' attention flags;
+    None where a layer has no such flags (a mapping passed to it is then an unknown side channel)."""
+    flags = [(getattr(getattr(layer, "self_attn", None), "store_full_length_kv", None),
+              getattr(getattr(layer, "self_attn", None), "is_kv_shared_layer", None)) for layer in layers]
+    readers = any(reads for _, reads in flags)  # Gemma 4 stores K/V even where no layer reads them
+    return [None if stores is None and reads is None else bool(reads or (stores and readers))
+            for stores, reads in flags]
+
+
+def _passes_tensors_between_layers(layer, args, kwargs) -> bool:
+    """A mapping among the layer's arguments that carries tensors between it and other layers."""
+    return layer._unsloth_kv_sharing is not False and any(
+        isinstance(a, MutableMapping) for a in (*args, *kwargs.values()))
+
+
 def _checkpointed_forward(self, hidden_states, *args, **kwargs):
     original = self._unsloth_original_forward
     if not (self.training and torch.is_grad_enabled()):
@@ -267,10 +284,10 @@ def _checkpointed_forward(self, hidden_states, *args, **kwargs):
     for name in ("cache", "past_key_values", "past_key_value", "layer_past"):
         if kwargs.get(name) is not None:
             kwargs[name] = None
-    if any(isinstance(a, MutableMapping) for a in (*args, *kwargs.values())):
-        # A side channel the layer writes tensors into for later layers (the KV states Gemma 3n's last
-        # layers share): those need their graph, which the Function's no-grad first pass would cut, and
-        # a later layer reads them from it unseen. torch's non-reentrant checkpoint keeps both right.
+    if _passes_tensors_between_layers(self, args, kwargs):
+        # The Function's no-grad first pass would cut the graph of what this layer writes into the
+        # mapping, and it does not see what the layer reads from it as an input needing a gradient.
+        # torch's non-reentrant checkpoint keeps both right (not offloaded).
         from torch.utils.checkpoint import checkpoint
 
         return checkpoint(original, hidden_states, *args, use_reentrant=False, **kwargs)
@@ -336,7 +353,7 @@ def apply_gradient_checkpointing(model: nn.Module, mode: bool | str) -> int:
     # One offloader for all layers of the model. Its list of saved inputs is emptied by the next forward's
     # first layer, so the last step's pinned host copies stay allocated until then.
     offloader = _Offloader() if mode == "unsloth" else None
-    for index, layer in enumerate(layers):
+    for index, (layer, sharing) in enumerate(zip(layers, _kv_sharing(layers))):
         if mode is False:
             layer.__dict__.pop("forward", None)
             continue
@@ -344,6 +361,7 @@ def apply_gradient_checkpointing(model: nn.Module, mode: bool | str) -> int:
             layer._unsloth_original_forward = layer.forward
         layer._unsloth_offloader = offloader
         layer._unsloth_layer_index = index
+        layer._unsloth_kv_sharing = sharing
         layer.forward = types.MethodType(_checkpointed_forward, layer)
     if mode is not False:
         # With frozen embeddings nothing upstream requires grad, and the checkpoint would cut the graph.
