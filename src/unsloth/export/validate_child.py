@@ -1,0 +1,169 @@
+"""llama.cpp's side of validation, run in a child process (``python -m unsloth.export.validate_child``).
+
+A file llama.cpp cannot handle can end in an abort (a failed GGML_ASSERT), a crash or a hang inside
+llama.cpp, which in the user's own process would take their Python with it: the notebook kernel
+dies and the trained model in memory is lost. So the exporting process sends the child only data
+(the GGUF's path, token ids, texts) as one JSON request on stdin and reads one JSON answer from
+its stdout; the comparison with transformers stays in the parent (validate.py). The child never
+imports torch or sees the model, and runs llama.cpp on the CPU with the GPUs hidden, so it takes
+no GPU memory beside the parent's model. A child that dies or hangs becomes ValidationCrashed:
+the file, how it died, its last lines of output and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from unsloth.export import runtime
+from unsloth.export.errors import ExportError
+
+COMMAND = [sys.executable, "-m", __name__]  # the child; tests put a program that dies or hangs here
+TIMEOUT_ENV = "UNSLOTH_VALIDATE_TIMEOUT"  # seconds; else TIMEOUT_BASE + TIMEOUT_PER_GIB per GiB checked
+TIMEOUT_BASE, TIMEOUT_PER_GIB = 300.0, 60.0
+TAIL_LINES = 12
+FIX = ("llama-cpp-python here may be older than the file needs: update it (`unsloth install`, or `pip install -U "
+       "llama-cpp-python`) and try the file with `unsloth chat {file}`; if that fails too, please report it (an "
+       "exporter bug for this model); --no-validate (validate_export=False) exports without this check, and "
+       f"{TIMEOUT_ENV}=SECONDS gives a slow machine more time")
+_HOW = {  # what a signal most likely means here
+    "SIGABRT": "an abort inside llama.cpp, such as a failed GGML_ASSERT",
+    "SIGSEGV": "a crash inside llama.cpp",
+    "SIGKILL": "killed from outside, often by the system running out of memory",
+}
+log = logging.getLogger(__name__)
+
+
+class ValidationCrashed(ExportError):
+    """The child running llama.cpp died or hung: nothing is known about the file, which is kept, and
+    the model in this process was never touched."""
+
+    def __init__(self, file: str | Path, how: str, output: str, *, kept: str | None = None):
+        self.file, self.how, self.output = Path(file), how, output
+        self.tail = [line[:300] for line in output.splitlines() if line.strip()][-TAIL_LINES:]
+        said = "" if self.tail else " (it printed nothing)"
+        super().__init__(f"llama.cpp {how} while checking {self.file}{said}", FIX.format(file=self.file),
+                         kept=kept or f"{self.file} is untouched, and so is the model in this process")
+
+    def __str__(self) -> str:  # llama.cpp's last words go under the problem, what was kept and the fix
+        return super().__str__() + ("\n  llama.cpp's last output:" + "".join(f"\n    {line}" for line in self.tail)
+                                    if self.tail else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {**super().to_json(), "output": self.tail}
+
+    def kept_as(self, final: Path) -> ValidationCrashed:
+        """The same error for the file under its final name (the one the user sees), kept there."""
+        return ValidationCrashed(final, self.how, self.output,
+                                 kept=f"{final} is kept as written (not validated); the model in this process is untouched")
+
+
+def timeout_for(*files: str | Path) -> float:
+    if os.environ.get(TIMEOUT_ENV):
+        return float(os.environ[TIMEOUT_ENV])
+    size = sum(Path(f).stat().st_size for f in files if Path(f).is_file())
+    return TIMEOUT_BASE + TIMEOUT_PER_GIB * size / 1024**3
+
+
+def _environment() -> dict[str, str]:
+    import unsloth
+
+    env = dict(os.environ)
+    # the same unsloth as this process, even when it was put on sys.path by hand (a notebook)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(unsloth.__file__).parents[1]), env.get("PYTHONPATH")) if p)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CUDA and HIP: validation runs on the CPU, the GPU stays the model's
+    env.setdefault("GGML_NO_BACKTRACE", "1")  # a failed assert's own line ends the output (no gdb attached)
+    return env
+
+
+def run(request: dict[str, Any], file: str | Path, *, also: tuple[str | Path, ...] = ()) -> dict[str, Any]:
+    """The child's answer to ``request`` about ``file`` (and the files in ``also``, for the timeout).
+    An ExportError inside the child (a file llama.cpp refuses) is raised here as it was there."""
+    timeout = timeout_for(file, *also)
+    try:
+        done = subprocess.run(COMMAND, input=json.dumps(request), capture_output=True, text=True, encoding="utf-8",
+                              errors="replace", timeout=timeout, env=_environment())
+    except subprocess.TimeoutExpired as exc:  # the child is killed and reaped by now
+        output = exc.stderr.decode("utf-8", "replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        raise ValidationCrashed(file, f"gave no answer in {timeout:.0f} s and was stopped", output) from None
+    if done.stderr:
+        log.debug("llama.cpp, checking %s:\n%s", file, done.stderr)
+    if done.returncode < 0:
+        number = -done.returncode
+        name = signal.Signals(number).name if number in signal.valid_signals() else f"signal {number}"
+        meaning = _HOW.get(name)
+        raise ValidationCrashed(file, f"was killed by {name}" + (f" ({meaning})" if meaning else ""), done.stderr)
+    if done.returncode != 0:
+        raise ValidationCrashed(file, f"exited with code {done.returncode}", done.stderr)
+    try:
+        answer = json.loads(done.stdout)
+    except ValueError:
+        raise ValidationCrashed(file, "exited without an answer", done.stderr) from None
+    if "error" in answer:
+        raise ExportError(**answer["error"])
+    return answer
+
+
+# The child's side: each check reads its request and returns plain data.
+
+def _tokens(request: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's top-1 token at each position from ``start`` of each sequence (teacher forcing), and
+    its tokenization of each sample text with the text back from those ids."""
+    llm = runtime.load(request["file"], n_ctx=request["n_ctx"], gpu=False, logits_all=True, verbose=True)
+    try:
+        candidates = [[int(i) for i in runtime.next_token_logits(llm, tokens)[start:].argmax(axis=-1)]
+                      for tokens, start in zip(request["sequences"], request["starts"])]
+        tokenized = []
+        for text in request["samples"]:
+            ids = llm.tokenize(text.encode(), add_bos=True, special=True)
+            tokenized.append([ids, llm.detokenize(ids, special=True).decode("utf-8", errors="replace")])
+    finally:
+        llm.close()
+    return {"candidates": candidates, "tokenized": tokenized}
+
+
+def _image(request: dict[str, Any]) -> dict[str, Any]:
+    """(prompt tokens one image added, reply tokens) of one greedy chat turn with the projector file."""
+    from PIL import Image
+
+    picture = Image.new("RGB", (64, 64))
+    picture.putdata([(4 * (i % 64), 4 * (i // 64), 128) for i in range(64 * 64)])
+    llm = runtime.load(request["file"], n_ctx=1024, gpu=False, mmproj=request["mmproj"], verbose=True)
+    try:
+        def turn(content):
+            out = llm.create_chat_completion([{"role": "user", "content": content}], max_tokens=4, temperature=0.0)
+            return out["usage"]["prompt_tokens"], out["usage"]["completion_tokens"]
+
+        text = [{"type": "text", "text": "What is in this picture?"}]
+        with_image, reply = turn([{"type": "image_url", "image_url": {"url": runtime.image_url(picture)}}, *text])
+        without, _ = turn(text)
+    finally:
+        llm.close()
+    return {"image_tokens": with_image - without, "reply_tokens": reply}
+
+
+CHECKS = {"tokens": _tokens, "image": _image}
+
+
+def main() -> int:
+    answer = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)  # whatever llama.cpp prints goes with its log to stderr; stdout carries only the answer
+    sys.stdout = sys.stderr
+    request = json.load(sys.stdin)
+    try:
+        result = CHECKS[request["check"]](request)
+    except ExportError as exc:
+        result = {"error": {"problem": exc.problem, "fix": exc.fix, "kept": exc.kept}}
+    json.dump(result, answer)
+    answer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
