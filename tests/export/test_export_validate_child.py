@@ -159,3 +159,14 @@ def test_the_child_does_not_load_torch_or_transformers():
                            "print(sorted({'torch', 'transformers'} & set(sys.modules)))"],
                           capture_output=True, text=True, env=validate_child._environment(), timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+def test_one_child_serves_validations_in_turn_and_ends_when_idle(f16, reference, tok, monkeypatch):
+    validate(reference, tok, f16, "f16")
+    child = validate_child._child.process
+    assert validate(reference, tok, f16, "f16").passed and validate_child._child.process is child
+    monkeypatch.setattr(validate_child, "IDLE_SECONDS", 0.1)
+    validate(reference, tok, f16, "f16")
+    assert child.wait(timeout=60) == 0  # closed by the idle timer: its input ended, it exited cleanly
+    assert validate(reference, tok, f16, "f16").passed  # and the next validation starts another
+    assert validate_child._child.process is not child

@@ -3,8 +3,8 @@
 A file llama.cpp cannot handle can end in an abort (a failed GGML_ASSERT), a crash or a hang inside
 llama.cpp, which in the user's own process would take their Python with it: the notebook kernel
 dies and the trained model in memory is lost. So the exporting process sends the child only data
-(the GGUF's path, token ids, texts) as one JSON request on stdin and reads one JSON answer from
-its stdout; the comparison with transformers stays in the parent (validate.py). The child never
+(the GGUF's path, token ids, texts), one JSON line per request on its stdin, and reads one JSON
+line back from its stdout; the comparison with transformers stays in the parent (validate.py). The child never
 imports torch or sees the model, and runs llama.cpp on the CPU with the GPUs hidden, so it takes
 no GPU memory beside the parent's model. A child that dies or hangs becomes ValidationCrashed:
 the file, how it died, its last lines of output and the fix.
@@ -12,12 +12,17 @@ the file, how it died, its last lines of output and the fix.
 
 from __future__ import annotations
 
+import atexit
+import collections
+import contextlib
 import json
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -82,32 +87,116 @@ def _environment() -> dict[str, str]:
     return env
 
 
+class _Child:
+    """One child process answering requests in turn, one JSON line each way; what it prints (llama.cpp's
+    log) is read as it comes, its last lines kept for the error and the rest logged at DEBUG."""
+
+    def __init__(self) -> None:
+        self.command, self.owner = list(COMMAND), os.getpid()
+        self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
+                                        env=_environment())
+        self.answers: queue.Queue[str | None] = queue.Queue()
+        self.output: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.readers = [threading.Thread(target=self._read_answers, daemon=True),
+                        threading.Thread(target=self._read_output, daemon=True)]
+        for reader in self.readers:
+            reader.start()
+
+    def _read_answers(self) -> None:
+        for line in self.process.stdout:
+            self.answers.put(line)
+        self.answers.put(None)  # the child is gone
+
+    def _read_output(self) -> None:
+        for line in self.process.stderr:
+            if line.strip():
+                self.output.append(line.rstrip()[:300])
+                log.debug("llama.cpp: %s", line.rstrip())
+
+    def usable(self) -> bool:
+        return self.process.poll() is None and self.command == COMMAND and self.owner == os.getpid()
+
+    def ask(self, request: dict[str, Any], file: str | Path, timeout: float) -> dict[str, Any]:
+        self.output.clear()
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            line = self.answers.get(timeout=timeout)
+        except OSError:  # it died before reading the request
+            line = None
+        except queue.Empty:
+            self.close(wait=0)
+            raise ValidationCrashed(file, f"gave no answer in {timeout:g} s and was stopped", self._last_words()) from None
+        if line is None:
+            raise ValidationCrashed(file, _ending(self.process.wait()), self._last_words())
+        return json.loads(line)
+
+    def _last_words(self) -> str:
+        self.readers[1].join(timeout=5)  # its stderr ends with it
+        return "\n".join(self.output)
+
+    def close(self, wait: float = 5) -> None:
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()  # the child's loop ends at end of input
+        try:
+            self.process.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _ending(returncode: int) -> str:
+    if returncode < 0:
+        number = -returncode
+        name = signal.Signals(number).name if number in signal.valid_signals() else f"signal {number}"
+        meaning = _HOW.get(name)
+        return f"was killed by {name}" + (f" ({meaning})" if meaning else "")
+    return f"exited with code {returncode}" if returncode else "exited without an answer"
+
+
+# One child serves the validations of this process (its import and llama.cpp's start-up are paid once),
+# closed once idle for IDLE_SECONDS; a new one starts after one dies.
+IDLE_SECONDS = 60.0
+_lock = threading.Lock()
+_child: _Child | None = None
+_idle: threading.Timer | None = None
+
+
 def run(request: dict[str, Any], file: str | Path, *, also: tuple[str | Path, ...] = ()) -> dict[str, Any]:
     """The child's answer to ``request`` about ``file`` (and the files in ``also``, for the timeout).
     An ExportError inside the child (a file llama.cpp refuses) is raised here as it was there."""
+    global _child, _idle
     timeout = timeout_for(file, *also)
-    try:
-        done = subprocess.run(COMMAND, input=json.dumps(request), capture_output=True, text=True, encoding="utf-8",
-                              errors="replace", timeout=timeout, env=_environment())
-    except subprocess.TimeoutExpired as exc:  # the child is killed and reaped by now
-        output = exc.stderr.decode("utf-8", "replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
-        raise ValidationCrashed(file, f"gave no answer in {timeout:.0f} s and was stopped", output) from None
-    if done.stderr:
-        log.debug("llama.cpp, checking %s:\n%s", file, done.stderr)
-    if done.returncode < 0:
-        number = -done.returncode
-        name = signal.Signals(number).name if number in signal.valid_signals() else f"signal {number}"
-        meaning = _HOW.get(name)
-        raise ValidationCrashed(file, f"was killed by {name}" + (f" ({meaning})" if meaning else ""), done.stderr)
-    if done.returncode != 0:
-        raise ValidationCrashed(file, f"exited with code {done.returncode}", done.stderr)
-    try:
-        answer = json.loads(done.stdout)
-    except ValueError:
-        raise ValidationCrashed(file, "exited without an answer", done.stderr) from None
+    with _lock:
+        if _idle is not None:
+            _idle.cancel()
+        if _child is None or not _child.usable():
+            _child = _Child()
+        child = _child
+        try:
+            answer = child.ask(request, file, timeout)
+        except ValidationCrashed:
+            _child = None
+            raise
+        _idle = threading.Timer(IDLE_SECONDS, close)
+        _idle.daemon = True
+        _idle.start()
     if "error" in answer:
         raise ExportError(**answer["error"])
     return answer
+
+
+def close() -> None:
+    """End the idle child, if there is one (it also ends with this process: its input closes)."""
+    global _child
+    with _lock:
+        if _child is not None:
+            _child.close()
+            _child = None
+
+
+atexit.register(close)
 
 
 # The child's side: each check reads its request and returns plain data.
@@ -152,16 +241,17 @@ CHECKS = {"tokens": _tokens, "image": _image}
 
 
 def main() -> int:
-    answer = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)  # whatever llama.cpp prints goes with its log to stderr; stdout carries only the answer
+    answers = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)  # whatever llama.cpp prints goes with its log to stderr; stdout carries only the answers
     sys.stdout = sys.stderr
-    request = json.load(sys.stdin)
-    try:
-        result = CHECKS[request["check"]](request)
-    except ExportError as exc:
-        result = {"error": {"problem": exc.problem, "fix": exc.fix, "kept": exc.kept}}
-    json.dump(result, answer)
-    answer.close()
+    for line in iter(sys.stdin.readline, ""):
+        request = json.loads(line)
+        try:
+            result = CHECKS[request["check"]](request)
+        except ExportError as exc:
+            result = {"error": {"problem": exc.problem, "fix": exc.fix, "kept": exc.kept}}
+        answers.write(json.dumps(result) + "\n")
+        answers.flush()
     return 0
 
 
