@@ -9,6 +9,11 @@ On the H200 (Llama-3.1-8B shapes written by `.anchors/anchor_lora.py --impl make
     python3 bench/bench_generation.py --impl ours [--four-bit]
 On the CPU, the same logic on a tiny random Llama:
     python3 bench/bench_generation.py --impl ours --tiny
+`--sync-every-step` (ours) makes the host wait for every decode step again, as transformers does on
+CUDA: the A/B of our deferred stop check in one call. `--profile` adds `device_ms_per_step`, the GPU's
+kernel time per step from one more call under torch.profiler, beside `wall_ms_per_step`. Unsloth's
+plain `generate` decodes eagerly; `UNSLOTH_DECODE_CUDA_GRAPHS=1` gives it the CUDA-graph step its
+GRPO rollouts use.
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ def arguments(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--four-bit", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama on the CPU (checks the logic)")
+    p.add_argument("--sync-every-step", action="store_true",
+                   help="ours: the host waits for every decode step, as transformers does on CUDA (the A/B of the deferred stop check)")
+    p.add_argument("--profile", action="store_true",
+                   help="one more call under torch.profiler: the GPU's kernel time per decode step beside the wall time")
     args = p.parse_args(argv)
     if args.tiny:
         args.prompt, args.new, args.warmup_new = min(args.prompt, 24), min(args.new, 8), 2
@@ -122,7 +131,9 @@ def measure(model, args, batch: int, device: str) -> dict:
     seconds = time.perf_counter() - start
     new_tokens = out[:, args.prompt:]
     assert new_tokens.shape[1] == args.new, new_tokens.shape
+    profiled = {"device_ms_per_step": device_ms_per_step(generate, args.new)} if args.profile else {}
     return {"impl": args.impl, "batch": batch, "prompt": args.prompt, "new": args.new, "four_bit": args.four_bit,
+            "sync_every_step": args.sync_every_step, "wall_ms_per_step": round(1000 * seconds / args.new, 3), **profiled,
             "tokens_per_s": round(batch * args.new / seconds, 2), "seconds": round(seconds, 3),
             "first_call_s": round(first_s, 2),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
@@ -130,10 +141,27 @@ def measure(model, args, batch: int, device: str) -> dict:
             "tokens_sha": hashlib.sha1(str(new_tokens[0].tolist()).encode()).hexdigest()[:12]}
 
 
+def device_ms_per_step(generate, new: int):
+    """Kernel time on the GPU per decode step (the prefill spread over the steps), from one more call
+    under torch.profiler: far below the wall time per step means the host paces decoding."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return None
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        generate(new)
+    return round(sum(event.self_device_time_total for event in prof.key_averages()) / 1000 / new, 3)
+
+
 def main(argv=None):
     args = arguments(argv)
     if args.impl == "ours" or args.impl == "unsloth":
         import unsloth  # noqa: F401  (before transformers, as notebooks do)
+    if args.sync_every_step and args.impl == "ours":
+        from unsloth.models import generation
+
+        generation.DEFER_DEVICES = set()
     import torch
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"

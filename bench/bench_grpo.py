@@ -10,9 +10,11 @@ word-level tokenizer written beside them (one token each), and `min_new_tokens` 
 completion its full length, so both impls generate and train on the same amount.
 
 JSON lines: {"event": "loaded"} once the model is ready; {"event": "step"} per optimizer step (its
-time, the peak memory so far, the reward and loss TRL logged); then {"event": "summary"}: the median
-step time after the warm-up steps (rollouts + scoring + the update), the peak over the timed steps,
-every step's reward and loss. Killed by SIGTERM (h200.sh's `timeout`), it prints the summary of the
+time, the peak memory so far, the reward and loss TRL logged, and what the step's `generate` calls
+returned: `generate_calls`, `rows` and `generated_tokens`, the new positions of every row, prompt
+excluded, so that both implementations visibly decode the same amount); then {"event": "summary"}:
+the median step time after the warm-up steps (rollouts + scoring + the update), the peak over the
+timed steps, every step's reward, loss and generated tokens. Killed by SIGTERM (h200.sh's `timeout`), it prints the summary of the
 steps it finished, with "partial": true, before it exits.
 
     ROOT=$PWD
@@ -20,6 +22,7 @@ steps it finished, with "partial": true, before it exits.
     PYTHONPATH=/tmp/site:$ROOT/src:$ROOT/kernels:$ROOT/.anchors/site python3 bench/bench_grpo.py --impl ours
     PYTHONPATH=/tmp/site:$ROOT/.anchors/site python3 bench/bench_grpo.py --impl unsloth
     python3 bench/bench_grpo.py --tiny      # the code path on a CPU, a tiny random Llama
+`--sync-every-step` (ours): rollouts wait for every decode step, as before the deferred stop check.
 """
 
 from __future__ import annotations
@@ -44,10 +47,17 @@ p.add_argument("--warmup", type=int, default=1, help="untimed steps first (compi
 p.add_argument("--bf16", action="store_true", help="16-bit weights instead of 4-bit (QLoRA)")
 p.add_argument("--optim", default="adamw_8bit")
 p.add_argument("--tiny", action="store_true", help="a tiny random Llama on the CPU: checks the code path only")
+p.add_argument("--sync-every-step", action="store_true",
+               help="ours: rollouts wait for every decode step, as transformers does on CUDA (A/B of the deferred stop check)")
 args = p.parse_args()
 
 import unsloth  # noqa: E402  (first, as in the notebooks)
 from unsloth import FastLanguageModel  # noqa: E402
+
+if args.sync_every_step and args.impl == "ours":
+    from unsloth.models import generation
+
+    generation.DEFER_DEVICES = set()
 
 import torch  # noqa: E402
 
@@ -92,21 +102,51 @@ class Run:
     """What the steps measured so far; `summary` is the last JSON line, complete or (killed) partial."""
 
     def __init__(self, shape: str):
-        self.shape, self.times, self.logs = shape, [], []
+        self.shape, self.times, self.logs, self.generated = shape, [], [], []
 
     def summary(self, partial: bool = False) -> None:
         timed = self.times[args.warmup:]
         last = self.logs[-1] if self.logs else {}
         emit(event="summary", partial=partial, unsloth=os.path.dirname(unsloth.__file__), shape=self.shape,
+             sync_every_step=args.sync_every_step,
              step_s=round(statistics.median(timed), 3) if timed else None, steps=len(timed),
              first_step_s=round(self.times[0], 2) if self.times else None,
              peak_gib=peak_gib() if timed else None,  # the counter restarts when the timed steps begin
              completion_length=last.get("completions/mean_length"),
              rewards=[log.get("reward") for log in self.logs], losses=[log.get("loss") for log in self.logs],
-             reward=last.get("reward"), loss=last.get("loss"))
+             reward=last.get("reward"), loss=last.get("loss"),
+             generated_tokens=[g["generated_tokens"] for g in self.generated],
+             generate_calls=[g["generate_calls"] for g in self.generated])
 
 
-def step_lines(run: Run):
+class GenerateCounter:
+    """Counts what the trainer's `generate` calls return. Put on the model TRL unwraps for its rollouts
+    (the PEFT model), under whatever each implementation installs there during a rollout."""
+
+    def __init__(self):
+        self.calls = self.rows = self.tokens = 0
+
+    def wrap(self, model) -> None:
+        inner = model.generate
+
+        def generate(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            prompt = kwargs.get("input_ids", args[0] if args else None)
+            sequences = out if torch.is_tensor(out) else out.sequences
+            self.calls += 1
+            self.rows += sequences.shape[0]
+            self.tokens += sequences.shape[0] * (sequences.shape[1] - prompt.shape[1])
+            return out
+
+        model.generate = generate
+
+    def take(self) -> dict:
+        counts = {"generate_calls": self.calls, "rows": self.rows, "generated_tokens": self.tokens}
+        self.calls = self.rows = self.tokens = 0
+        return counts
+
+
+def step_lines(run: Run, counter: GenerateCounter):
     """A Trainer callback printing one JSON line per logged step (logging_steps=1: every step)."""
     from transformers import TrainerCallback
 
@@ -115,10 +155,11 @@ def step_lines(run: Run):
             if not logs or "reward" not in logs:
                 return
             run.logs.append(dict(logs))
+            run.generated.append(counter.take())  # this step's rollouts
             emit(event="step", step=state.global_step, warmup=state.global_step <= args.warmup,
                  step_s=round(run.times[-1], 3) if run.times else None, peak_gib=peak_gib(),
                  reward=logs.get("reward"), reward_std=logs.get("reward_std"), loss=logs.get("loss"),
-                 completion_length=logs.get("completions/mean_length"))
+                 completion_length=logs.get("completions/mean_length"), **run.generated[-1])
 
     return StepLines()
 
@@ -168,10 +209,13 @@ def main() -> None:
         num_generations=args.generations, max_completion_length=args.completion, max_steps=steps,
         generation_kwargs={"min_new_tokens": args.completion}, use_vllm=False, report_to="none",
         save_strategy="no", seed=3407, shuffle_dataset=False, max_grad_norm=0.1,
+        disable_tqdm=True,  # its bar shares stderr with the JSON lines: h200.sh keeps only lines starting with {
         bf16=CUDA and torch.cuda.is_bf16_supported(), fp16=CUDA and not torch.cuda.is_bf16_supported())
+    counter = GenerateCounter()
     # the timer first: a step's line reads its time
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[even_words], args=config,
-                          train_dataset=dataset, callbacks=[step_timer(run.times, args.warmup), step_lines(run)])
+                          train_dataset=dataset, callbacks=[step_timer(run.times, args.warmup), step_lines(run, counter)])
+    counter.wrap(trainer.model)  # after the trainer is built: what TRL's rollouts call
     trainer.train()
     run.summary()
 

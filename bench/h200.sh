@@ -168,8 +168,10 @@ families_call() {  # ours vs Unsloth, QLoRA + bf16, three families, within one d
       path=$PYTHONPATH
       [ "$impl" = unsloth ] && path="/tmp/site:$ROOT/.anchors/site"
       PYTHONPATH=$path timeout "$cap" python3 bench/bench_families.py --family "$family" --layers "$layers" \
-        --shape qlora,bf16 --impl "$impl" --steps "${FAMILY_STEPS:-4}" --warmup 2 2>&1 | grep '^{' \
-        | tee -a "$OUT/families.jsonl"
+        --shape qlora,bf16 --impl "$impl" --steps "${FAMILY_STEPS:-4}" --warmup 2 >"$OUT/family-row.log" 2>&1
+      grep '^{' "$OUT/family-row.log" | tee -a "$OUT/families.jsonl"
+      # the rest of each row's output (where a row that printed nothing spent its time) in one log
+      { echo "== $family $impl"; grep -v '^{' "$OUT/family-row.log" | tail -30; } >>"$OUT/families.log"
       [ "$impl" = make ] || echo "{\"row\": \"$impl\", \"family\": \"$family\", \"cap_s\": $cap, \"elapsed_s\": $(($(date +%s) - start))}" \
         | tee -a "$OUT/families.jsonl"
     done

@@ -295,7 +295,7 @@ def _moe_act_kernel(
 MOE_TUNING: dict[str, tuple[int, ...]] = (
     {"gemm": (16, 32, 32, 4, 1), "skinny": (16, 32, 32, 4, 1), "outer": (16, 32, 16, 4, 1), "act": (16, 32, 4)}
     if INTERPRET else
-    {"gemm": (64, 128, 64, 4, 3), "skinny": (64, 128, 64, 4, 3), "outer": (64, 64, 64, 4, 3), "act": (32, 128, 4)}
+    {"gemm": (128, 128, 64, 8, 4), "skinny": (128, 128, 64, 4, 3), "outer": (64, 64, 64, 4, 3), "act": (16, 256, 4)}
 )  # fmt: skip
 SKINNY_MAX_N = 64  # a grouped GEMM with at most this many output columns uses the "skinny" config
 

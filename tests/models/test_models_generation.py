@@ -442,3 +442,59 @@ def test_transformers_text_streamer_prints_the_fast_paths_text(tmp_path, capsys)
     out = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None,
                          streamer=TextStreamer(tokenizer, skip_prompt=True))
     assert capsys.readouterr().out.split() == tokenizer.decode(out[0, 6:]).split()
+
+
+def test_the_stop_check_is_deferred_on_cuda_inside_fast_calls_only():
+    from transformers.generation.utils import DeferredStopCheck
+
+    assert generation._defer_stop_checks()
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not DeferredStopCheck.is_supported(cuda, None, False, is_assistant=False)  # transformers' own choice
+    generation._CALLS.depth = 1
+    try:
+        assert DeferredStopCheck.is_supported(cuda, None, False, is_assistant=False)
+        assert not DeferredStopCheck.is_supported(cuda, None, False, is_assistant=True)
+        assert not DeferredStopCheck.is_supported(cpu, None, False, is_assistant=False)  # no events on a CPU
+    finally:
+        generation._CALLS.depth = 0
+    cache = generation._new_cache(tiny_model("llama"), generation.BUCKET)
+    cache._is_user_defined = True  # what generate writes on a cache it is passed: ours is not the caller's
+    assert cache._is_user_defined is False
+
+
+@pytest.mark.parametrize("stop_early,sample", [(False, False), (True, False), (False, True)],
+                         ids=["greedy", "greedy-eos", "sampled"])
+def test_deferred_stop_checks_give_transformers_tokens(monkeypatch, stop_early, sample):
+    """Deferred as on CUDA (the CPU runs in order, so events are no-ops): the same tokens as generate,
+    also when rows stop at EOS and the step past the stop is undone, and seeded sampling the same."""
+    from transformers.generation import utils
+
+    class Event:  # the CPU has no events; its work is done when the call returns
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def record(self, *args):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch, "Event", Event)
+    monkeypatch.setattr(generation, "DEFER_DEVICES", {"cuda", "cpu"})
+    finished = []
+    finish = utils.DeferredStopCheck.finish
+    monkeypatch.setattr(utils.DeferredStopCheck, "finish", lambda self: finished.append(finish(self)) or finished[-1])
+    model = tiny_model("llama")
+    ids, mask = _prompts()
+    plain = _greedy(model, ids, mask, new=8)
+    eos = int(plain[0, ids.shape[1] + 2]) if stop_early else None  # row 0 stops after three tokens, row 1 too
+    options = dict(max_new_tokens=8, do_sample=sample, top_k=0, pad_token_id=0, eos_token_id=eos)
+    torch.manual_seed(3)
+    expected = model.generate(input_ids=ids, attention_mask=mask, **options)
+    assert not finished  # transformers' own generate on a CPU: a check per step
+    generation.enable(model)
+    torch.manual_seed(3)
+    out = model.generate(input_ids=ids, attention_mask=mask, **options)
+    assert torch.equal(out, expected)
+    assert (out.shape[1] < ids.shape[1] + 8) == stop_early  # every row stopped early: that was seen a step late
+    assert finished == [1 if stop_early else 0]  # ... and the step past the stop undone

@@ -12,13 +12,24 @@ prompt length or `max_new_tokens` reuses the shapes (and graphs) already compile
 compiling every call. LoRA adapters stay unmerged: the graphs read the very parameters training
 updates in place, so generation always uses the current adapters, with no copy per step.
 `disable(model)` (what `for_training` calls) drops the caches and gives back plain `generate`.
+
+On CUDA transformers' decode loop reads "has every row finished?" back to the host after every
+step, so the host prepares step n + 1 only once the GPU has finished step n. Its `DeferredStopCheck`
+reads that flag one step late instead (one extra decode step when rows stop early, undone after),
+but transformers turns it on for Apple's "mps" only and never for a cache the caller passed in.
+Inside our calls it decides for CUDA as it decides for "mps" (`_defer_stop_checks`), and our kept
+cache does not count as the caller's (nothing outside reads it back), so the host runs a step ahead.
+The tokens are generate's; only when sampling rows that all stop early does the undone step draw
+random numbers of its own, so the generator's state after the call is one step further on.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import logging
+import threading
 from collections.abc import Mapping
 
 import torch
@@ -30,6 +41,9 @@ __all__ = ["BUCKET", "cache_length", "disable", "enable", "enabled"]
 
 BUCKET = 256  # cache lengths are multiples of this: few shapes to compile, at most BUCKET - 1 slots unused
 _MAX_CACHES = 4  # (batch, bucket) caches kept per model; the oldest is dropped first
+# Devices where our calls defer transformers' stop check (the CPU has no events to defer it with).
+DEFER_DEVICES = {"cuda"}
+_CALLS = threading.local()  # .depth: fast_generate calls running on this thread
 
 
 def cache_length(tokens: int, bucket: int = BUCKET) -> int:
@@ -60,6 +74,7 @@ def enable(model):
         return model
     if getattr(backbone, "_unsloth_fast_generation", None) is None:
         backbone._unsloth_fast_generation = {}  # (batch, cache length) -> StaticCache
+    _defer_stop_checks()
     if not getattr(backbone.generate, "_unsloth_fast", False):
         plain = backbone.generate
         fast = functools.wraps(plain)(functools.partial(fast_generate, backbone, plain))
@@ -138,6 +153,7 @@ def fast_generate(backbone, plain, *args, **kwargs):
     was_training = backbone.training
     backbone.eval()  # no dropout in rollouts, as with vLLM; the caller's mode comes back after
     quantizer = _hide_bitsandbytes_4bit(backbone) if not config.disable_compile else None
+    _CALLS.depth = getattr(_CALLS, "depth", 0) + 1
     try:
         return plain(*args, generation_config=config, **{ALL_CACHE_NAMES[0]: cache}, **rest)
     except torch._dynamo.exc.TorchDynamoException as error:
@@ -151,6 +167,7 @@ def fast_generate(backbone, plain, *args, **kwargs):
         config.disable_compile = True
         return plain(*args, generation_config=config, **{ALL_CACHE_NAMES[0]: cache}, **rest)
     finally:
+        _CALLS.depth -= 1
         if quantizer is not None:
             backbone.hf_quantizer = quantizer
         backbone.train(was_training)
@@ -177,6 +194,54 @@ def _hide_bitsandbytes_4bit(backbone):
 
 
 def _new_cache(backbone, length: int):
+    return _kept_cache_class()(config=backbone.config.get_text_config(decoder=True), max_cache_len=length)
+
+
+@functools.cache
+def _kept_cache_class():
     from transformers import StaticCache
 
-    return StaticCache(config=backbone.config.get_text_config(decoder=True), max_cache_len=length)
+    class KeptStaticCache(StaticCache):
+        """A StaticCache we keep between calls and pass to `generate`. transformers marks a passed cache
+        as the caller's (`_is_user_defined`), which it would hand back and so must not step past the
+        stop; ours is reset by the next call and read by no one, so the mark does not stick."""
+
+        _is_user_defined = property(lambda self: False, lambda self, value: None)
+
+    KeptStaticCache.__module__, KeptStaticCache.__qualname__ = __name__, "KeptStaticCache"  # pickles by name
+    return KeptStaticCache
+
+
+def __getattr__(name):  # the cache class is made on first use, so that importing this module stays light
+    if name == "KeptStaticCache":
+        return _kept_cache_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _defer_stop_checks() -> bool:
+    """Make transformers' DeferredStopCheck decide for our calls on DEFER_DEVICES as it decides for
+    "mps" (idempotent). Only where its `is_supported(device, cache, cache_is_returned, is_assistant)`
+    is the static method this was checked against; otherwise nothing changes. Returns whether it is on."""
+    try:
+        from transformers.generation.utils import DeferredStopCheck
+    except ImportError:
+        return False
+    original = DeferredStopCheck.__dict__.get("is_supported")
+    if not isinstance(original, staticmethod):
+        return False
+    decide = original.__func__
+    if getattr(decide, "_unsloth_defers", False):
+        return True
+    if list(inspect.signature(decide).parameters) != ["device", "cache", "cache_is_returned", "is_assistant"]:
+        log.debug("unsloth: transformers' DeferredStopCheck.is_supported changed; the stop check stays per step")
+        return False
+
+    @functools.wraps(decide)
+    def is_supported(device, cache, cache_is_returned, is_assistant=False):
+        if getattr(_CALLS, "depth", 0) and torch.device(device).type in DEFER_DEVICES:
+            device = torch.device("mps")  # transformers' own rule, for the device it already defers on
+        return decide(device, cache, cache_is_returned, is_assistant=is_assistant)
+
+    is_supported._unsloth_defers = True
+    DeferredStopCheck.is_supported = staticmethod(is_supported)
+    return True

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from unsloth.models.kernels import unavailable_reason
+from unsloth.models.patches.delta_rule import route_delta_rule
 from unsloth.models.patches.loss import patch_loss
 from unsloth.models.patches.mlp import patch_mlps
 from unsloth.models.patches.moe import patch_moe_experts
@@ -136,6 +137,7 @@ class PatchReport:
     checkpointed: int | None = None  # decoder layers under our checkpointing; None: not applied yet
     offloaded: bool = False  # checkpointed layers' inputs go to host memory
     embedding: str | None = None  # "host memory", or why the input embedding stays on the GPU
+    delta_rule: tuple[str, bool] | None = None  # Gated DeltaNet layers: what runs them, and if it is fast
     skipped: str | None = None  # why nothing at all is patched (kernels unavailable)
     generic_only: str | None = None  # why the family patches were not applied
 
@@ -156,6 +158,8 @@ class PatchReport:
             parts.append(f"checkpointing on {self.checkpointed} layers" + (" (offloaded)" if self.offloaded else ""))
         if self.embedding == "host memory":
             parts.append("input embedding in host memory")
+        if self.delta_rule and self.delta_rule[1]:
+            parts.append(f"Gated DeltaNet through {self.delta_rule[0]}")
         return parts
 
     def slow(self) -> list[str]:
@@ -174,6 +178,8 @@ class PatchReport:
             parts.append("no checkpointing")
         if self.embedding not in (None, "host memory"):
             parts.append(f"input embedding on the GPU ({self.embedding})")
+        if self.delta_rule and not self.delta_rule[1]:
+            parts.append(f"Gated DeltaNet through {self.delta_rule[0]}")
         return parts
 
     def summary(self) -> str:
@@ -207,6 +213,7 @@ def patch_model(model: nn.Module) -> PatchReport:
     report = PatchReport(family)
     wanted = family_patches(family)
     device, dtype = module_device_dtype(model)
+    report.delta_rule = route_delta_rule(model)  # even unpatched: fla's refusal would stop the first backward
     if unavailable_reason(device) is not None:
         report.skipped = f"kernels off: {unavailable_reason(device)}"
         model._unsloth_patches = report

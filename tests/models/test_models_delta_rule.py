@@ -1,0 +1,103 @@
+"""Gated DeltaNet layers: what runs the gated delta rule is said at load, and where flash-linear-attention
+refuses its gated backward on this GPU (Hopper, Triton >= 3.4, < 3.7.1) the chunked rule goes back to
+transformers' torch path, so training runs instead of stopping at the first backward.
+
+fla is not installed here: a stand-in `fla` package (its flags and a kernel that raises as fla's does)
+goes through transformers' own fallback decorator, so the wrapper we look into is the real one."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from tiny_families import VOCAB, tiny_model
+from unsloth.models.patches import patch_model
+from unsloth.models.patches.delta_rule import FLA, route_delta_rule
+
+modeling = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback  # noqa: E402
+
+REFUSED = "Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results"
+
+
+def _fake_fla(monkeypatch, hopper_with_bad_triton: bool):
+    """An `fla` whose chunk_gated_delta_rule raises as fla's backward does on a bad Triton."""
+    fla = types.ModuleType("fla")
+    flags = types.ModuleType("fla.utils")
+    flags.IS_NVIDIA_HOPPER = hopper_with_bad_triton
+    flags.TRITON_ABOVE_3_4_0 = True
+    flags.TRITON_ABOVE_3_7_1 = not hopper_with_bad_triton
+
+    def chunk_gated_delta_rule(*args, **kwargs):
+        raise RuntimeError(REFUSED)
+
+    fla.chunk_gated_delta_rule = chunk_gated_delta_rule
+    fla.utils = flags
+    monkeypatch.setitem(sys.modules, "fla", fla)
+    monkeypatch.setitem(sys.modules, "fla.utils", flags)
+    return chunk_gated_delta_rule
+
+
+def _wrap_with_fla(monkeypatch, hopper_with_bad_triton: bool):
+    """transformers' Qwen3.5 module as it is when fla was importable at its import: the same
+    decorator over the same torch reference, now resolving to the stand-in fla."""
+    _fake_fla(monkeypatch, hopper_with_bad_triton)
+    reference = modeling.torch_chunk_gated_delta_rule.__wrapped__
+    wrapped = use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")(reference)
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", wrapped)
+    return reference
+
+
+def _loss_backward(model, seed=3):
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed))
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), model.model.layers[0].linear_attn.in_proj_qkv.weight.grad.clone()
+
+
+def test_without_fla_the_load_message_says_the_torch_path_runs():
+    report = patch_model(tiny_model("qwen3_5_text"))
+    assert report.delta_rule == (f"transformers' torch path ({FLA} not installed)", False)
+    assert f"not accelerated: " in report.summary()
+    assert f"Gated DeltaNet through transformers' torch path ({FLA} not installed)" in report.summary()
+
+
+def test_a_model_without_gated_deltanet_says_nothing_about_it():
+    report = patch_model(tiny_model("llama"))
+    assert report.delta_rule is None and "DeltaNet" not in report.summary()
+
+
+def test_fla_that_works_here_is_kept_and_said_fast(monkeypatch):
+    _wrap_with_fla(monkeypatch, hopper_with_bad_triton=False)
+    wrapper = modeling.torch_chunk_gated_delta_rule
+    assert route_delta_rule(tiny_model("qwen3_5_text")) == (FLA, True)
+    assert modeling.torch_chunk_gated_delta_rule is wrapper  # untouched
+    assert f"Gated DeltaNet through {FLA}" in patch_model(tiny_model("qwen3_5_text")).summary().split("; not")[0]
+
+
+def test_fla_refusing_its_backward_here_sends_training_to_the_torch_path(monkeypatch):
+    model = tiny_model("qwen3_5_text")
+    expected = _loss_backward(model)  # transformers' torch path (fla absent at its import)
+
+    _wrap_with_fla(monkeypatch, hopper_with_bad_triton=True)
+    with pytest.raises(RuntimeError, match="Hopper"):  # what a user got: training stops
+        _loss_backward(model)
+
+    what, fast = patch_model(model).delta_rule
+    assert not fast and "Hopper with Triton" in what and "3.7.1" in what
+    loss, grad = _loss_backward(model)  # now runs, with the torch path's numbers
+    torch.testing.assert_close(loss, expected[0])
+    torch.testing.assert_close(grad, expected[1])
+
+
+def test_packed_sequences_on_the_rerouted_rule_are_refused_clearly(monkeypatch):
+    _wrap_with_fla(monkeypatch, hopper_with_bad_triton=True)
+    route_delta_rule(tiny_model("qwen3_5_text"))
+    q = torch.zeros(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="packed sequences .* Hopper"):
+        modeling.torch_chunk_gated_delta_rule(q, q, q, g=torch.zeros(1, 4, 2), beta=torch.zeros(1, 4, 2),
+                                              cu_seqlens=torch.tensor([0, 2, 4]))
