@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 
-from export_models import make_model, make_tokenizer
+from export_models import make_model
 from unsloth.export import ExportError, runtime, validate_child
 from unsloth.export.gguf import save_pretrained_gguf
 from unsloth.export.validate import TOKENIZER_SAMPLES, reference_run, validate
@@ -26,18 +26,13 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return make_tokenizer()
+def reference(model, tokenizer):
+    return reference_run(model, tokenizer)
 
 
 @pytest.fixture(scope="module")
-def reference(model, tok):
-    return reference_run(model, tok)
-
-
-@pytest.fixture(scope="module")
-def f16(model, tok, tmp_path_factory):
-    return save_pretrained_gguf(model, tmp_path_factory.mktemp("gguf"), tok, "f16", validate_export=False).files["f16"]
+def f16(model, tokenizer, tmp_path_factory):
+    return save_pretrained_gguf(model, tmp_path_factory.mktemp("gguf"), tokenizer, "f16", validate_export=False).files["f16"]
 
 
 def duplicate_a_token(path):
@@ -57,23 +52,23 @@ def duplicate_a_token(path):
     reader.data.flush()
 
 
-def test_an_abort_inside_llama_cpp_is_one_clear_error_and_this_process_lives(tmp_path, f16, reference, tok):
+def test_an_abort_inside_llama_cpp_is_one_clear_error_and_this_process_lives(tmp_path, f16, reference, tokenizer):
     bad = tmp_path / "bad.gguf"
     shutil.copy(f16, bad)
     duplicate_a_token(bad)
     before = bad.read_bytes()
     with pytest.raises(ValidationCrashed) as info:
-        validate(reference, tok, bad, "f16")
+        validate(reference, tokenizer, bad, "f16")
     text = str(info.value)
     assert f"llama.cpp was killed by SIGABRT (an abort inside llama.cpp, such as a failed GGML_ASSERT) while checking {bad}" in text
     assert "GGML_ASSERT(id_to_token.size() == token_to_id.size()) failed" in info.value.tail[-1]  # its own line, last
     assert f"unsloth chat {bad}" in info.value.fix and "--no-validate" in info.value.fix
     assert bad.read_bytes() == before
-    assert validate(reference, tok, f16, "f16").passed  # and validation goes on working here
+    assert validate(reference, tokenizer, f16, "f16").passed  # and validation goes on working here
 
 
 @pytest.mark.parametrize("methods", [["f16", "q8_0"], ["q8_0"]])
-def test_an_export_whose_check_dies_keeps_the_file_and_the_model(tmp_path, model, tok, monkeypatch, methods):
+def test_an_export_whose_check_dies_keeps_the_file_and_the_model(tmp_path, model, tokenizer, monkeypatch, methods):
     """The f16 written, then llama.cpp aborts on it: it is kept under its final name (also when it
     was only the reference to quantize from), nothing else is made, and the model is as it was."""
     import unsloth.export.gguf as gguf_export
@@ -87,7 +82,7 @@ def test_an_export_whose_check_dies_keeps_the_file_and_the_model(tmp_path, model
     monkeypatch.setattr(gguf_export, "write_gguf", write_then_damage)
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     with pytest.raises(ValidationCrashed) as info:
-        save_pretrained_gguf(model, tmp_path, tok, methods)
+        save_pretrained_gguf(model, tmp_path, tokenizer, methods)
     kept = tmp_path / "model.F16.gguf"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.F16.gguf"]  # no partial, no q8_0
     assert f"while checking {kept}" in str(info.value) and f"{kept} is kept as written" in str(info.value)
@@ -98,7 +93,7 @@ def _child(monkeypatch, source: str, *args: str) -> None:
     monkeypatch.setattr(validate_child, "COMMAND", [sys.executable, "-c", textwrap.dedent(source), *args])
 
 
-def test_a_child_that_hangs_is_stopped_at_the_timeout(tmp_path, f16, reference, tok, monkeypatch):
+def test_a_child_that_hangs_is_stopped_at_the_timeout(tmp_path, f16, reference, tokenizer, monkeypatch):
     pid_file = tmp_path / "pid"
     _child(monkeypatch, """
         import os, sys, time
@@ -108,37 +103,37 @@ def test_a_child_that_hangs_is_stopped_at_the_timeout(tmp_path, f16, reference, 
         """, str(pid_file))
     monkeypatch.setenv(validate_child.TIMEOUT_ENV, "2")
     with pytest.raises(ValidationCrashed, match=f"llama.cpp gave no answer in 2 s and was stopped while checking {f16}") as info:
-        validate(reference, tok, f16, "f16")
+        validate(reference, tokenizer, f16, "f16")
     assert info.value.tail == ["loading the model"]
     pid = int(pid_file.read_text())
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def test_a_child_that_exits_with_an_error_gives_its_code_and_last_lines(f16, reference, tok, monkeypatch):
+def test_a_child_that_exits_with_an_error_gives_its_code_and_last_lines(f16, reference, tokenizer, monkeypatch):
     _child(monkeypatch, """
         import sys
         sys.stderr.write("".join(f"line {i}\\n" for i in range(30)))
         sys.exit(3)
         """)
     with pytest.raises(ValidationCrashed, match="llama.cpp exited with code 3 while checking") as info:
-        validate(reference, tok, f16, "f16")
+        validate(reference, tokenizer, f16, "f16")
     assert info.value.tail == [f"line {i}" for i in range(30 - validate_child.TAIL_LINES, 30)]
     assert info.value.to_json()["output"] == info.value.tail and "line 29" in str(info.value)
 
 
-def test_a_file_llama_cpp_refuses_gives_the_same_error_as_in_process(tmp_path, f16, reference, tok):
+def test_a_file_llama_cpp_refuses_gives_the_same_error_as_in_process(tmp_path, f16, reference, tokenizer):
     short = tmp_path / "short.gguf"
     short.write_bytes(f16.read_bytes()[: f16.stat().st_size // 2])
     with pytest.raises(ExportError) as here:
         runtime.load(short)
     with pytest.raises(ExportError) as there:
-        validate(reference, tok, short, "f16")
+        validate(reference, tokenizer, short, "f16")
     assert type(there.value) is ExportError
     assert (there.value.problem, there.value.fix, there.value.kept) == (here.value.problem, here.value.fix, here.value.kept)
 
 
-def test_the_child_gives_what_llama_cpp_gives_in_process(f16, reference, tok):
-    report = validate(reference, tok, f16, "f16")
+def test_the_child_gives_what_llama_cpp_gives_in_process(f16, reference, tokenizer):
+    report = validate(reference, tokenizer, f16, "f16")
     n_ctx = max(len(p) + len(t) for p, t in zip(reference.prompts, reference.tokens)) + 8
     llm = runtime.load(f16, n_ctx=n_ctx, gpu=False, logits_all=True)
     try:
@@ -148,7 +143,7 @@ def test_the_child_gives_what_llama_cpp_gives_in_process(f16, reference, tok):
         ids = [llm.tokenize(t.encode(), add_bos=True, special=True) for t in TOKENIZER_SAMPLES]
     finally:
         llm.close()
-    assert ids == [tok(t)["input_ids"] for t in TOKENIZER_SAMPLES] and report.tokenizer_mismatches == []
+    assert ids == [tokenizer(t)["input_ids"] for t in TOKENIZER_SAMPLES] and report.tokenizer_mismatches == []
     assert report.passed and report.identical
 
 
@@ -161,12 +156,48 @@ def test_the_child_does_not_load_torch_or_transformers():
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
 
 
-def test_one_child_serves_validations_in_turn_and_ends_when_idle(f16, reference, tok, monkeypatch):
-    validate(reference, tok, f16, "f16")
+def test_one_child_serves_validations_in_turn_and_ends_when_idle(f16, reference, tokenizer, monkeypatch):
+    validate(reference, tokenizer, f16, "f16")
     child = validate_child._child.process
-    assert validate(reference, tok, f16, "f16").passed and validate_child._child.process is child
+    assert validate(reference, tokenizer, f16, "f16").passed and validate_child._child.process is child
     monkeypatch.setattr(validate_child, "IDLE_SECONDS", 0.1)
-    validate(reference, tok, f16, "f16")
+    validate(reference, tokenizer, f16, "f16")
     assert child.wait(timeout=60) == 0  # closed by the idle timer: its input ended, it exited cleanly
-    assert validate(reference, tok, f16, "f16").passed  # and the next validation starts another
+    assert validate(reference, tokenizer, f16, "f16").passed  # and the next validation starts another
     assert validate_child._child.process is not child
+
+
+def test_ctrl_c_while_the_child_works_stops_it_and_the_next_check_gets_a_new_one(tmp_path, f16, reference, tokenizer,
+                                                                                  monkeypatch):
+    import os
+    import signal
+    import threading
+    import time
+
+    marker = tmp_path / "asked"
+    _child(monkeypatch, """
+        import sys, time
+        sys.stdin.readline()
+        open(sys.argv[1], "w").write("asked")
+        time.sleep(600)
+        """, str(marker))
+
+    def interrupt_once_asked():
+        while not marker.exists():
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_asked, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        validate(reference, tokenizer, f16, "f16")
+    assert validate_child._child is None  # the busy child was stopped, not kept to answer late
+    assert not [p for p in psutil.Process().children() if str(marker) in p.cmdline()]
+    monkeypatch.undo()
+    assert validate(reference, tokenizer, f16, "f16").passed
+
+
+def test_a_bad_timeout_setting_is_refused_before_any_file(tmp_path, model, tokenizer, monkeypatch):
+    monkeypatch.setenv(validate_child.TIMEOUT_ENV, "soon")
+    with pytest.raises(ExportError, match="UNSLOTH_VALIDATE_TIMEOUT='soon' is not a number of seconds"):
+        save_pretrained_gguf(model, tmp_path / "out", tokenizer, "f16")
+    assert not (tmp_path / "out").exists()

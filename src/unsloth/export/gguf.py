@@ -31,7 +31,7 @@ from unsloth.export.modelfile import write_modelfile
 from unsloth.export.quantize import quantize
 from unsloth.export.runtime import MMPROJ_PREFIX, require_llama_cpp
 from unsloth.export.validate import ProjectorCheck, Validation, check_projector, reference_run, validate
-from unsloth.export.validate_child import ValidationCrashed
+from unsloth.export.validate_child import ValidationCrashed, timeout_for as validation_timeout
 from unsloth.export.vocab import uses_sentencepiece
 from unsloth.models.tokenizer_files import sentencepiece_model
 
@@ -87,6 +87,8 @@ def save_pretrained_gguf(
     quantized = [m for m in methods if not m.converted]
     if quantized or validate_export:
         require_llama_cpp()
+    if validate_export:
+        validation_timeout()  # a bad UNSLOTH_VALIDATE_TIMEOUT is refused before any work
 
     reference_method = reference_method_for(methods)
     sources = merged_tensors(model)

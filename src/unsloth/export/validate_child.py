@@ -4,11 +4,10 @@ A file llama.cpp cannot handle can end in an abort (a failed GGML_ASSERT), a cra
 llama.cpp, which in the user's own process would take their Python with it: the notebook kernel
 dies and the trained model in memory is lost. So the exporting process sends the child only data
 (the GGUF's path, token ids, texts), one JSON line per request on its stdin, and reads one JSON
-line back from its stdout; the comparison with transformers stays in the parent (validate.py). The child never
-imports torch or sees the model, and runs llama.cpp on the CPU with the GPUs hidden, so it takes
-no GPU memory beside the parent's model. A child that dies or hangs becomes ValidationCrashed:
-the file, how it died, its last lines of output and the fix.
-"""
+line back from its stdout; the comparison with transformers stays in the parent (validate.py).
+The child never imports torch or sees the model, and runs llama.cpp on the CPU with the GPUs
+hidden, so it takes no GPU memory beside the parent's model. A child that dies or hangs becomes
+ValidationCrashed: the file, how the child ended, its last lines of output and the fix."""
 
 from __future__ import annotations
 
@@ -70,8 +69,18 @@ class ValidationCrashed(ExportError):
 
 
 def timeout_for(*files: str | Path) -> float:
+    """Seconds the child may take over ``files``; with none, just checks the setting (before any work)."""
     if os.environ.get(TIMEOUT_ENV):
-        return float(os.environ[TIMEOUT_ENV])
+        value = os.environ[TIMEOUT_ENV]
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = 0.0
+        if not seconds > 0:
+            raise ExportError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds",
+                              fix=f"set it to the seconds validation may take (e.g. {TIMEOUT_ENV}=3600), or unset it",
+                              kept="nothing was written")
+        return seconds
     size = sum(Path(f).stat().st_size for f in files if Path(f).is_file())
     return TIMEOUT_BASE + TIMEOUT_PER_GIB * size / 1024**3
 
@@ -127,7 +136,7 @@ class _Child:
             line = None
         except queue.Empty:
             self.close(wait=0)
-            raise ValidationCrashed(file, f"gave no answer in {timeout:g} s and was stopped", self._last_words()) from None
+            raise ValidationCrashed(file, f"gave no answer in {round(timeout, 1):g} s and was stopped", self._last_words()) from None
         if line is None:
             raise ValidationCrashed(file, _ending(self.process.wait()), self._last_words())
         return json.loads(line)
@@ -176,8 +185,9 @@ def run(request: dict[str, Any], file: str | Path, *, also: tuple[str | Path, ..
         child = _child
         try:
             answer = child.ask(request, file, timeout)
-        except ValidationCrashed:
+        except BaseException:  # died, hung, or this process was interrupted mid-answer: never asked again
             _child = None
+            child.close(wait=0)
             raise
         _idle = threading.Timer(IDLE_SECONDS, close)
         _idle.daemon = True
@@ -241,6 +251,7 @@ CHECKS = {"tokens": _tokens, "image": _image}
 
 
 def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it ends this child
     answers = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # whatever llama.cpp prints goes with its log to stderr; stdout carries only the answers
     sys.stdout = sys.stderr
