@@ -227,7 +227,7 @@ Usage: powershell -File install.ps1 [options] [-PassThrough @(options for `unslo
   -ExtraIndexUrl URL   another index (UNSLOTH_EXTRA_INDEX_URL)
   -FindLinks DIR       a wheelhouse, for offline installs (UNSLOTH_FIND_LINKS)
   -TorchIndexUrl URL   take PyTorch from this index, e.g. a mirror (UNSLOTH_TORCH_INDEX_URL)
-  -Without PART        leave out llama-cpp, export, bitsandbytes or train (UNSLOTH_WITHOUT)
+  -Without PART        leave out llama-cpp, export, bitsandbytes, fla or train (UNSLOTH_WITHOUT)
   -With PART           add vllm (Linux/WSL with an NVIDIA GPU only: refused here, use WSL) (UNSLOTH_WITH)
   -Pip                 install with pip instead of uv (UNSLOTH_INSTALLER=pip)
   -NoModifyPath        do not add the launcher's folder to the user PATH (UNSLOTH_NO_MODIFY_PATH=1)

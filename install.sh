@@ -46,7 +46,7 @@ Usage: sh install.sh [options] [-- options for `unsloth install`]
       --extra-index-url U another index (UNSLOTH_EXTRA_INDEX_URL)
       --find-links DIR    a wheelhouse, for offline installs (UNSLOTH_FIND_LINKS)
       --torch-index-url U take PyTorch from this index, e.g. a mirror (UNSLOTH_TORCH_INDEX_URL)
-      --without PART      leave out llama-cpp, export, bitsandbytes or train (UNSLOTH_WITHOUT)
+      --without PART      leave out llama-cpp, export, bitsandbytes, fla or train (UNSLOTH_WITHOUT)
       --with PART         add vllm: GRPO rollouts for fast_inference=True, on Linux/WSL with an NVIDIA GPU;
                           it pins the torch its wheel was built for (UNSLOTH_WITH)
       --pip               install with pip instead of uv (UNSLOTH_INSTALLER=pip)

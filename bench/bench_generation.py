@@ -11,7 +11,8 @@ On the CPU, the same logic on a tiny random Llama:
     python3 bench/bench_generation.py --impl ours --tiny
 `--sync-every-step` (ours) makes the host wait for every decode step again, as transformers does on
 CUDA: the A/B of our deferred stop check in one call. `--profile` adds `device_ms_per_step`, the GPU's
-kernel time per step from one more call under torch.profiler, beside `wall_ms_per_step`. Unsloth's
+kernel time per step from one more call under torch.profiler, beside `wall_ms_per_step`, and
+`top_kernels`: the ten kernels with the most time per step (name cut to 80 characters, ms per step). Unsloth's
 plain `generate` decodes eagerly; `UNSLOTH_DECODE_CUDA_GRAPHS=1` gives it the CUDA-graph step its
 GRPO rollouts use.
 """
@@ -131,7 +132,7 @@ def measure(model, args, batch: int, device: str) -> dict:
     seconds = time.perf_counter() - start
     new_tokens = out[:, args.prompt:]
     assert new_tokens.shape[1] == args.new, new_tokens.shape
-    profiled = {"device_ms_per_step": device_ms_per_step(generate, args.new)} if args.profile else {}
+    profiled = device_time(generate, args.new) if args.profile else {}
     return {"impl": args.impl, "batch": batch, "prompt": args.prompt, "new": args.new, "four_bit": args.four_bit,
             "sync_every_step": args.sync_every_step, "wall_ms_per_step": round(1000 * seconds / args.new, 3), **profiled,
             "tokens_per_s": round(batch * args.new / seconds, 2), "seconds": round(seconds, 3),
@@ -141,17 +142,21 @@ def measure(model, args, batch: int, device: str) -> dict:
             "tokens_sha": hashlib.sha1(str(new_tokens[0].tolist()).encode()).hexdigest()[:12]}
 
 
-def device_ms_per_step(generate, new: int):
+def device_time(generate, new: int) -> dict:
     """Kernel time on the GPU per decode step (the prefill spread over the steps), from one more call
-    under torch.profiler: far below the wall time per step means the host paces decoding."""
+    under torch.profiler: far below the wall time per step means the host paces decoding; and the
+    kernels that take it."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
-        return None
+        return {"device_ms_per_step": None, "top_kernels": None}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         generate(new)
-    return round(sum(event.self_device_time_total for event in prof.key_averages()) / 1000 / new, 3)
+    events = sorted(prof.key_averages(), key=lambda event: event.self_device_time_total, reverse=True)
+    per_step = [(event.key[:80], event.self_device_time_total / 1000 / new) for event in events]
+    return {"device_ms_per_step": round(sum(ms for _, ms in per_step), 3),
+            "top_kernels": [[name, round(ms, 3)] for name, ms in per_step[:10]]}
 
 
 def main(argv=None):

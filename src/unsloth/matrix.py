@@ -33,6 +33,8 @@ LEVELS = ("full", "limited", "unsupported")
 VENDORS = ("nvidia", "amd", "intel", "apple", "none")
 BACKENDS = ("cuda", "rocm", "mps", "cpu", "vulkan", "xpu")
 LLAMA_BACKENDS = ("cuda", "hip", "vulkan", "metal", "cpu")
+FLA_BACKENDS = ("cuda", "rocm", "xpu")  # flash-linear-attention's kernels are Triton: GPU backends only
+FLA_NAME = "flash-linear-attention"
 REQUIRED_URLS = ("pytorch", "pypi", "amd", "llama_cpp_wheels", "rocm_install", "rocm_wsl", "nvidia_driver")
 ENV_VAR = "UNSLOTH_MATRIX"
 
@@ -111,6 +113,18 @@ class VllmRow:
 
 
 @dataclass(frozen=True)
+class FlaRow:
+    """flash-linear-attention for one torch backend, and the GPUs on which some Tritons break it."""
+
+    backend: str
+    oses: tuple[str, ...]
+    spec: str  # "flash-linear-attention==0.6.0"
+    source: str
+    broken_sm: tuple[Version, Version] | None = None  # compute capabilities (inclusive) where ...
+    broken_triton: str | None = None  # ... these Tritons give wrong results: ">=3.4.0,<3.7.1"
+
+
+@dataclass(frozen=True)
 class LlamaCppRow:
     backend: str
     oses: tuple[str, ...]
@@ -156,6 +170,8 @@ class Matrix:
     sources: dict[str, str]  # section -> citation, for sections without rows
     xpu_torch: str | None = None  # torch specifier for PyTorch's XPU index (Intel Arc); None: no XPU builds
     vllm: tuple[VllmRow, ...] = ()  # where `--with vllm` can install it; none: refused everywhere
+    flash_linear_attention: tuple[FlaRow, ...] = ()  # where it is installed; none: nowhere
+    torch_triton: dict[Version, Version] = field(default_factory=dict)  # torch release -> the Triton it pins
 
     def family_of(self, arch: str) -> Family | None:
         for family in self.families.values():
@@ -214,6 +230,11 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
     attention_entry = _table(data, "attention", path, *BACKENDS, "source")
     xpu_entry = _table(data, "xpu_wheels", path, "torch", "source") if "xpu_wheels" in data else None
     cuda_indexes = _cuda_indexes(data, path)
+    torch_triton_entry = _table(data, "torch_triton", path, "releases", "source") if "torch_triton" in data else None
+    fla = _flash_linear_attention(data, path, oses)
+    if torch_triton_entry is None and any(row.broken_triton for row in fla):
+        raise MatrixError(f"{path}: a flash_linear_attention row has broken_triton, but there is no [torch_triton] "
+                          "table to tell which Triton the plan's torch brings")
     return Matrix(
         path=path,
         oses=oses,
@@ -232,9 +253,12 @@ def parse_matrix(data: dict[str, Any], path: str = "<matrix>") -> Matrix:
         attention={key: attention_entry.text(key) for key in attention_entry.data if key != "source"},
         fits=_fits(data, path),
         sources={"urls": urls_entry.source(), "amd_wheels": amd_entry.source(), "attention": attention_entry.source(),
-                 **({"xpu_wheels": xpu_entry.source()} if xpu_entry else {})},
+                 **({"xpu_wheels": xpu_entry.source()} if xpu_entry else {}),
+                 **({"torch_triton": torch_triton_entry.source()} if torch_triton_entry else {})},
         xpu_torch=xpu_entry.specifier("torch") if xpu_entry else None,
         vllm=_vllm(data, path, oses, {index.variant for index in cuda_indexes}),
+        flash_linear_attention=fla,
+        torch_triton=_torch_triton(torch_triton_entry) if torch_triton_entry else {},
     )
 
 
@@ -390,6 +414,40 @@ def _vllm(data: dict[str, Any], path: str, oses: tuple[str, ...], variants: set[
             source=entry.source(),
         ))
     return tuple(rows)
+
+
+def _flash_linear_attention(data: dict[str, Any], path: str, oses: tuple[str, ...]) -> tuple[FlaRow, ...]:
+    rows = []
+    for entry in _rows(data, "flash_linear_attention", path, "backend", "os", "spec", "broken_sm", "broken_triton",
+                       "source", required=False):
+        backend = entry.text("backend")
+        if backend not in FLA_BACKENDS:
+            raise entry.error(f"bad backend {backend!r}: its kernels are Triton, which runs on "
+                              f"{', '.join(FLA_BACKENDS)} GPUs only")
+        spec = entry.requirement("spec")
+        if spec.name != FLA_NAME:
+            raise entry.error(f"spec {str(spec)!r} must name {FLA_NAME}")
+        if ("broken_sm" in entry.data) != ("broken_triton" in entry.data):
+            raise entry.error("broken_sm and broken_triton go together: the GPUs, and the Tritons that break it on them")
+        if "broken_sm" in entry.data and backend != "cuda":
+            raise entry.error("broken_sm names NVIDIA compute capabilities: only a 'cuda' row can have it")
+        rows.append(FlaRow(
+            backend=backend,
+            oses=entry.oses(oses),
+            spec=str(spec),
+            source=entry.source(),
+            broken_sm=entry.version_range("broken_sm") if "broken_sm" in entry.data else None,
+            broken_triton=entry.specifier("broken_triton") if "broken_triton" in entry.data else None,
+        ))
+    return tuple(rows)
+
+
+def _torch_triton(entry: _Entry) -> dict[Version, Version]:
+    releases = entry.str_map("releases")
+    if not releases:
+        raise entry.error("'releases' lists no torch release")
+    return {_version(entry, "releases", torch): _version(entry, f"releases.{torch}", triton)
+            for torch, triton in releases.items()}
 
 
 def _fits(data: dict[str, Any], path: str) -> Fits:
@@ -566,6 +624,8 @@ def _rows(data: dict[str, Any], key: str, path: str, *keys: str, required: bool 
 def _label(section: str, number: int, row: dict[str, Any]) -> str:
     """How an error names a row: by its name or variant where it has one, else by position."""
     name = row.get("spec") if section == "vllm" else row.get("name", row.get("variant"))
+    if section == "flash_linear_attention":
+        name = row.get("backend")
     if isinstance(name, str):
         return f"{section} {name!r}"
     family = row.get("family")

@@ -28,6 +28,7 @@ def render(matrix: Matrix) -> str:
         _overrides(matrix),
         _bitsandbytes(matrix),
         _llama_cpp(matrix),
+        _flash_linear_attention(matrix),
         _vllm(matrix),
         _env(matrix),
         _fits(matrix),
@@ -207,6 +208,37 @@ def _llama_cpp(matrix: Matrix) -> str:
             f"| {row.backend} | {', '.join(row.oses)} | {tags} | {archs} "
             f"| `{row.cmake_args or '(none)'}` | {row.source} |"
         )
+    return "\n".join(lines)
+
+
+def _flash_linear_attention(matrix: Matrix) -> str:
+    lines = [
+        "## flash-linear-attention (Qwen3.5's Gated DeltaNet layers)",
+        "",
+        "Its Triton kernels, from the package sources, installed after everything else with everything installed",
+        "pinned; a failed install is not fatal (the receipt's `optional_failed`, a doctor warning), and",
+        "`--without fla` leaves it out. No matching row (CPU, Apple MPS, native Windows, whose PyTorch wheels bring",
+        "no Triton): transformers' torch path runs those layers. On the GPUs of a row's broken compute",
+        "capabilities it is left out when the Triton the plan's torch pins (below) is in the broken range,",
+        "with the reason and the fix in the plan. causal-conv1d is never installed: PyPI has only its source",
+        "(an nvcc build), and transformers' torch path runs the short convolution.",
+        "",
+        "| Backend | OS | Package | Left out on | Source |",
+        "|---|---|---|---|---|",
+    ]
+    for row in matrix.flash_linear_attention:
+        broken = (f"compute capability {row.broken_sm[0]}–{row.broken_sm[1]} with Triton `{row.broken_triton}`"
+                  if row.broken_sm else "—")
+        lines.append(f"| {row.backend} | {', '.join(row.oses)} | `{row.spec}` | {broken} | {row.source} |")
+    if not matrix.flash_linear_attention:
+        lines.append("| — | — | none: not installed anywhere | — | — |")
+    if matrix.torch_triton:
+        releases = sorted(matrix.torch_triton)
+        lines += [
+            "",
+            "The Triton each torch release pins (CUDA builds): the plan reads that of the newest release its torch",
+            "specifier admits. " + ", ".join(f"torch {torch} → {matrix.torch_triton[torch]}" for torch in releases) + ".",
+        ]
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from unsloth.doctor.env_checks import EnvTarget, check_env
 from unsloth.envs.receipt import Receipt, hardware_fingerprint
-from unsloth.plan import BitsAndBytes
+from unsloth.plan import BitsAndBytes, FlashLinearAttention
 from unsloth.platform.facts import Gpu, Platform
 from unsloth.selftest.judge import probe_findings
 from unsloth.selftest.parse import parse_probe_output
@@ -38,6 +38,8 @@ def healthy_gpu_run(arch: str = "sm_89", name: str = "NVIDIA GeForce RTX 4090", 
         "matmul": line("matmul", True, "256x256 matmul on cuda:0, max relative error 3.0e-07", error=3e-7),
         "bitsandbytes": line("bitsandbytes", True, "bitsandbytes 0.50.2 NF4 round trip on cuda:0"),
         "triton": line("triton", True, "Triton 3.6.0 compiled and ran a kernel (cuda:0)"),
+        "fla": line("fla", True, "flash-linear-attention 0.6.0 imports (Triton 3.6.0)", installed=True,
+                    version="0.6.0", triton="3.6.0", capability="8.9"),
         "llama_cpp": line("llama_cpp", True, "llama-cpp-python 0.3.36 (GPU offload: yes)", gpu_offload=True),
         "multi_gpu": line("multi_gpu", None, "1 GPU(s): nothing to connect"),
     }, returncode=0)
@@ -53,7 +55,7 @@ def test_a_healthy_gpu_environment_is_all_ok_and_required(make_plan, rtx4090):
     findings = probe_findings(healthy_gpu_run(), Platform(gpus=[rtx4090]), make_plan("cuda", "cu130", rtx4090))
     assert [f.id for f in findings] == IDS
     assert all(f.status == "ok" for f in findings[:-1]) and findings[-1].status == "skipped"  # one GPU
-    assert [f.required for f in findings] == [True, True, True, True, True, False, False]
+    assert [f.required for f in findings] == [True, True, True, True, True, False, False, False]
 
 
 def test_a_cpu_torch_where_the_plan_wants_cuda(make_plan, rtx4090):
@@ -90,14 +92,14 @@ def test_torch_that_sees_no_gpu_fails_and_one_that_sees_another_arch_warns(make_
 
 def test_a_hang_names_the_check_that_hung_and_the_rest_were_not_reached(make_plan, rtx4090):
     run = healthy_gpu_run()
-    for name in ("matmul", "bitsandbytes", "triton", "llama_cpp", "multi_gpu"):
+    for name in ("matmul", "bitsandbytes", "triton", "fla", "llama_cpp", "multi_gpu"):
         del run.results[name]
     run.timed_out, run.returncode, run.timeout_s, run.stderr = True, None, 60, "stuck in cuLaunchKernel"
     found = by_id(probe_findings(run, Platform(gpus=[rtx4090]), make_plan("cuda", "cu130", rtx4090)))
     hung = found["env-matmul"]
     assert hung.fails and hung.message == "Hung: no answer within 60 s"
     assert "dmesg" in hung.fix and "--timeout 180" in hung.fix and hung.detail == "stuck in cuLaunchKernel"
-    assert [found[i].status for i in IDS[3:]] == ["skipped"] * 4
+    assert [found[i].status for i in IDS[3:]] == ["skipped"] * 5
     assert found["env-torch"].status == "ok"
     run.timeout_s = 0.5  # a short --timeout is named as given, not rounded to "0 s"
     hung = by_id(probe_findings(run, Platform(gpus=[rtx4090]), make_plan("cuda", "cu130", rtx4090)))["env-matmul"]
@@ -126,6 +128,44 @@ def test_optional_parts(make_plan, rtx4090):
                                           gpu_offload=False)
     found = by_id(probe_findings(cpu_llama, Platform(gpus=[rtx4090]), make_plan("cuda", "cu130", rtx4090)))
     assert found["env-llama-cpp"].status == "warning" and "without GPU offload" in found["env-llama-cpp"].message
+
+
+HOPPER = Gpu("nvidia", name="NVIDIA H200", arch="sm_90", family="Hopper", compute_capability="9.0")
+ON_HOPPER = FlashLinearAttention("pypi", "flash-linear-attention==0.6.0", triton="3.7.1", broken_triton=">=3.4.0,<3.7.1")
+LEFT_OUT = FlashLinearAttention("none", note="left out: on NVIDIA H200 its gated backward is wrong with Triton "
+                                ">=3.4.0,<3.7.1, and torch>=2.9,<2.12 pins Triton 3.6.0; ...",
+                                triton="3.6.0", broken_triton=">=3.4.0,<3.7.1")
+NOT_INSTALLED = line("fla", False, "flash-linear-attention is not installed", installed=False)
+
+
+def _fla_line(triton: str) -> dict:
+    return line("fla", True, f"flash-linear-attention 0.6.0 imports (Triton {triton})", installed=True,
+                version="0.6.0", triton=triton, capability="9.0")
+
+
+@pytest.mark.parametrize("part, result, without, status, words", [
+    (ON_HOPPER, _fla_line("3.7.1"), (), "ok", ("0.6.0 imports (Triton 3.7.1)", "use its kernels")),
+    # A Triton the plan did not expect (an older environment, a mirror's older torch): installed, but unused.
+    (ON_HOPPER, _fla_line("3.6.0"), (), "warning", ("but not used", "Triton >=3.4.0,<3.7.1", "torch path")),
+    (ON_HOPPER, _fla_line("3.7.1+git"), (), "ok", ("use its kernels",)),
+    (ON_HOPPER, NOT_INSTALLED, (), "warning", ("not installed", "transformers' slower torch path")),
+    (ON_HOPPER, NOT_INSTALLED, ("fla",), "skipped", ("Left out at install (--without fla)",)),
+    (LEFT_OUT, NOT_INSTALLED, (), "skipped", ("Not in the plan here: left out: on NVIDIA H200",)),
+    (None, NOT_INSTALLED, (), "skipped", ("no flash-linear-attention rows",)),
+    (ON_HOPPER, line("fla", None, "torch did not import"), (), "skipped", ("torch did not import",)),
+])
+def test_fla_is_checked_against_the_plans_hopper_triton_rule(make_plan, part, result, without, status, words):
+    run = healthy_gpu_run("sm_90", "NVIDIA H200")
+    run.results["fla"] = result
+    plan = make_plan("cuda", "cu130", HOPPER, flash_linear_attention=part)
+    plan.torch.version_spec = "torch>=2.9,<2.14"
+    finding = by_id(probe_findings(run, Platform(gpus=[HOPPER]), plan, without=without))["env-fla"]
+    assert (finding.status, finding.required, finding.title) == (status, False, "fla kernels")
+    assert all(word in finding.message for word in words), finding.message
+    if "but not used" in finding.message:
+        assert "unsloth update" in finding.fix and "torch>=2.9,<2.14" in finding.fix
+    if status == "warning" and "not installed" in finding.message:
+        assert finding.fix == "unsloth install --force"
 
 
 def _two_gpu_line(nccl=True, copy_ok=True, peers=(True, True), collective="NCCL"):
@@ -195,6 +235,8 @@ def test_the_probe_in_this_venv_sees_cpu_torch_and_runs_everything_on_the_cpu(ma
     assert results["bitsandbytes"]["ok"] and 0.01 < results["bitsandbytes"]["error"] < 0.2
     assert results["triton"]["ok"] and results["triton"]["mode"] == "interpreter"
     assert results["llama_cpp"]["ok"] is (importlib.util.find_spec("llama_cpp") is not None)
+    if importlib.util.find_spec("fla") is None:
+        assert results["fla"]["ok"] is False and results["fla"]["installed"] is False
     assert results["multi_gpu"]["ok"] is None and "0 GPU(s)" in results["multi_gpu"]["message"]
 
     found = by_id(probe_findings(run, Platform(os="linux"), make_plan()))
@@ -256,6 +298,9 @@ def test_the_probe_on_a_real_gpu():
     assert results["triton"]["ok"] and results["triton"]["mode"] == "cuda:0", results["triton"]
     if importlib.util.find_spec("bitsandbytes") is not None:
         assert results["bitsandbytes"]["ok"], results["bitsandbytes"]
+    if importlib.util.find_spec("fla") is not None:
+        assert results["fla"]["ok"] and results["fla"]["triton"], results["fla"]
+        assert (results["fla"]["capability"] == device["capability"]) is (GPU_BACKEND == "cuda")
     if results["gpu"]["count"] >= 2:
         assert results["multi_gpu"]["ok"] and results["multi_gpu"]["copy_ok"], results["multi_gpu"]
     else:

@@ -88,6 +88,7 @@ def _run(vllm_line: dict | None) -> ProbeRun:
                "matmul": {"check": "matmul", "ok": True, "message": "256x256 matmul on cpu"},
                "bitsandbytes": {"check": "bitsandbytes", "ok": True, "message": "bitsandbytes NF4"},
                "triton": {"check": "triton", "ok": True, "message": "Triton (interpreter)"},
+               "fla": {"check": "fla", "ok": False, "message": "flash-linear-attention is not installed"},
                "llama_cpp": {"check": "llama_cpp", "ok": True, "message": "llama-cpp-python", "gpu_offload": False},
                "multi_gpu": {"check": "multi_gpu", "ok": None, "message": "0 GPU(s): nothing to connect"}}
     if vllm_line is not None:

@@ -7,13 +7,14 @@ from unsloth.envs.steps import (
     Request,
     Tool,
     export_step,
+    fla_step,
     llama_cpp_deps_step,
     llama_cpp_step,
     packages_step,
     pins_text,
     torch_step,
 )
-from unsloth.plan import BitsAndBytes, LlamaCpp
+from unsloth.plan import BitsAndBytes, FlashLinearAttention, LlamaCpp
 
 TOOL = Tool.uv("uv", Path("/e/bin/python"))
 GENERAL = Sources(extra_index_urls=("https://mirror/simple",), find_links=("/w",), constraints=("/c.txt",))
@@ -121,3 +122,17 @@ def test_a_source_build_has_a_build_cache_per_plan():
     prebuilt = llama_cpp_step(TOOL, Request(source="/s"), PINS, EXPORT_REQUIRES,
                               LlamaCpp("cpu", "wheel", index_url="https://wheels/cpu"), cache=CACHE)
     assert prebuilt.env == {}  # a prebuilt wheel is not ours to key
+
+
+def test_fla_comes_from_the_general_sources_with_everything_installed_pinned():
+    pins_all = Path("/e/pins-all.txt")
+    plan = FlashLinearAttention("pypi", "flash-linear-attention==0.6.0")
+    step = fla_step(TOOL, Request(source="/s", sources=GENERAL), pins_all, plan)
+    assert step.name == "fla" and step.argv[-1] == "flash-linear-attention==0.6.0"
+    assert flag_values(step.argv, "--constraint") == ["/c.txt", str(pins_all)]
+    assert flag_values(step.argv, "--extra-index-url") == ["https://mirror/simple"]
+    assert "--index-url" not in step.argv  # no index of its own: the user's configured one and PyPI
+    assert fla_step(TOOL, Request(source="/s", without=("fla",)), pins_all, plan) is None
+    assert fla_step(TOOL, Request(source="/s"), pins_all, FlashLinearAttention("none", note="CPU")) is None
+    assert fla_step(TOOL, Request(source="/s"), pins_all, None) is None  # a matrix without its rows
+

@@ -101,6 +101,7 @@ def world(tmp_path_factory):
         torch_wheel("99.0", "mirror", "12.6"),
         ("bitsandbytes", "0.99.0", "bitsandbytes", marker("bitsandbytes", "mirror")),
         ("llama-cpp-python", "9.9.9", "llama_cpp", marker("llama_cpp", "mirror")),
+        ("flash-linear-attention", "0.6.0", "fla", marker("fla", "mirror")),
     ])
     llama_index = make_index(root / "llama-index", [("llama-cpp-python", "0.3.99", "llama_cpp", marker("llama_cpp", "llama-index"))])
     cpu_only = make_index(root / "cpu-only", [torch_wheel("2.9.0+cpu", "cpu-only", None)])
@@ -140,13 +141,31 @@ def test_each_package_comes_from_the_index_the_plan_names(world, tmp_path, monke
     assert origin_in(env, "torch") == "torch-index"
     assert origin_in(env, "bitsandbytes") == "mirror"
     assert origin_in(env, "llama_cpp") == "llama-index"
+    assert plan.flash_linear_attention.spec == "flash-linear-attention==0.6.0"
+    assert origin_in(env, "fla") == "mirror"  # from the general sources, with the plan's other packages
     receipt = read_receipt(env)
+    assert receipt.packages["flash-linear-attention"] == "0.6.0" and receipt.optional_failed == {}
     assert receipt.packages["torch"] == "2.9.0+cu126"
     assert receipt.packages["llama-cpp-python"] == "0.3.99"
     assert receipt.indexes["torch"] == {"mode": "index", "url": world["torch_index"], "requirements": [plan.torch.version_spec]}
     assert receipt.verified["gpu_seen"] is True and receipt.verified["cuda"] == "12.6"
     torch_log = (env / "logs" / "02-torch.log").read_text().splitlines()[0]
     assert world["torch_index"] in torch_log and world["mirror"] not in torch_log
+
+
+def test_a_failed_fla_install_leaves_it_out_and_the_environment_is_built(world, tmp_path, monkeypatch):
+    """flash-linear-attention is an accelerator (transformers' torch path runs those layers without it):
+    where it cannot install, the build goes on, and the receipt says so for doctor."""
+    plan = gpu_plan(world, world["torch_index"])
+    plan.flash_linear_attention = replace(plan.flash_linear_attention, spec="flash-linear-attention==9.9.9")
+    env = run_build(world, plan, tmp_path / "home", monkeypatch)
+    receipt = read_receipt(env)
+    assert set(receipt.optional_failed) == {"fla"} and "flash-linear-attention" not in receipt.packages
+    assert Path(receipt.optional_failed["fla"]).name.endswith("fla.log")
+    assert Path(receipt.optional_failed["fla"]).is_file()  # its log stays with the environment
+    shown = (tmp_path / "home.screen").read_text()
+    assert "flash-linear-attention (Qwen3.5's linear-attention kernels) failed[/]" not in shown
+    assert "flash-linear-attention (Qwen3.5's linear-attention kernels) failed; continuing without it" in shown
 
 
 def test_a_cpu_torch_on_a_gpu_plan_is_refused_and_nothing_is_left(world, tmp_path, monkeypatch):

@@ -88,7 +88,7 @@ def test_orpo_is_importable_from_trl(trl):
 
 
 @pytest.mark.parametrize("name", ["chatml", "qwen-2.5", "qwen3", "qwen3-instruct", "qwen3-thinking", "llama-3",
-                                  "llama-3.1", "llama-3.2", "gemma-3", "gemma3n", "mistral", "phi-4", "zephyr",
+                                  "llama-3.1", "llama-3.2", "gemma-3", "gemma3n", "gemma-4", "mistral", "phi-4", "zephyr",
                                   "alpaca", "vicuna"])
 def test_every_named_template_renders_a_conversation(name):
     from unsloth.chat_templates import get_chat_template

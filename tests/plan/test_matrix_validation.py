@@ -110,6 +110,48 @@ BAD_ENTRIES = [
         "llama_cpp needs a 'cpu' row for every OS",
     ),
     ('[attention]\ncuda = "sdpa"', '[attention]\ncuda = "sdpa"\nrocm6 = "sdpa"', "attention: unknown key 'rocm6'"),
+    (
+        'backend = "xpu"\nos = ["linux", "windows"]\nspec = "flash-linear-attention',
+        'backend = "mps"\nos = ["linux", "windows"]\nspec = "flash-linear-attention',
+        "flash_linear_attention 'mps': bad backend 'mps': its kernels are Triton, which runs on cuda, rocm, xpu GPUs only",
+    ),
+    (
+        'spec = "flash-linear-attention==0.6.0"\nbroken_sm',
+        'spec = "flash-linear-attentoin==0.6.0"\nbroken_sm',
+        "flash_linear_attention 'cuda': spec 'flash-linear-attentoin==0.6.0' must name flash-linear-attention",
+    ),
+    (
+        'spec = "flash-linear-attention==0.6.0"\nbroken_sm',
+        'spec = "flash-linear-attention=0.6.0"\nbroken_sm',
+        "flash_linear_attention 'cuda': 'spec' 'flash-linear-attention=0.6.0' is not a requirement",
+    ),
+    (
+        'broken_triton = ">=3.4.0,<3.7.1"',
+        'broken_triton = "3.4 to 3.7"',
+        "flash_linear_attention 'cuda': 'broken_triton' '3.4 to 3.7' is not a version specifier",
+    ),
+    (
+        'broken_triton = ">=3.4.0,<3.7.1"\n',
+        "",
+        "flash_linear_attention 'cuda': broken_sm and broken_triton go together",
+    ),
+    (
+        'broken_sm = ["9.0", "9.9"]',
+        'broken_sm = ["9.9", "9.0"]',
+        "flash_linear_attention 'cuda': 'broken_sm' range ['9.9', '9.0'] is reversed",
+    ),
+    (
+        'backend = "rocm"\nos = ["linux", "wsl"]\nspec = "flash-linear-attention==0.6.0"\n',
+        'backend = "rocm"\nos = ["linux", "wsl"]\nspec = "flash-linear-attention==0.6.0"\nbroken_sm = ["9.0", "9.9"]\n'
+        'broken_triton = ">=3.4.0"\n',
+        "flash_linear_attention 'rocm': broken_sm names NVIDIA compute capabilities: only a 'cuda' row can have it",
+    ),
+    ('spec = "flash-linear-attention==0.6.0"\nbroken_sm', 'spec = "flash-linear-attention==0.6.0"\nbroken_gpus = []\nbroken_sm',
+     "flash_linear_attention 'cuda': unknown key 'broken_gpus'"),
+    ('releases = { "2.8.0" = "3.4.0"', 'releases = { "2.8.x" = "3.4.0"', "torch_triton: 'releases' = '2.8.x' is not a version"),
+    ('releases = { "2.8.0" = "3.4.0"', 'releases = { "2.8.0" = 3.4', "torch_triton: 'releases' must be a table of strings"),
+    ("\n[torch_triton]\n", "\n[no_torch_triton]\n",
+     "a flash_linear_attention row has broken_triton, but there is no [torch_triton] table"),
 ]
 
 

@@ -303,6 +303,10 @@ def vllm_row(vllm) -> str:
     return f"{vllm.spec} from the package sources — {vllm.note}" if vllm.available else vllm.note
 
 
+def fla_row(fla) -> str:
+    return f"{fla.spec} — {fla.note}" if fla.available else fla.note
+
+
 def plan_rows(plan) -> dict[str, str]:
     bnb, llama = plan.bitsandbytes, plan.llama_cpp
     how = f"prebuilt from {llama.index_url}" if llama.how == "wheel" else f"source build, CMAKE_ARGS={llama.cmake_args!r}"
@@ -313,6 +317,8 @@ def plan_rows(plan) -> dict[str, str]:
         "torch": f"{plan.torch.backend} ({plan.torch.variant}) {plan.torch.version_spec or 'torch'} from {plan.torch.index_url}",
         "bitsandbytes": (bnb.spec or "none") + (f" — {bnb.note}" if bnb.note else ""),
         "llama.cpp": f"{llama.backend} — {how}",
+        **({"flash-linear-attention": fla_row(plan.flash_linear_attention)}
+           if plan.flash_linear_attention is not None else {}),
         **({"vllm": vllm_row(plan.vllm)} if plan.vllm is not None else {}),  # only when --with vllm asked
         "attention": plan.attention,
         "env": " ".join(f"{k}={v}" for k, v in plan.env.items()) or "-",

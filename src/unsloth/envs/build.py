@@ -225,9 +225,16 @@ def _build(
                 run(plan_steps.llama_cpp_step(tool, request, pins, export_requires, plan.llama_cpp, cache=cache,
                                               prebuilt=False))
         except StepFailed as exc:  # optional: training works without it; doctor says how to add it
-            console.print(f"[yellow]! {escape(exc.step.title)} failed[/]; continuing without it. "
-                          f"Log: {escape(str(exc.log))}\n  {escape(exc.fix)}")
-            optional_failed["llama-cpp"] = str(exc.log)
+            _without_it(console, exc, optional_failed, "llama-cpp")
+    pins_all = env / "unsloth-pins-all.txt"
+    fla = plan_steps.fla_step(tool, request, pins_all, plan.flash_linear_attention)
+    if fla:
+        installed = installed_versions(python)
+        pins_all.write_text(plan_steps.pins_text(installed, frozenset(installed)), encoding="utf-8")
+        try:
+            run(fla)
+        except StepFailed as exc:  # an accelerator: transformers' torch path runs those layers without it
+            _without_it(console, exc, optional_failed, "fla")
 
     probe = _verify(run, python, plan, request, optional_failed, logs)
     if doctor_checks:
@@ -256,6 +263,13 @@ def _build(
     return env
 
 
+def _without_it(console: Console, exc: StepFailed, optional_failed: dict[str, str], part: str) -> None:
+    """An optional part failed: say so, record its log in the receipt, and go on."""
+    console.print(f"[yellow]! {escape(exc.step.title)} failed[/]; continuing without it. "
+                  f"Log: {escape(str(exc.log))}\n  {escape(exc.fix)}")
+    optional_failed[part] = str(exc.log)
+
+
 def _verify(run, python: Path, plan, request: Request, optional_failed: dict[str, str], logs: Path) -> dict[str, Any]:
     required = ["unsloth"] + ([] if "train" in request.without else TRAIN_IMPORTS)
     if plan.bitsandbytes.available and "bitsandbytes" not in request.without:
@@ -264,6 +278,9 @@ def _verify(run, python: Path, plan, request: Request, optional_failed: dict[str
         required.append("llama_cpp")
     if plan.vllm is not None and plan.vllm.available:
         required.append("vllm")
+    fla = plan.flash_linear_attention
+    if fla is not None and fla.available and "fla" not in set(request.without) | set(optional_failed):
+        required.append("fla")
     script = copy_script(logs)
     probe_step = Step("verify", "Verify: imports, the torch build, the GPU",
                       [str(python), str(script), "--backend", plan.torch.backend, "--only", "torch", "--imports", *IMPORTS])
@@ -359,7 +376,8 @@ def has_newer(env: Path, request: Request, plan) -> bool | None:
              plan_steps.packages_step(tool, request, pins, plan.bitsandbytes, plan.vllm),
              plan_steps.export_step(tool, request, pins, export_requires),
              plan_steps.llama_cpp_step(tool, request, pins, export_requires, plan.llama_cpp,
-                                       cache=env.parent.parent / CACHE)]
+                                       cache=env.parent.parent / CACHE),
+             plan_steps.fla_step(tool, request, pins, plan.flash_linear_attention)]
     for step in filter(None, steps):
         argv = [arg for arg in step.argv if arg != "--verbose"]
         if step.name == "packages":

@@ -7,7 +7,10 @@ Order (each later step pins what the earlier ones installed, so nothing replaces
    (PyPI or the configured mirror), torch pinned by a constraints file;
 3. the ``export`` extra but llama-cpp-python;
 4. llama-cpp-python, from the plan's prebuilt wheel index alone (then its dependencies) or built
-   with the plan's CMAKE_ARGS (unless left out), in a build cache of its own per plan (below).
+   with the plan's CMAKE_ARGS (unless left out), in a build cache of its own per plan (below);
+5. flash-linear-attention where the plan has it, from the general sources, with everything installed
+   so far pinned: an accelerator may add itself (and fla-core, einops) but change nothing, so where
+   it does not fit it fails, and the build goes on without it (optional, as llama.cpp).
 
 uv and pip key a wheel they built from an sdist by the sdist alone, not by CMAKE_ARGS: with one cache,
 a llama-cpp-python built for the CPU would be installed again for a CUDA plan. So the source build gets
@@ -27,11 +30,11 @@ from typing import Any
 from packaging.requirements import Requirement
 
 from unsloth.envs.runner import Step
-from unsloth.plan import BitsAndBytes, LlamaCpp, Vllm
+from unsloth.plan import BitsAndBytes, FlashLinearAttention, LlamaCpp, Vllm
 from unsloth.envs.sources import Sources, TorchSource
 
 DIST_NAME = "unsloth-installer"  # ours; PyPI's `unsloth` is another project and is never asked for
-OPTIONAL_PARTS = ("llama-cpp", "export", "bitsandbytes", "train")
+OPTIONAL_PARTS = ("llama-cpp", "export", "bitsandbytes", "fla", "train")  # "fla": flash-linear-attention
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,15 @@ def llama_cpp_deps_step(tool: Tool, request: Request, pins: Path, export_require
         return None
     argv = [*tool.install, *request.sources.args(), "--constraint", str(pins), str(req)]
     return Step("llama-cpp-deps", "llama-cpp-python's dependencies", argv)
+
+
+def fla_step(tool: Tool, request: Request, pins_all: Path, plan_fla: FlashLinearAttention | None) -> Step | None:
+    """flash-linear-attention, where the plan has it and it is not left out (--without fla). ``pins_all``
+    pins every package installed before it (`pins_text` of them all), so it changes none of them."""
+    if plan_fla is None or not plan_fla.available or not plan_fla.spec or "fla" in request.without:
+        return None
+    argv = [*tool.install, *request.sources.args(), "--constraint", str(pins_all), plan_fla.spec]
+    return Step("fla", "flash-linear-attention (Qwen3.5's linear-attention kernels)", argv)
 
 
 def _llama_requirement(request: Request, export_requires: list[str]) -> Requirement | None:

@@ -9,6 +9,7 @@ missing (the slow PIL image processors; videos need torchvision).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import re
@@ -53,6 +54,45 @@ def without_video(processor_class):
         return processor_class
     shim = type("_NoVideo", (_NoVideo, ProcessorMixin), {})
     return type(processor_class.__name__, (processor_class, shim), {"__module__": processor_class.__module__})
+
+
+class _TokenizerAttributes:
+    """Mixed into a processor's class: what the processor lacks, its tokenizer answers (pad_token,
+    eos_token_id, convert_tokens_to_ids, ...), as notebooks that call the processor `tokenizer` expect."""
+
+    def __getattr__(self, name):
+        tokenizer = self.__dict__.get("tokenizer")
+        if name.startswith("_") or tokenizer is None:  # private names stay the processor's own
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        try:
+            return getattr(tokenizer, name)
+        except AttributeError:
+            raise AttributeError(f"{type(self).__name__!r} object (and its tokenizer) has no attribute "
+                                 f"{name!r}") from None
+
+    def __reduce_ex__(self, protocol):
+        # pickled as its own processor class (pickle finds that one by name), answering again once loaded
+        return _answering_again, (type(self).__mro__[1], self.__dict__.copy())
+
+
+def _answering_again(processor_class, state):
+    processor = processor_class.__new__(processor_class)
+    processor.__dict__.update(state)
+    return with_tokenizer_attributes(processor)
+
+
+@functools.cache
+def _answering_for_tokenizer(processor_class):
+    return type(processor_class.__name__, (processor_class, _TokenizerAttributes),
+                {"__module__": processor_class.__module__, "__qualname__": processor_class.__qualname__})
+
+
+def with_tokenizer_attributes(processor):
+    """`processor`, answering for its tokenizer where it has no attribute of its own (same class name,
+    so what it saves loads as before). A processor without a tokenizer is returned as it is."""
+    if getattr(processor, "tokenizer", None) is not None and not isinstance(processor, _TokenizerAttributes):
+        processor.__class__ = _answering_for_tokenizer(type(processor))
+    return processor
 
 
 def _processor_class(model_name: str, **hub):
@@ -164,12 +204,40 @@ def load_vision_pretrained(model_name: str, **options):
 
 
 def is_vision_language(model_name: str, **hub) -> bool:
-    """Whether a folder or hub name holds a vision-language model (its config has a vision tower).
-    False where the config cannot be read here: the text loader then says why."""
+    """Whether a folder or hub name holds a vision-language (or audio-text) model: its config has a
+    vision or an audio tower, and transformers builds it as an image-text-to-text model (Gemma 3 /
+    3n / 4, Qwen-VL, Llama 3.2 Vision, ...). False where the config cannot be read here: the text
+    loader then says why."""
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(model_name, **hub)
     except Exception:  # noqa: BLE001 - not found, offline, a config transformers rejects: the loader names it
-        return False
-    return getattr(config, "vision_config", None) is not None
+        base = _adapters_base(model_name, **hub)
+        if base is None:
+            return False
+        try:  # a folder of LoRA adapters (model.save_pretrained after get_peft_model): its base model's config
+            config = AutoConfig.from_pretrained(base, **{k: v for k, v in hub.items() if k != "revision"})
+        except Exception:  # noqa: BLE001 - as above
+            return False
+    return is_vision_language_config(config)
+
+
+def _adapters_base(model_name: str, **hub) -> str | None:
+    """The base model a folder or hub name of peft adapters names, else None."""
+    try:
+        from peft import PeftConfig
+
+        where = {k: v for k, v in hub.items() if k in ("token", "revision")}
+        return PeftConfig.from_pretrained(model_name, **where).base_model_name_or_path
+    except Exception:  # noqa: BLE001 - no adapters there (or peft missing): not an adapter folder
+        return None
+
+
+def is_vision_language_config(config) -> bool:
+    """A model config with a vision or an audio tower that AutoModelForImageTextToText builds."""
+    from transformers import AutoModelForImageTextToText
+
+    towers = any(getattr(config, part, None) is not None for part in ("vision_config", "audio_config"))
+    remote = AutoModelForImageTextToText.__name__ in (getattr(config, "auto_map", None) or {})
+    return towers and (remote or type(config) in AutoModelForImageTextToText._model_mapping)

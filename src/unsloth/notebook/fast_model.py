@@ -21,7 +21,8 @@ from unsloth.models import generation
 from unsloth.models.loader import add_lora, is_bfloat16_supported, load_pretrained, model_config
 from unsloth.models.merge import base_model
 from unsloth.models.speech import load_speech_pretrained, speech_model_class
-from unsloth.models.vision import load_vision_pretrained, lora_target_regex
+from unsloth.models.vision import (is_vision_language, is_vision_language_config, load_vision_pretrained,
+                                   lora_target_regex, with_tokenizer_attributes)
 from unsloth.notebook import hub, vllm_compat
 from unsloth.training import trl_compat
 
@@ -53,7 +54,10 @@ class FastLanguageModel:
     @staticmethod
     @functools.wraps(add_lora)
     def get_peft_model(model, *args, finetune_vision_layers: bool = False, finetune_language_layers: bool = True,
-                       finetune_attention_modules: bool = True, finetune_mlp_modules: bool = True, **kwargs):
+                       finetune_attention_modules: bool = True, finetune_mlp_modules: bool = True,
+                       finetune_audio_layers: bool = False, **kwargs):
+        if finetune_audio_layers:
+            log.info("unsloth: finetune_audio_layers: this model has no audio tower; its language layers are trained")
         kwargs["target_modules"] = lora_targets(model, kwargs.get("target_modules"), finetune_language_layers,
                                                 finetune_attention_modules, finetune_mlp_modules,
                                                 finetune_vision_layers)
@@ -78,20 +82,41 @@ class FastLanguageModel:
 
 
 class FastModel(FastLanguageModel):
-    """The general loader's name in Unsloth's API: causal LMs as FastLanguageModel loads them, and a
-    model of the transformers class `auto_model` names (Sesame CSM: CsmForConditionalGeneration; a
-    text-to-speech checkpoint that is no causal LM gets its class found) with its processor.
-    Vision-language models: FastVisionModel."""
+    """Unsloth's general loader: it loads a checkpoint as what it is.
+
+    - A vision-language or audio-text model (its config has a vision or an audio tower and transformers
+      builds it as image-text-to-text: Gemma 3 / 3n / 4, Qwen-VL, Llama 3.2 Vision): FastVisionModel's
+      loader, returning (model, processor).
+    - A text-to-speech model that is no causal LM (Sesame CSM), or the transformers class `auto_model`
+      names: that class with its processor.
+    - Anything else (causal LMs, Orpheus-style TTS): FastLanguageModel's loader, (model, tokenizer).
+
+    get_peft_model, for_inference and for_training are FastVisionModel's on a vision-language model and
+    FastLanguageModel's otherwise."""
 
     @staticmethod
     def from_pretrained(model_name: str = "unsloth/Llama-3.2-1B-Instruct", *args, auto_model=None, **kwargs):
         hub = {k: kwargs[k] for k in ("token", "revision", "trust_remote_code") if kwargs.get(k) is not None}
+        if auto_model is None and is_vision_language(model_name, **hub):
+            return FastVisionModel.from_pretrained(model_name, *args, **kwargs)
         auto_model = auto_model or speech_model_class(model_name, **hub)
         if auto_model is None:
             return FastLanguageModel.from_pretrained(model_name, *args, **kwargs)
         model, processor = load_speech_pretrained(model_name, auto_model, *args, **kwargs)
         _attach(model, processor)
         return model, processor
+
+    @staticmethod
+    def get_peft_model(model, *args, **kwargs):
+        return _loader_of(model).get_peft_model(model, *args, **kwargs)
+
+    @staticmethod
+    def for_inference(model):
+        return _loader_of(model).for_inference(model)
+
+    @staticmethod
+    def for_training(model, use_gradient_checkpointing: bool | str = True):
+        return _loader_of(model).for_training(model, use_gradient_checkpointing)
 
 
 class FastVisionModel(FastLanguageModel):
@@ -102,6 +127,7 @@ class FastVisionModel(FastLanguageModel):
     @functools.wraps(load_vision_pretrained)
     def from_pretrained(model_name: str = "unsloth/Qwen2.5-VL-7B-Instruct", *args, **kwargs):
         model, processor = load_vision_pretrained(model_name, *args, **kwargs)
+        processor = with_tokenizer_attributes(processor)
         _attach(model, processor)
         return model, processor
 
@@ -128,6 +154,11 @@ class FastVisionModel(FastLanguageModel):
         model.eval()
         model_config(model).use_cache = True
         return model
+
+
+def _loader_of(model) -> type[FastLanguageModel]:
+    """FastVisionModel for a vision-language (or audio-text) model, else FastLanguageModel."""
+    return FastVisionModel if is_vision_language_config(model_config(model)) else FastLanguageModel
 
 
 def lora_targets(model, target_modules, language: bool, attention: bool, mlp: bool, vision: bool) -> list[str]:

@@ -11,7 +11,8 @@ warnings and the matrix rows it cited):
   3. runtime.py: what the runtime needs beside the wheels, and variables that mislead it;
   4. vllm.py: vLLM, only when asked for (`--with vllm`): its wheel and the exact torch it pins, which
      replaces step 2's, or the reason it is refused;
-  5. extras.py: bitsandbytes and llama.cpp for that torch build;
+  5. extras.py: bitsandbytes, llama.cpp and flash-linear-attention for that torch build (the last
+     left out where the Triton that torch pins breaks it on this GPU);
   6. fits.py: which model sizes fit in its memory.
 """
 
@@ -21,18 +22,18 @@ from collections.abc import Iterable, Mapping
 
 from unsloth.matrix import Matrix
 from unsloth.plan.device import choose_device, host_fallback
-from unsloth.plan.extras import bitsandbytes_choice, llama_cpp_choice
+from unsloth.plan.extras import bitsandbytes_choice, fla_choice, llama_cpp_choice
 from unsloth.plan.fits import fits
-from unsloth.plan.model import (NO_NOTES, Advice, BitsAndBytes, FitRow, Fits, Inputs, LlamaCpp, Overrides, Plan,
-                                TorchChoice, Vllm)
+from unsloth.plan.model import (NO_NOTES, Advice, BitsAndBytes, FitRow, Fits, FlashLinearAttention, Inputs, LlamaCpp,
+                                Overrides, Plan, TorchChoice, Vllm)
 from unsloth.plan.runtime import user_env_advice
 from unsloth.plan.torch_channel import apply_pins, host_torch, torch_for_device
 from unsloth.plan.versions import gfx_of, os_cell, support_phrase, version_or_none
 from unsloth.plan.vllm import WITH_PARTS, vllm_choice
 from unsloth.platform.facts import Platform
 
-__all__ = ["WITH_PARTS", "Advice", "BitsAndBytes", "FitRow", "Fits", "LlamaCpp", "Overrides", "Plan", "TorchChoice",
-           "Vllm", "gfx_of", "os_cell", "resolve", "support_phrase", "version_or_none"]
+__all__ = ["WITH_PARTS", "Advice", "BitsAndBytes", "FitRow", "Fits", "FlashLinearAttention", "LlamaCpp", "Overrides",
+           "Plan", "TorchChoice", "Vllm", "gfx_of", "os_cell", "resolve", "support_phrase", "version_or_none"]
 
 
 def resolve(platform: Platform, matrix: Matrix, *, overrides: Overrides | Mapping[str, str] | None = None,
@@ -80,6 +81,8 @@ def resolve(platform: Platform, matrix: Matrix, *, overrides: Overrides | Mappin
     notes += more
     llama_cpp, more = llama_cpp_choice(inputs, torch, effective_arch)
     notes += more
+    flash_linear_attention, more = fla_choice(inputs, torch, device)
+    notes += more
     return Plan(
         support=support,
         reason=reason,
@@ -96,4 +99,5 @@ def resolve(platform: Platform, matrix: Matrix, *, overrides: Overrides | Mappin
         os=inputs.os,
         family=family.name if family else None,
         vllm=vllm,
+        flash_linear_attention=flash_linear_attention,
     )

@@ -67,6 +67,22 @@ class LlamaCpp(_FlatJson):
 
 
 @dataclass
+class FlashLinearAttention(_FlatJson):
+    """flash-linear-attention (Triton kernels for Qwen3.5's Gated DeltaNet layers), where they run and
+    help; else none, with why: transformers' torch path runs those layers then."""
+
+    source: str  # "pypi" | "none"
+    spec: str | None = None  # "flash-linear-attention==0.6.0"
+    note: str = ""  # why there is none (and the fix), or what stays on the torch path
+    triton: str | None = None  # the Triton the plan's torch pins ("3.7.1"); None: unknown
+    broken_triton: str | None = None  # Tritons that break it on this GPU (">=3.4.0,<3.7.1"): doctor checks
+
+    @property
+    def available(self) -> bool:
+        return self.source != "none"
+
+
+@dataclass
 class Vllm(_FlatJson):
     """vLLM (GRPO rollouts for fast_inference=True), in a plan only when `--with vllm` asked for it:
     its PyPI wheel where one exists for this machine, else refused, with the reason."""
@@ -124,11 +140,14 @@ class Plan:
     os: str | None = None  # the matrix OS cell: "linux" | "wsl" | "windows" | "macos"
     family: str | None = None  # the matrix family planned for ("RDNA3", "Ada", "CPU", ...)
     vllm: Vllm | None = None  # None: not asked for (`--with vllm`), and then absent from the JSON
+    # None: the matrix has no flash_linear_attention rows (an older or trimmed copy), absent from the JSON
+    flash_linear_attention: FlashLinearAttention | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        if self.vllm is None:
-            del data["vllm"]  # a plan without `--with vllm` reads as it always did
+        for part in ("vllm", "flash_linear_attention"):
+            if data[part] is None:
+                del data[part]  # a plan without them reads as it always did
         return data
 
     @classmethod
@@ -143,6 +162,8 @@ class Plan:
             "warnings": [Advice(**advice) for advice in data.get("warnings", [])],
             "fits": Fits.from_json(data["fits"]) if data.get("fits") else None,
             "vllm": Vllm.from_json(data["vllm"]) if data.get("vllm") else None,
+            "flash_linear_attention": (FlashLinearAttention.from_json(data["flash_linear_attention"])
+                                       if data.get("flash_linear_attention") else None),
         })
 
 

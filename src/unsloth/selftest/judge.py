@@ -7,6 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
 from unsloth.platform.facts import Gpu, Platform
 from unsloth.plan import Plan
 from unsloth.selftest.findings import Finding
@@ -20,6 +23,7 @@ TITLES = {
     "matmul": "Matrix multiply",
     "bitsandbytes": "bitsandbytes 4-bit",
     "triton": "Triton kernel",
+    "fla": "fla kernels",  # flash-linear-attention
     "llama_cpp": "llama.cpp",
     "multi_gpu": "Several GPUs in torch",
     "vllm": "vLLM",
@@ -171,6 +175,37 @@ def _judge_triton(result: dict[str, Any], context: _Context) -> Verdict:
     return "ok", result["message"], None, required
 
 
+def _judge_fla(result: dict[str, Any], context: _Context) -> Verdict:
+    """An accelerator for Qwen3.5's Gated DeltaNet layers, never required: transformers' torch path runs
+    them without it. Whether it is used here follows the plan's part (the matrix's Hopper/Triton rule)."""
+    fla = context.plan.flash_linear_attention if context.plan is not None else None
+    wanted = fla is not None and fla.available
+    torch_path = "Qwen3.5's Gated DeltaNet layers run on transformers' slower torch path"
+    if (skipped := _could_not_run(result)) is not None:
+        return skipped
+    if not result["ok"]:
+        if "fla" in context.without:
+            return "skipped", "Left out at install (--without fla)", None, False
+        if not wanted:
+            why = fla.note if fla is not None else "the hardware matrix has no flash-linear-attention rows"
+            return "skipped", f"Not in the plan here: {why}", None, False
+        return "warning", f"{result['message']}: {torch_path}", REINSTALL, False
+    broken, triton = fla.broken_triton if fla is not None else None, result.get("triton")
+    if broken and triton and _in(triton, broken):
+        return ("warning", f"{result['message']}, but not used: on this GPU its gated backward is wrong with Triton "
+                f"{broken} (fla refuses it), so {torch_path}",
+                f"A torch whose Triton is not {broken}: `unsloth update` installs the newest the plan allows "
+                f"({context.plan.torch.version_spec or 'torch'})", False)
+    return "ok", f"{result['message']}: Qwen3.5's Gated DeltaNet layers use its kernels", None, False
+
+
+def _in(version: str, specifier: str) -> bool:
+    try:
+        return SpecifierSet(specifier).contains(Version(version.split("+")[0]), prereleases=True)
+    except InvalidVersion:
+        return False
+
+
 def _judge_llama_cpp(result: dict[str, Any], context: _Context) -> Verdict:
     if not result["ok"]:
         left_out = [part for part in ("llama-cpp", "export") if part in context.without]
@@ -220,6 +255,7 @@ JUDGES = {
     "matmul": _judge_matmul,
     "bitsandbytes": _judge_bitsandbytes,
     "triton": _judge_triton,
+    "fla": _judge_fla,
     "llama_cpp": _judge_llama_cpp,
     "multi_gpu": _judge_multi_gpu,
     "vllm": _judge_vllm,

@@ -24,14 +24,14 @@ import time
 import traceback
 
 # multi_gpu last: a broken peer-to-peer link can hang its copy, and a hang only hides what comes after.
-CHECKS = ("torch", "gpu", "matmul", "bitsandbytes", "triton", "llama_cpp", "multi_gpu")
+CHECKS = ("torch", "gpu", "matmul", "bitsandbytes", "triton", "fla", "llama_cpp", "multi_gpu")
 # Checks of opt-in parts (`unsloth install --with PART`): run only when asked (`--with vllm`), in this order.
 OPT_IN_CHECKS = ("vllm",)
-ORDER = ("torch", "gpu", "matmul", "bitsandbytes", "triton", "llama_cpp", "vllm", "multi_gpu")
+ORDER = ("torch", "gpu", "matmul", "bitsandbytes", "triton", "fla", "llama_cpp", "vllm", "multi_gpu")
 GPU_BACKENDS = ("cuda", "rocm")
 # What an install verifies imports (the plan decides which of them must).
 IMPORTS = ("unsloth", "transformers", "peft", "trl", "accelerate", "datasets", "bitsandbytes", "gguf", "llama_cpp",
-           "vllm")
+           "vllm", "fla")
 
 
 def checks_with(opt_in):
@@ -170,6 +170,30 @@ def check_triton(state):
     return ok, "Triton %s compiled and ran a kernel (%s)" % (triton.__version__, mode), {
         "version": triton.__version__, "mode": mode,
     }
+
+
+def check_fla(state):
+    """flash-linear-attention: installed, and its gated delta rule (what transformers' Qwen3.5 layers call)
+    imports; with the Triton and GPU it will run on, for doctor to judge against the plan."""
+    torch = need_torch(state)
+    try:
+        version = importlib.metadata.version("flash-linear-attention")
+    except importlib.metadata.PackageNotFoundError:
+        return False, "flash-linear-attention is not installed", {"installed": False}
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None  # ROCm and XPU builds bring pytorch-triton-rocm / -xpu, and the module reports itself
+    facts = {"installed": True, "version": version, "triton": triton, "capability": None}
+    if torch.cuda.is_available() and not getattr(torch.version, "hip", None):
+        facts["capability"] = "%d.%d" % torch.cuda.get_device_capability(0)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401 - the import is the check
+
+    if facts["triton"] is None:
+        import triton as triton_module
+
+        facts["triton"] = triton_module.__version__
+    return True, "flash-linear-attention %s imports (Triton %s)" % (version, facts["triton"]), facts
 
 
 def check_llama_cpp(state):

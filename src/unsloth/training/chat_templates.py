@@ -75,6 +75,16 @@ _GEMMA3 = (_TEXT + "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
            " + text(message['content']) | trim + '<end_of_turn>\n' }}{%- endfor -%}"
            "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
 
+# Gemma 4: its own turn markers, a system turn of its own, and images / audio as their placeholder tokens.
+_GEMMA4 = ("{%- macro parts(content) -%}{%- if content is string -%}{{ content | trim }}{%- else -%}"
+           "{%- for part in content -%}{%- if part['type'] == 'text' -%}{{ part['text'] | trim }}"
+           "{%- elif part['type'] == 'image' -%}<|image|>{%- elif part['type'] == 'audio' -%}<|audio|>"
+           "{%- elif part['type'] == 'video' -%}<|video|>{%- endif -%}{%- endfor -%}{%- endif -%}"
+           "{%- endmacro -%}{{ bos_token }}{%- for message in messages -%}"
+           "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+           "{{ '<|turn>' + role + '\n' }}{{ parts(message['content']) }}{{ '<turn|>\n' }}{%- endfor -%}"
+           "{%- if add_generation_prompt -%}{{ '<|turn>model\n' }}{%- endif -%}")
+
 _MISTRAL = (_TEXT + "{{ bos_token }}{%- for message in messages -%}"
             "{%- if message['role'] == 'user' -%}{{ '[INST] ' + text(message['content']) + ' [/INST]' }}"
             "{%- elif message['role'] == 'assistant' -%}{{ text(message['content']) + eos_token }}"
@@ -113,13 +123,13 @@ TEMPLATES = {
     "llama-3.1": _LLAMA31, "llama-31": _LLAMA31, "llama-3.2": _LLAMA31, "llama-32": _LLAMA31,
     "llama-3.3": _LLAMA31, "llama-33": _LLAMA31,
     "gemma-3": _GEMMA3, "gemma3": _GEMMA3, "gemma3n": _GEMMA3, "gemma-3n": _GEMMA3,
-    "gemma": _GEMMA3, "gemma-2": _GEMMA3, "gemma2": _GEMMA3,
+    "gemma": _GEMMA3, "gemma-2": _GEMMA3, "gemma2": _GEMMA3, "gemma-4": _GEMMA4, "gemma4": _GEMMA4,
     "mistral": _MISTRAL, "phi-4": _PHI4, "phi4": _PHI4, "zephyr": _ZEPHYR, "alpaca": _ALPACA, "vicuna": _VICUNA,
 }
 # The text each template ends a turn with (what generation must stop at).
 END_OF_TURN = {_CHATML: "<|im_end|>", _QWEN25: "<|im_end|>", _QWEN3: "<|im_end|>", _QWEN3_INSTRUCT: "<|im_end|>",
                _QWEN3_THINKING: "<|im_end|>", _LLAMA3: "<|eot_id|>", _LLAMA31: "<|eot_id|>",
-               _GEMMA3: "<end_of_turn>", _PHI4: "<|im_end|>"}
+               _GEMMA3: "<end_of_turn>", _GEMMA4: "<turn|>", _PHI4: "<|im_end|>"}
 
 
 def get_chat_template(tokenizer, chat_template="chatml", mapping: dict | None = None,
@@ -129,8 +139,10 @@ def get_chat_template(tokenizer, chat_template="chatml", mapping: dict | None = 
     `mapping`: dataset keys and role names, e.g. ShareGPT's {"role": "from", "content": "value",
     "user": "human", "assistant": "gpt"}. `map_eos_token`: make the template's end-of-turn marker the
     token generation stops at: the tokenizer's EOS becomes the marker when the vocabulary has it as one
-    token, else the template writes EOS in its place.
+    token, else the template writes EOS in its place. A processor (vision-language models) gets the
+    template on itself and on its tokenizer, and its tokenizer's EOS is the one mapped.
     """
+    processor, tokenizer = tokenizer, getattr(tokenizer, "tokenizer", tokenizer)
     end, named = None, False
     if isinstance(chat_template, (tuple, list)):
         template, end = chat_template
@@ -155,7 +167,8 @@ def get_chat_template(tokenizer, chat_template="chatml", mapping: dict | None = 
         elif tokenizer.eos_token and named:
             template = template.replace(end, "' + eos_token + '")  # the marker is text here: end turns with EOS
     tokenizer.chat_template = template
-    return tokenizer
+    processor.chat_template = template
+    return processor
 
 
 def _single_token(tokenizer, text: str) -> bool:
