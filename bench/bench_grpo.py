@@ -87,7 +87,10 @@ def make_tiny(path: str) -> None:
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    # seeded: GRPOConfig's seed reaches only what runs after the trainer is built, not these random weights
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(cfg).save_pretrained(path)
 
 
 def emit(**fields) -> None:
