@@ -12,7 +12,9 @@ completion its full length, so both impls generate and train on the same amount.
 JSON lines: {"event": "loaded"} once the model is ready; {"event": "step"} per optimizer step (its
 time, the peak memory so far, the reward and loss TRL logged, and what the step's `generate` calls
 returned: `generate_calls`, `rows` and `generated_tokens`, the new positions of every row, prompt
-excluded, so that both implementations visibly decode the same amount); then {"event": "summary"}:
+excluded, so that both implementations visibly decode the same amount, and `rollouts_sha`, a digest
+of those new tokens: two runs with the same seed print the same digests, and so do two
+implementations whose rollouts are equal token for token); then {"event": "summary"}:
 the median step time after the warm-up steps (rollouts + scoring + the update), the peak over the
 timed steps, every step's reward, loss and generated tokens. Killed by SIGTERM (h200.sh's `timeout`), it prints the summary of the
 steps it finished, with "partial": true, before it exits.
@@ -21,13 +23,14 @@ steps it finished, with "partial": true, before it exits.
     python3 .anchors/anchor_lora.py --impl make >/dev/null
     PYTHONPATH=/tmp/site:$ROOT/src:$ROOT/kernels:$ROOT/.anchors/site python3 bench/bench_grpo.py --impl ours
     PYTHONPATH=/tmp/site:$ROOT/.anchors/site python3 bench/bench_grpo.py --impl unsloth
-    python3 bench/bench_grpo.py --tiny      # the code path on a CPU, a tiny random Llama
+    python3 bench/bench_grpo.py --tiny      # the code path on a CPU, a tiny seeded random Llama: two runs print the same numbers
 `--sync-every-step` (ours): rollouts wait for every decode step, as before the deferred stop check.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -87,7 +90,10 @@ def make_tiny(path: str) -> None:
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    # seeded: GRPOConfig's seed reaches only what runs after the trainer is built, not these random weights
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(cfg).save_pretrained(path)
 
 
 def emit(**fields) -> None:
@@ -116,7 +122,8 @@ class Run:
              rewards=[log.get("reward") for log in self.logs], losses=[log.get("loss") for log in self.logs],
              reward=last.get("reward"), loss=last.get("loss"),
              generated_tokens=[g["generated_tokens"] for g in self.generated],
-             generate_calls=[g["generate_calls"] for g in self.generated])
+             generate_calls=[g["generate_calls"] for g in self.generated],
+             rollouts_sha=[g["rollouts_sha"] for g in self.generated])
 
 
 class GenerateCounter:
@@ -125,6 +132,7 @@ class GenerateCounter:
 
     def __init__(self):
         self.calls = self.rows = self.tokens = 0
+        self.digest = hashlib.sha256()
 
     def wrap(self, model) -> None:
         inner = model.generate
@@ -136,13 +144,16 @@ class GenerateCounter:
             self.calls += 1
             self.rows += sequences.shape[0]
             self.tokens += sequences.shape[0] * (sequences.shape[1] - prompt.shape[1])
+            self.digest.update(sequences[:, prompt.shape[1]:].cpu().numpy().tobytes())
             return out
 
         model.generate = generate
 
     def take(self) -> dict:
-        counts = {"generate_calls": self.calls, "rows": self.rows, "generated_tokens": self.tokens}
+        counts = {"generate_calls": self.calls, "rows": self.rows, "generated_tokens": self.tokens,
+                  "rollouts_sha": self.digest.hexdigest()[:16]}
         self.calls = self.rows = self.tokens = 0
+        self.digest = hashlib.sha256()
         return counts
 
 

@@ -12,8 +12,8 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from unsloth.export.modelfile import write_modelfile
 from unsloth.export.quantize import quantize
 from unsloth.export.runtime import MMPROJ_PREFIX, require_llama_cpp
 from unsloth.export.validate import ProjectorCheck, Validation, check_projector, reference_run, validate
+from unsloth.export.validate_child import ValidationCrashed, timeout_for as validation_timeout
 from unsloth.export.vocab import uses_sentencepiece
 from unsloth.models.tokenizer_files import sentencepiece_model
 
@@ -86,6 +87,8 @@ def save_pretrained_gguf(
     quantized = [m for m in methods if not m.converted]
     if quantized or validate_export:
         require_llama_cpp()
+    if validate_export:
+        validation_timeout()  # a bad UNSLOTH_VALIDATE_TIMEOUT is refused before any work
 
     reference_method = reference_method_for(methods)
     sources = merged_tensors(model)
@@ -103,7 +106,8 @@ def save_pretrained_gguf(
         log.info("writing %s%s", reference_path, "" if keep_reference else " (the reference to quantize from; not kept)")
         write(target, reference_method)
         if expected is not None:
-            report = validate(expected, text_tokenizer, target, reference_method.name)
+            with _kept_if_the_check_dies(target, reference_path):
+                report = validate(expected, text_tokenizer, target, reference_method.name)
             report.file = str(reference_path)
             result.validations[reference_method.name] = report
             if not report.passed:
@@ -136,14 +140,16 @@ def save_pretrained_gguf(
             quantize(reference, path, method)
             result.files[method.name] = path
             if expected is not None:
-                result.validations[method.name] = validate(expected, text_tokenizer, path, method.name)
+                with _kept_if_the_check_dies(path, path):
+                    result.validations[method.name] = validate(expected, text_tokenizer, path, method.name)
         if vision:
             mmproj = out_dir / f"{MMPROJ_PREFIX}{gguf_filename(name, reference_method)}"
             log.info("writing %s (the vision tower and projector)", mmproj)
             with atomic_output(mmproj) as partial:
                 write(partial, reference_method, mmproj=True)
                 if validate_export:
-                    check = check_projector(model, reference, partial)
+                    with _kept_if_the_check_dies(partial, mmproj):
+                        check = check_projector(model, reference, partial)
                     check.file = str(mmproj)
                     result.validations["mmproj"] = check
                     if not check.passed:
@@ -157,6 +163,19 @@ def save_pretrained_gguf(
         result.modelfile = write_modelfile(out_dir, preferred, text_tokenizer)
     return result
 
+
+
+@contextmanager
+def _kept_if_the_check_dies(written: Path, final: Path) -> Iterator[None]:
+    """llama.cpp dying in the validation child says nothing about the export: the file it was checking
+    takes its final name (even an intermediate reference: it is whole, and what llama.cpp chokes on)
+    and the error names it there."""
+    try:
+        yield
+    except ValidationCrashed as exc:
+        if written != final:
+            os.replace(written, final)
+        raise exc.kept_as(final) from None
 
 
 # llama.cpp's converters that read a SentencePiece-style vocab from tokenizer.json, not tokenizer.model

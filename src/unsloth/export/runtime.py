@@ -31,10 +31,11 @@ def require_llama_cpp() -> Any:
 
 
 def load(path: str | Path, *, n_ctx: int = 2048, gpu: bool = True, logits_all: bool = False,
-         mmproj: str | Path | None = None) -> Any:
+         mmproj: str | Path | None = None, verbose: bool = False) -> Any:
     """A ``llama_cpp.Llama`` for ``path``; all layers on the GPU when the build has one. ``mmproj``: a
     vision-language model's projector file, for chats with images (llama.cpp's multimodal library,
-    with the chat template stored in the model's GGUF)."""
+    with the chat template stored in the model's GGUF). ``verbose``: llama.cpp's whole log on stderr
+    (else it is silenced, and so is the reason of a failed assert)."""
     llama_cpp = require_llama_cpp()
     path = Path(path)
     if not path.is_file():
@@ -46,7 +47,7 @@ def load(path: str | Path, *, n_ctx: int = 2048, gpu: bool = True, logits_all: b
         gguf_file.read_header(mmproj)
         from llama_cpp.llama_chat_format import MTMDChatHandler
 
-        handler = MTMDChatHandler(clip_model_path=str(mmproj), verbose=False, use_gpu=gpu)
+        handler = MTMDChatHandler(clip_model_path=str(mmproj), verbose=verbose, use_gpu=gpu)
     try:
         return llama_cpp.Llama(
             str(path),
@@ -55,7 +56,7 @@ def load(path: str | Path, *, n_ctx: int = 2048, gpu: bool = True, logits_all: b
             logits_all=logits_all,
             n_threads=os.cpu_count(),
             seed=0,
-            verbose=False,
+            verbose=verbose,
             chat_handler=handler,
         )
     except (ValueError, RuntimeError) as exc:

@@ -6,6 +6,8 @@ agreeing is the same as identical greedy output; a fraction is a fair agreement 
 quantized files, unaffected by one early divergence. A disagreement where transformers' own top
 two logits are closer than the reference's numerical noise counts as a near tie, not an error.
 The tokenizer is checked too: same ids for the same text, same text back from the ids.
+llama.cpp's side runs in a child process (validate_child), so an abort in llama.cpp cannot take the
+caller's Python and model with it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from unsloth.export import runtime
+from unsloth.export import runtime, validate_child
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -165,26 +167,24 @@ def reference_run(model: Any, tokenizer: Any, prompts: tuple[str, ...] = DEFAULT
     )
 
 
-def compare_prompt(llm: Any, text: str, prompt: list[int], reference: list[int], ref_logits: np.ndarray) -> PromptResult:
-    llm_logits = runtime.next_token_logits(llm, prompt + reference[:-1])[len(prompt) - 1 :]
-    candidate = [int(i) for i in llm_logits.argmax(axis=-1)]
+def compare_prompt(text: str, reference: list[int], candidate: list[int], ref_logits: np.ndarray) -> PromptResult:
+    """llama.cpp's top-1 choices (``candidate``) against transformers' greedy tokens and logits."""
     spread = ref_logits.max(axis=-1) - ref_logits.min(axis=-1)
     gaps = [float((ref_logits[i, r] - ref_logits[i, c]) / spread[i]) for i, (r, c) in enumerate(zip(reference, candidate))]
     return PromptResult(text, reference, candidate, gaps)
 
 
-def tokenizer_mismatches(tokenizer: Any, llm: Any, samples: tuple[str, ...] = TOKENIZER_SAMPLES) -> list[str]:
+def tokenizer_mismatches(tokenizer: Any, samples: list[str], llama_cpp: list[tuple[list[int], str]]) -> list[str]:
+    """``llama_cpp``: for each sample, llama.cpp's ids and the text it decodes them back to."""
     problems = []
     sentencepiece = _sentencepiece_encoder(tokenizer)
-    for text in samples:
+    for text, (theirs, back) in zip(samples, llama_cpp):
         ours = tokenizer(text)["input_ids"]
-        theirs = llm.tokenize(text.encode(), add_bos=True, special=True)
         if ours != theirs and sentencepiece is not None and sentencepiece(text, ours) == theirs:
             continue  # llama.cpp follows SentencePiece itself where transformers departs from it
         if ours != theirs:
             problems.append(f"encode {text!r}: transformers {ours} != llama.cpp {theirs}")
             continue
-        back = llm.detokenize(theirs, special=True).decode("utf-8", errors="replace")
         if back != tokenizer.decode(ours):
             problems.append(f"decode {text!r}: transformers {tokenizer.decode(ours)!r} != llama.cpp {back!r}")
     return problems
@@ -231,17 +231,17 @@ def chat_prompt(tokenizer: Any) -> str | None:
 
 
 def validate(reference: Reference, tokenizer: Any, path: Path, method: str) -> Validation:
-    """Compare the GGUF at ``path`` with ``reference`` (see ``reference_run``)."""
+    """Compare the GGUF at ``path`` with ``reference`` (see ``reference_run``). llama.cpp runs in a
+    child process (validate_child): if it dies there, ValidationCrashed says so and this one lives on."""
     n_ctx = max(len(p) + len(t) for p, t in zip(reference.prompts, reference.tokens)) + 8
-    llm = runtime.load(path, n_ctx=n_ctx, gpu=False, logits_all=True)
-    try:
-        results = [
-            compare_prompt(llm, text, prompt, tokens, logits)
-            for text, prompt, tokens, logits in zip(reference.texts, reference.prompts, reference.tokens, reference.logits)
-        ]
-        mismatches = tokenizer_mismatches(tokenizer, llm, TOKENIZER_SAMPLES + tuple(reference.texts))
-    finally:
-        llm.close()
+    samples = list(TOKENIZER_SAMPLES) + list(reference.texts)
+    answer = validate_child.run({
+        "check": "tokens", "file": str(path), "n_ctx": n_ctx, "samples": samples,
+        "sequences": [prompt + tokens[:-1] for prompt, tokens in zip(reference.prompts, reference.tokens)],
+        "starts": [len(prompt) - 1 for prompt in reference.prompts],
+    }, path)
+    results = [compare_prompt(*args) for args in zip(reference.texts, reference.tokens, answer["candidates"], reference.logits)]
+    mismatches = tokenizer_mismatches(tokenizer, samples, answer["tokenized"])
     return Validation(method, str(path), results, reference.tie_tolerance, reference.dtype, mismatches)
 
 
@@ -312,27 +312,9 @@ def check_projector(model: Any, text_path: Path, mmproj_path: Path) -> Projector
         towers = "vision and audio towers and projectors" if audio else "vision tower and projector"
         check.problems.append(f"{check.weights} weights in the file, {check.expected_weights} in the model's {towers}")
     if not check.problems and runtime.multimodal_available():
-        check.image_tokens, check.reply_tokens = _run_image(text_path, mmproj_path)
+        ran = validate_child.run({"check": "image", "file": str(text_path), "mmproj": str(mmproj_path)}, mmproj_path,
+                                 also=(text_path,))
+        check.image_tokens, check.reply_tokens = ran["image_tokens"], ran["reply_tokens"]
         if check.image_tokens <= 0 or check.reply_tokens <= 0:
             check.problems.append("llama.cpp took no image tokens or gave no reply")
     return check
-
-
-def _run_image(text_path: Path, mmproj_path: Path) -> tuple[int, int]:
-    """(prompt tokens the image added, reply tokens) of one greedy chat turn in llama.cpp."""
-    from PIL import Image
-
-    picture = Image.new("RGB", (64, 64))
-    picture.putdata([(4 * (i % 64), 4 * (i // 64), 128) for i in range(64 * 64)])
-    llm = runtime.load(text_path, n_ctx=1024, gpu=False, mmproj=mmproj_path)
-    try:
-        def turn(content):
-            out = llm.create_chat_completion([{"role": "user", "content": content}], max_tokens=4, temperature=0.0)
-            return out["usage"]["prompt_tokens"], out["usage"]["completion_tokens"]
-
-        text = [{"type": "text", "text": "What is in this picture?"}]
-        with_image, reply = turn([{"type": "image_url", "image_url": {"url": runtime.image_url(picture)}}, *text])
-        without, _ = turn(text)
-    finally:
-        llm.close()
-    return with_image - without, reply
