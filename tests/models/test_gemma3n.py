@@ -16,14 +16,6 @@ import torch
 from tiny_vision import build_tokenizer, gemma3n_config, save_tiny_gemma3n_text
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: more threads only contend on a shared machine
-    yield
-    torch.set_num_threads(threads)
-
-
 def _load(folder):
     from unsloth import FastModel
 

@@ -16,14 +16,6 @@ def _chat(i: int = 0, answer: str = "t7 t8"):
             "images": images(1, seed=i)}
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: more threads only contend on a shared machine
-    yield
-    torch.set_num_threads(threads)
-
-
 def _load(family, tmp_path, **options):
     from unsloth import FastVisionModel
 
