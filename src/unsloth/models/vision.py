@@ -220,10 +220,9 @@ def is_vision_language(model_name: str, **hub) -> bool:
 
     try:
         config = AutoConfig.from_pretrained(model_name, **hub)
-    except ImportError as error:  # a tower's library missing (Gemma 3n's timm): say so, not "no such model"
-        _refuse_missing_backend(error)
-        return False
-    except Exception:  # noqa: BLE001 - not found, offline, a config transformers rejects: the loader names it
+    except Exception as error:  # noqa: BLE001 - not found, offline, a config transformers rejects: the loader names it
+        if isinstance(error, ImportError):  # a tower's library missing (Gemma 3n's timm): say so
+            _refuse_missing_backend(error)
         base = _adapters_base(model_name, **hub)
         if base is None:
             return False
@@ -256,9 +255,9 @@ def is_vision_language_config(config) -> bool:
 
 def _timm_missing(model: str) -> UnslothError:
     return UnslothError(
-        f"{model}'s vision tower is a timm model (Gemma 3n: MobileNetV5), and timm is not installed",
+        f"{model}'s vision tower is a timm model (Gemma 3n's MobileNetV5), and timm is not installed",
         "pip install timm, with the torchvision release built for your torch (from the index your torch "
-        "came from: PyPI's CUDA torchvision does not load on a CPU or ROCm torch)")
+        "came from: PyPI's CUDA torchvision does not load on a CPU torch)")
 
 
 def check_tower_backends(config) -> None:
