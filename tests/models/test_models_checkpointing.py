@@ -200,3 +200,29 @@ def test_checkpointing_stays_out_of_inference():
     assert out.shape == (1, 11)
     with pytest.raises(ValueError, match="True, False or"):
         apply_gradient_checkpointing(model, "always")
+
+
+@pytest.mark.parametrize("mode", [True, "unsloth"])
+def test_layers_that_share_kv_states_keep_their_gradients(mode, monkeypatch):
+    """Gemma 4 E2B / E4B: the last layers reuse the K/V that earlier layers store in a mapping all
+    layers are handed. A no-grad first pass in the storing layers would cut the readers' gradients
+    to them."""
+    import transformers
+
+    monkeypatch.setenv("UNSLOTH_KERNELS", "0")
+    from tiny_families import COMMON
+
+    config = transformers.Gemma4TextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, head_dim=16, sliding_window=64, vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert [layer.self_attn.is_kv_shared_layer for layer in model.model.layers] == [False, False, True, True]
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    _, ref_loss, ref_grads = _lora_grads(copy.deepcopy(model), ids, False)
+    layers, loss, grads = _lora_grads(model, ids, mode)
+    assert layers == 4
+    torch.testing.assert_close(loss, ref_loss)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
