@@ -62,7 +62,7 @@ def _loss_backward(model, seed=3):
 def test_without_fla_the_load_message_says_the_torch_path_runs():
     report = patch_model(tiny_model("qwen3_5_text"))
     assert report.delta_rule == (f"transformers' torch path ({FLA} not installed)", False)
-    assert f"not accelerated: " in report.summary()
+    assert "not accelerated: " in report.summary()
     assert f"Gated DeltaNet through transformers' torch path ({FLA} not installed)" in report.summary()
 
 

@@ -36,9 +36,9 @@ def fla_refusal() -> str | None:
             "a torch whose Triton is >= 3.7.1 (or `pip install tilelang`) gives the fast kernel")
 
 
-def _fla_wrappers(model: nn.Module) -> Iterator[tuple[object, str, Callable]]:
-    """(module, global name, wrapper) for each chunked gated-delta-rule function that transformers
-    wrapped with an fla fallback, in the Python modules that define the model's layers."""
+def _fla_wrappers(model: nn.Module) -> Iterator[tuple[object, str, dict]]:
+    """(module, global name, the wrapper's closure) for each chunked gated-delta-rule function that
+    transformers wrapped with an fla fallback, in the Python modules that define the model's layers."""
     seen = set()
     for layer in model.modules():
         module = sys.modules.get(type(layer).__module__)
@@ -46,8 +46,9 @@ def _fla_wrappers(model: nn.Module) -> Iterator[tuple[object, str, Callable]]:
             continue
         seen.add(module)
         for name, value in list(vars(module).items()):
-            if callable(value) and "chunk_gated_delta_rule" in name and _fallback_of(value) is not None:
-                yield module, name, value
+            closure = _fallback_of(value) if callable(value) and "chunk_gated_delta_rule" in name else None
+            if closure is not None:
+                yield module, name, closure
 
 
 def _fallback_of(function: Callable) -> dict | None:
@@ -70,14 +71,15 @@ def route_delta_rule(model: nn.Module) -> tuple[str, bool] | None:
     wrappers = list(_fla_wrappers(model))
     if not wrappers:
         return None
-    on_fla = [w for w in wrappers if _fallback_of(w[2])["implementation"] is not _fallback_of(w[2])["torch_function"]]
+    on_fla = [(module, name, closure) for module, name, closure in wrappers
+              if closure["implementation"] is not closure["torch_function"]]
     if not on_fla:
         return f"transformers' torch path ({FLA} not installed)", False
     refusal = fla_refusal()
     if refusal is None:
         return FLA, True
-    for module, name, wrapper in on_fla:
-        setattr(module, name, _torch_path(_fallback_of(wrapper)["torch_function"], refusal))
+    for module, name, closure in on_fla:
+        setattr(module, name, _torch_path(closure["torch_function"], refusal))
     return f"transformers' torch path ({refusal})", False
 
 
