@@ -197,16 +197,14 @@ def lora_target_regex(model: nn.Module, vision: bool, language: bool, attention:
 def load_vision_pretrained(model_name: str, **options):
     """Load a vision-language model and its processor, with our kernels in its language model.
     Returns (model, processor); takes load_pretrained's options (4-bit, dtype, checkpointing...)."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
 
     from unsloth.models.loader import load_pretrained
 
     hub = {k: options[k] for k in ("token", "revision", "trust_remote_code") if options.get(k) is not None}
-    try:
-        check_tower_backends(AutoConfig.from_pretrained(model_name, **hub))
-    except ImportError as error:
-        _refuse_missing_backend(error)
-        raise
+    config = read_model_config(model_name, **hub)
+    if config is not None:  # else the loader below says why it cannot read the model
+        check_tower_backends(config)
     return load_pretrained(model_name, auto_class=AutoModelForImageTextToText, load_tokenizer=load_processor,
                            **options)
 
@@ -216,21 +214,29 @@ def is_vision_language(model_name: str, **hub) -> bool:
     vision or an audio tower, and transformers builds it as an image-text-to-text model (Gemma 3 /
     3n / 4, Qwen-VL, Llama 3.2 Vision, ...). False where the config cannot be read here: the text
     loader then says why."""
+    config = read_model_config(model_name, **hub)
+    return config is not None and is_vision_language_config(config)
+
+
+def read_model_config(model_name: str, **hub):
+    """The config of a folder or hub name, or of its base model where it holds LoRA adapters
+    (model.save_pretrained after get_peft_model); None where it cannot be read here (not found,
+    offline, a config transformers rejects: the loader names it). A config that needs timm to be
+    read (Gemma 3n) where timm is missing is refused with the fix."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(model_name, **hub)
-    except Exception as error:  # noqa: BLE001 - not found, offline, a config transformers rejects: the loader names it
-        if isinstance(error, ImportError):  # a tower's library missing (Gemma 3n's timm): say so
+        return AutoConfig.from_pretrained(model_name, **hub)
+    except Exception as error:  # noqa: BLE001 - see the docstring
+        if isinstance(error, ImportError):
             _refuse_missing_backend(error)
         base = _adapters_base(model_name, **hub)
         if base is None:
-            return False
-        try:  # a folder of LoRA adapters (model.save_pretrained after get_peft_model): its base model's config
-            config = AutoConfig.from_pretrained(base, **{k: v for k, v in hub.items() if k != "revision"})
+            return None
+        try:
+            return AutoConfig.from_pretrained(base, **{k: v for k, v in hub.items() if k != "revision"})
         except Exception:  # noqa: BLE001 - as above
-            return False
-    return is_vision_language_config(config)
+            return None
 
 
 def _adapters_base(model_name: str, **hub) -> str | None:
