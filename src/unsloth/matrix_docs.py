@@ -124,9 +124,10 @@ def _cuda_table(matrix: Matrix) -> str:
     lines = [
         "## NVIDIA: PyTorch CUDA indexes",
         "",
-        "The newest index the driver runs and whose wheels cover the GPU's compute capability; a CUDA release the",
-        "driver reports itself is preferred over one it runs only through minor-version compatibility. Under WSL the",
-        "Windows host driver counts.",
+        "Of the indexes the driver runs and whose wheels cover the GPU's compute capability, a CUDA release the",
+        "driver reports itself is preferred over one it runs only through minor-version compatibility; among those,",
+        "the index whose torch range reaches the newest release, then the newest CUDA. Under WSL the Windows host",
+        "driver counts.",
         "",
         "| Index | CUDA | Linux driver ≥ | Windows/WSL driver ≥ | Compute capability | torch | Source |",
         "|---|---|---|---|---|---|---|",

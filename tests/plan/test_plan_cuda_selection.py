@@ -20,12 +20,13 @@ def plan_for(matrix, arch="sm_89", os_name="linux", driver=None, cuda=None, **gp
         ("580.65.06", "13.0", "cu130"),
         ("610.12", "13.2", "cu130"),  # R610+ drivers: any newer driver keeps the newest build
         ("580.65.06", None, "cu130"),  # CUDA version unreadable: the driver decides
-        ("575.51.03", "12.9", "cu128"),
-        ("570.86.15", "12.8", "cu128"),
+        # 12.8-12.9 drivers run cu128 (torch < 2.12) and cu126 (torch < 2.14): the newer torch wins
+        ("575.51.03", "12.9", "cu126"),
+        ("570.86.15", "12.8", "cu126"),
         ("560.35.03", "12.6", "cu126"),
     ],
 )
-def test_driver_picks_the_newest_index_it_runs(matrix, driver, cuda, variant):
+def test_driver_picks_the_index_with_the_newest_torch_it_runs(matrix, driver, cuda, variant):
     plan = plan_for(matrix, driver=driver, cuda=cuda)
     assert plan.torch.variant == variant
     assert plan.torch.index_url == f"https://download.pytorch.org/whl/{variant}"
@@ -79,6 +80,18 @@ def test_blackwell_needs_cu128_or_newer(matrix):
     plan = plan_for(matrix, arch="sm_120", driver="560.35.03", cuda="12.6")
     assert plan.torch.variant == "cu128"
     assert any("CUDA 12.8" in advice.fix for advice in plan.warnings)
+
+
+def test_blackwell_on_a_12_8_driver_keeps_cu128_the_newest_torch_that_has_its_kernels(matrix):
+    plan = plan_for(matrix, arch="sm_120", driver="570.86.15", cuda="12.8")
+    assert plan.torch.variant == "cu128" and plan.warnings == []
+
+
+def test_equal_torch_ceilings_take_the_newer_cuda(matrix):
+    """cu130 and cu126 both carry torch < 2.14: a 580 driver that reports CUDA 13 gets cu130."""
+    assert {index.variant: index.torch for index in matrix.cuda_indexes}["cu126"] == \
+        {index.variant: index.torch for index in matrix.cuda_indexes}["cu130"]
+    assert plan_for(matrix, arch="sm_90", driver="580.65.06", cuda="13.0").torch.variant == "cu130"
 
 
 def test_compute_capability_field_is_enough(matrix):

@@ -36,7 +36,7 @@ OURS = {
     "amd-smi__list_and_version": ("full", "rocm", "rocm6.4", {}, None),  # host ROCm 6.4.0
     "nvidia-smi__q_linux__a100": ("full", "cuda", "cu126", {}, "CUDA 12.4"),
     "nvidia-smi__r610_kmd_header__rtx5090": ("full", "cuda", "cu130", {}, None),
-    "nvidia-smi__windows_driver_model__rtx4070": ("full", "cuda", "cu128", {}, None),
+    "nvidia-smi__windows_driver_model__rtx4070": ("full", "cuda", "cu126", {}, None),  # a 12.8 driver: cu126 carries the newer torch
     "nvidia-smi__truncated_name": ("limited", "cpu", "cpu", {}, "470.182.03 is too old"),
     "lspci__nnk_nvidia_audio_amd_igpu": ("full", "cuda", "cu130", {}, "No NVIDIA driver"),
     "lspci__intel_arc_and_uhd": ("limited", "xpu", "xpu", {}, None),  # the A770 (8086:56a0), not the UHD 770

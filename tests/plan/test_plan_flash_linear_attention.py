@@ -25,12 +25,12 @@ HOPPER_BROKEN = ">=3.4.0,<3.7.1"
 CASES = {
     # Hopper, current driver: cu130's newest torch (2.13) pins Triton 3.7.1, which fla is right with.
     "nvidia-smi__q_i0_of_four__h100": (True, "3.7.1", HOPPER_BROKEN, NO_CAUSAL_CONV1D),
-    # Hopper whose driver reports no CUDA 13: cu128 tops out at torch 2.11, Triton 3.6.0: left out, with the fix.
-    "nvidia-smi__cuda_err__h100": (False, "3.6.0", HOPPER_BROKEN, "torch 2.12.1 or newer (Triton 3.7.1)"),
+    # Hopper whose driver reports no CUDA 13: cu126's torch 2.13 (not cu128's 2.11, Triton 3.6.0) keeps fla in.
+    "nvidia-smi__cuda_err__h100": (True, "3.7.1", HOPPER_BROKEN, NO_CAUSAL_CONV1D),
     "nvidia-smi__q_linux__a100": (True, "3.7.1", None, NO_CAUSAL_CONV1D),  # Ampere
     "nvidia-smi__csv_name_compute_cap__l40s": (True, "3.7.1", None, NO_CAUSAL_CONV1D),  # Ada
     "nvidia-smi__r610_kmd_header__rtx5090": (True, "3.7.1", None, NO_CAUSAL_CONV1D),  # Blackwell
-    "nvidia-smi__csv_header__t4": (True, "3.6.0", None, NO_CAUSAL_CONV1D),  # Turing: Triton 3.6 is fine off Hopper
+    "nvidia-smi__csv_header__t4": (True, "3.7.1", None, NO_CAUSAL_CONV1D),  # Turing
     "nvidia-smi__q_wsl__rtx4080": (True, "3.7.1", None, NO_CAUSAL_CONV1D),  # WSL
     "rocminfo__gfx942-mi300x__1": (True, None, None, NO_CAUSAL_CONV1D),  # AMD Instinct (ROCm pins its own Triton)
     "linux-full__7900xtx_all_probes": (True, None, None, NO_CAUSAL_CONV1D),  # AMD Radeon
@@ -62,9 +62,23 @@ def test_fla_is_in_or_out_of_the_plan_with_the_reason(name, matrix):
         assert fla.spec is None and TORCH_PATH in fla.note
 
 
-def test_hopper_left_out_names_the_gpu_the_tritons_and_a_driver_that_fixes_it(matrix):
-    plan = plan_of("nvidia-smi__cuda_err__h100", matrix)
+def _matrix_with(tmp_path, old: str, new: str, count: int = 1):
+    text = default_path().read_text(encoding="utf-8")
+    assert text.count(old) >= count, old
+    path = tmp_path / "matrix.toml"
+    path.write_text(text.replace(old, new, count), encoding="utf-8")
+    return load_matrix(path)
+
+
+def test_hopper_left_out_names_the_gpu_the_tritons_and_a_driver_that_fixes_it(tmp_path):
+    """A matrix whose 12.x builds all stop before torch 2.12 (cu126 held to cu128's torch): the 12.8
+    driver's H100 gets torch 2.11, Triton 3.6.0, and fla is left out with the fix."""
+    cu126 = 'sm = ["5.0", "9.0"]\ntorch = ">=2.9,<2.14"'
+    matrix = _matrix_with(tmp_path, cu126, 'sm = ["5.0", "9.0"]\ntorch = ">=2.9,<2.12"')
+    platform, _ = detect_from_dump(DUMPS / "nvidia-smi__cuda_err__h100")
+    plan = resolve(platform, matrix)
     note = plan.flash_linear_attention.note
+    assert plan.flash_linear_attention.available is False and "torch 2.12.1 or newer (Triton 3.7.1)" in note
     assert plan.torch.variant == "cu128" and plan.torch.version_spec in note
     assert "H100" in note and "compute capability 9.0" in note and HOPPER_BROKEN in note
     assert "cu130 build has (NVIDIA driver 580 or newer)" in note
@@ -81,13 +95,8 @@ def test_a_vllm_torch_pin_decides_the_triton_too(matrix):
 
 
 def test_a_hopper_plan_on_a_torch_with_broken_triton_leaves_it_out_and_others_keep_it(tmp_path):
-    """The same cu130 index held to torch 2.12.0 (Triton 3.7.0): out on Hopper, in on Ada and Blackwell."""
-    text = default_path().read_text(encoding="utf-8")
-    old = 'sm = ["7.5", "12.1"]\ntorch = ">=2.9,<2.14"'
-    assert old in text
-    path = tmp_path / "matrix.toml"
-    path.write_text(text.replace(old, 'sm = ["7.5", "12.1"]\ntorch = ">=2.9,<2.12.1"', 1), encoding="utf-8")
-    matrix = load_matrix(path)
+    """cu130 and cu126 held to torch 2.12.0 (Triton 3.7.0): out on Hopper, in on Ada and Blackwell."""
+    matrix = _matrix_with(tmp_path, 'torch = ">=2.9,<2.14"', 'torch = ">=2.9,<2.12.1"', count=2)
     for arch, installed in (("sm_90", False), ("sm_89", True), ("sm_120", True)):
         fla = resolve(machine("linux", nvidia(arch)), matrix).flash_linear_attention
         assert (fla.available, fla.triton) == (installed, "3.7.0"), (arch, fla.note)

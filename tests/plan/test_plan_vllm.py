@@ -113,7 +113,7 @@ def test_a_torch_mirror_of_vllms_index_is_kept_and_another_build_refused(matrix,
 
 
 def test_a_driver_that_picks_an_older_cuda_build_moves_to_vllms(matrix, row):
-    """A 12.x-reporting 580 driver plans cu128 by default; vLLM's cu130 build runs on it, so it moves."""
+    """A 12.x-reporting 580 driver plans a 12.x build by default; vLLM's cu130 build runs on it, so it moves."""
     platform = machine("linux", nvidia("sm_89"), nvidia_driver="580.65.06", cuda_driver="12.8")
     default = resolve(platform, matrix)
     plan = with_vllm(platform, matrix)

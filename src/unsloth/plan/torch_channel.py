@@ -12,7 +12,8 @@ from unsloth.matrix import CudaIndex, Family, RocmIndex
 from unsloth.plan.device import Candidate
 from unsloth.plan.model import NO_NOTES, Inputs, Notes, TorchChoice
 from unsloth.plan.runtime import rocm_runtime
-from unsloth.plan.versions import backend_of_leaf, compute_capability, gfx_of, torch_spec, version_or_none
+from unsloth.plan.versions import (backend_of_leaf, compute_capability, gfx_of, torch_ceiling, torch_spec,
+                                   version_or_none)
 from unsloth.platform.facts import Gpu
 
 
@@ -87,12 +88,14 @@ def cuda_choice(inputs: Inputs, gpu: Gpu) -> tuple[TorchChoice | None, Notes]:
             "then re-run `unsloth install`.",
         )
     # Prefer a CUDA release the driver itself reports; minor-version compatibility runs the
-    # newer 12.x builds on an older 12.x driver, but without newer PTX/JIT features.
+    # newer 12.x builds on an older 12.x driver, but without newer PTX/JIT features. Among those,
+    # the build that carries the newest torch (its Triton decides what fla can run on Hopper), then
+    # the newest CUDA: a 570 driver gets cu126's torch 2.13 rather than cu128's 2.11.
     cuda_driver = version_or_none(platform.cuda_driver)
     native = [index for index in usable if cuda_driver is None or index.cuda <= cuda_driver]
     notes = NO_NOTES
     if native:
-        index = native[0]
+        index = max(native, key=lambda index: (torch_ceiling(index.torch), index.cuda))
     else:
         index = usable[-1]
         notes = notes.warn(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from unsloth.platform.facts import Gpu, Platform
@@ -62,3 +63,12 @@ def backend_of_leaf(leaf: str) -> str | None:
 
 def torch_spec(specifier: str) -> str:
     return f"torch{specifier}"
+
+
+NO_CEILING = Version("9999")
+
+
+def torch_ceiling(specifier: str) -> Version:
+    """The release a torch specifier (">=2.9,<2.14") stays below: its tightest upper bound."""
+    bounds = [Version(spec.version) for spec in SpecifierSet(specifier) if spec.operator in ("<", "<=")]
+    return min(bounds, default=NO_CEILING)
