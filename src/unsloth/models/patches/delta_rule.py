@@ -1,9 +1,11 @@
 """Gated DeltaNet layers (Qwen3.5, Qwen3-Next): which implementation of the gated delta rule runs.
 
 transformers picks flash-linear-attention's kernel at import when fla is installed, else its own
-torch reference (correct, an order of magnitude slower). fla itself refuses its gated chunked
-backward on Hopper with Triton >= 3.4.0 and < 3.7.1 (wrong results), which would stop training at
-the first backward; there we send the chunked rule back to transformers' torch path at load time.
+torch reference (correct, much slower). fla itself refuses its gated chunked backward on Hopper
+with Triton >= 3.4.0 and < 3.7.1 (wrong results), which would stop training at the first backward.
+Wherever the chunked rule would run transformers' torch path (fla absent, or refused here), we put
+our own torch rule in its place at load (unsloth_kernels.delta_rule: the same numbers, faster; it
+needs no Triton, but lives in the kernels package: without that package, transformers' path stays).
 Found by behaviour: the model's modules' globals that transformers wrapped with an fla fallback.
 """
 
@@ -14,9 +16,12 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator
 
+import torch
 from torch import nn
 
 FLA = "flash-linear-attention"
+OURS = "unsloth's torch chunked rule"
+TRANSFORMERS = "transformers' torch path"
 
 
 def fla_refusal() -> str | None:
@@ -36,9 +41,9 @@ def fla_refusal() -> str | None:
             "a torch whose Triton is >= 3.7.1 (or `pip install tilelang`) gives the fast kernel")
 
 
-def _fla_wrappers(model: nn.Module) -> Iterator[tuple[object, str, dict]]:
-    """(module, global name, the wrapper's closure) for each chunked gated-delta-rule function that
-    transformers wrapped with an fla fallback, in the Python modules that define the model's layers."""
+def _rule_globals(model: nn.Module) -> Iterator[tuple[object, str, Callable]]:
+    """(module, global name, function) for each chunked gated-delta-rule function in the Python
+    modules that define the model's layers."""
     seen = set()
     for layer in model.modules():
         module = sys.modules.get(type(layer).__module__)
@@ -46,9 +51,8 @@ def _fla_wrappers(model: nn.Module) -> Iterator[tuple[object, str, dict]]:
             continue
         seen.add(module)
         for name, value in list(vars(module).items()):
-            closure = _fallback_of(value) if callable(value) and "chunk_gated_delta_rule" in name else None
-            if closure is not None:
-                yield module, name, closure
+            if callable(value) and "chunk_gated_delta_rule" in name:
+                yield module, name, value
 
 
 def _fallback_of(function: Callable) -> dict | None:
@@ -65,33 +69,56 @@ def _fallback_of(function: Callable) -> dict | None:
     return None
 
 
-def route_delta_rule(model: nn.Module) -> tuple[str, bool] | None:
-    """(what runs the gated delta rule, whether it is the fast kernel); None for a model without one.
-    Where fla refuses its backward on this GPU, the chunked rule goes to transformers' torch path."""
-    wrappers = list(_fla_wrappers(model))
-    if not wrappers:
+def _our_rule() -> Callable | None:
+    try:
+        from unsloth_kernels.delta_rule import chunk_gated_delta_rule
+    except ImportError:  # no kernels package, or no Triton for its other kernels
         return None
-    on_fla = [(module, name, closure) for module, name, closure in wrappers
-              if closure["implementation"] is not closure["torch_function"]]
-    if not on_fla:
-        return f"transformers' torch path ({FLA} not installed)", False
-    refusal = fla_refusal()
-    if refusal is None:
-        return FLA, True
-    for module, name, closure in on_fla:
-        setattr(module, name, _torch_path(closure["torch_function"], refusal))
-    return f"transformers' torch path ({refusal})", False
+    return chunk_gated_delta_rule
 
 
-def _torch_path(torch_function: Callable, refusal: str) -> Callable:
-    """transformers' torch rule, refusing packed sequences as transformers' own fallback does (the
-    reference would run them as one sequence)."""
+def route_delta_rule(model: nn.Module) -> tuple[str, bool] | None:
+    """(what runs the gated delta rule, whether it is fla's kernel); None for a model without one.
+    Where transformers would run its torch path, our torch rule goes in instead. A rule we put in
+    on an earlier load says its route again."""
+    routes = []
+    for module, name, function in _rule_globals(model):
+        if hasattr(function, "unsloth_route"):
+            routes.append(function.unsloth_route)
+            continue
+        closure = _fallback_of(function)
+        if closure is None:
+            continue
+        on_fla = closure["implementation"] is not closure["torch_function"]
+        refusal = fla_refusal() if on_fla else f"{FLA} not installed"
+        if refusal is None:
+            routes.append((FLA, True))
+            continue
+        rule = _our_rule()
+        if rule is None and not on_fla:
+            routes.append((f"{TRANSFORMERS} ({refusal})", False))  # what runs already
+            continue
+        route = (f"{OURS if rule else TRANSFORMERS} ({refusal})", False)
+        setattr(module, name, _replacement(rule or closure["torch_function"], function, refusal, route))
+        routes.append(route)
+    return routes[0] if routes else None
 
-    @functools.wraps(torch_function)
-    def chunk_gated_delta_rule(*args, cu_seqlens=None, **kwargs):
-        if cu_seqlens is not None:
+
+def _replacement(rule: Callable, replaced: Callable, refusal: str, route: tuple[str, bool]) -> Callable:
+    """`rule` in place of transformers' wrapper `replaced`: packed sequences refused as transformers'
+    own fallback does (a torch rule would run them as one sequence); torch.export keeps transformers'
+    path (its export-friendly form); tagged with its route, so that a later load recognises it."""
+
+    @functools.wraps(replaced)  # __wrapped__: what it replaced, whose own __wrapped__ is the reference
+    def chunk_gated_delta_rule(*args, **kwargs):
+        if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
             raise ValueError(f"packed sequences in a Gated DeltaNet layer need {FLA}'s kernel, which is off "
                              f"here: {refusal}. Train without packing / padding-free batches, or fix that.")
-        return torch_function(*args, **kwargs)
+        if torch.compiler.is_exporting():
+            return replaced(*args, **kwargs)
+        kwargs.pop("cu_seqlens", None)
+        kwargs.pop("seq_idx", None)
+        return rule(*args, **kwargs)
 
+    chunk_gated_delta_rule.unsloth_route = route
     return chunk_gated_delta_rule
