@@ -103,11 +103,13 @@ def test_fla_refusing_its_backward_here_sends_training_to_our_torch_rule(monkeyp
     torch.testing.assert_close(grad, expected[1])
 
 
-def test_packed_sequences_on_the_rerouted_rule_are_refused_clearly(monkeypatch):
-    _wrap_with_fla(monkeypatch, hopper_with_bad_triton=True)
+@pytest.mark.parametrize("hopper_with_bad_triton, why", [(True, "Hopper"), (None, f"{FLA} not installed")])
+def test_packed_sequences_on_the_rerouted_rule_are_refused_clearly(monkeypatch, hopper_with_bad_triton, why):
+    if hopper_with_bad_triton:
+        _wrap_with_fla(monkeypatch, hopper_with_bad_triton)
     route_delta_rule(tiny_model("qwen3_5_text"))
     q = torch.zeros(1, 4, 2, 16)
-    with pytest.raises(ValueError, match="packed sequences .* Hopper"):
+    with pytest.raises(ValueError, match=f"packed sequences .* {why}"):
         modeling.torch_chunk_gated_delta_rule(q, q, q, g=torch.zeros(1, 4, 2), beta=torch.zeros(1, 4, 2),
                                               cu_seqlens=torch.tensor([0, 2, 4]))
 

@@ -116,9 +116,7 @@ def _replacement(rule: Callable, replaced: Callable, refusal: str, route: tuple[
                              f"here: {refusal}. Train without packing / padding-free batches, or fix that.")
         if torch.compiler.is_exporting():
             return replaced(*args, **kwargs)
-        kwargs.pop("cu_seqlens", None)
-        kwargs.pop("seq_idx", None)
-        return rule(*args, **kwargs)
+        return rule(*args, **kwargs)  # it ignores the other keywords transformers' layers pass along
 
     chunk_gated_delta_rule.unsloth_route = route
     return chunk_gated_delta_rule
