@@ -7,9 +7,9 @@ Inside a chunk of C steps starting from state S, with G the chunk's running sum 
     (I + L) U = beta V - diag(beta exp(G)) K S,   L_ij = beta_i exp(G_i - G_j) k_i . k_j  (j < i),
 so with T = (I + L)^-1 (one triangular solve for the whole batch of chunks: the WY / UT form)
 U = T beta V - T diag(beta exp(G)) K S: the two T products need no state and are done for all chunks
-at once; only the chunk-to-chunk state update is a loop. The loop walks the chunks with unbind and
-the outputs are gathered with stack (not indexed writes into a buffer, whose backward copies the
-whole buffer once per chunk).
+at once; a loop carries the state from chunk to chunk and reads it there (exp(G) q . S), so that no
+stack of the states is kept for the backward. It walks the chunks with unbind and gathers with stack
+(not indexed reads and writes of a buffer, whose backward touches the whole buffer once per chunk).
 """
 
 from __future__ import annotations
@@ -65,15 +65,14 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
              if initial_state is None else initial_state.float())
     k_to_end = k * (G[..., -1:] - G).exp().unsqueeze(-1)  # each step's write, decayed to the chunk's end
     chunk_decay = G[..., -1].exp()[..., None, None]
-    starts, news = [], []
-    for u_n, w_n, k_n, d_n in zip(u.unbind(2), w.unbind(2), k_to_end.unbind(2), chunk_decay.unbind(2)):
-        starts.append(state)
+    q_start = q * G.exp().unsqueeze(-1)  # each step's read of the chunk's start state
+    reads, news = [], []
+    for q_n, u_n, w_n, k_n, d_n in zip(q_start.unbind(2), u.unbind(2), w.unbind(2), k_to_end.unbind(2),
+                                       chunk_decay.unbind(2)):
+        reads.append(q_n @ state)
         new = u_n - w_n @ state
         news.append(new)
         state = state * d_n + k_n.transpose(-1, -2) @ new
-    starts, news = torch.stack(starts, 2), torch.stack(news, 2)
-
-    # the start state read at each step, plus this chunk's own writes up to that step
-    out = (q * G.exp().unsqueeze(-1)) @ starts + ((q @ k.transpose(-1, -2)) * decay) @ news
+    out = torch.stack(reads, 2) + ((q @ k.transpose(-1, -2)) * decay) @ torch.stack(news, 2)
     out = out.reshape(batch, v_heads, -1, v_dim)[:, :, :length].transpose(1, 2).contiguous().to(dtype)
     return out, state if output_final_state else None
