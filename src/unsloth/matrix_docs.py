@@ -219,7 +219,7 @@ def _flash_linear_attention(matrix: Matrix) -> str:
         "Its Triton kernels, from the package sources, installed after everything else with everything installed",
         "pinned; a failed install is not fatal (the receipt's `optional_failed`, a doctor warning), and",
         "`--without fla` leaves it out. No matching row (CPU, Apple MPS, native Windows, whose PyTorch wheels bring",
-        "no Triton): transformers' torch path runs those layers. On the GPUs of a row's broken compute",
+        "no Triton): our torch chunked rule runs those layers. On the GPUs of a row's broken compute",
         "capabilities it is left out when the Triton the plan's torch pins (below) is in the broken range,",
         "with the reason and the fix in the plan. causal-conv1d is never installed: PyPI has only its source",
         "(an nvcc build), and transformers' torch path runs the short convolution.",

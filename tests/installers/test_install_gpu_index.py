@@ -154,7 +154,7 @@ def test_each_package_comes_from_the_index_the_plan_names(world, tmp_path, monke
 
 
 def test_a_failed_fla_install_leaves_it_out_and_the_environment_is_built(world, tmp_path, monkeypatch):
-    """flash-linear-attention is an accelerator (transformers' torch path runs those layers without it):
+    """flash-linear-attention is an accelerator (our torch chunked rule runs those layers without it):
     where it cannot install, the build goes on, and the receipt says so for doctor."""
     plan = gpu_plan(world, world["torch_index"])
     plan.flash_linear_attention = replace(plan.flash_linear_attention, spec="flash-linear-attention==9.9.9")

@@ -233,7 +233,7 @@ def _build(
         pins_all.write_text(plan_steps.pins_text(installed, frozenset(installed)), encoding="utf-8")
         try:
             run(fla)
-        except StepFailed as exc:  # an accelerator: transformers' torch path runs those layers without it
+        except StepFailed as exc:  # an accelerator: our torch chunked rule runs those layers without it
             _without_it(console, exc, optional_failed, "fla")
 
     probe = _verify(run, python, plan, request, optional_failed, logs)

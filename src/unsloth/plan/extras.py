@@ -60,7 +60,7 @@ def llama_cpp_choice(inputs: Inputs, torch: TorchChoice, effective_arch: str | N
 
 
 BACKEND_NAMES = {"cuda": "CUDA", "rocm": "ROCm", "xpu": "XPU", "mps": "MPS", "cpu": "CPU"}
-TORCH_PATH = "transformers' torch path runs Qwen3.5's Gated DeltaNet layers"
+TORCH_PATH = "our torch chunked rule runs Qwen3.5's Gated DeltaNet layers"
 NO_CAUSAL_CONV1D = ("causal-conv1d is left out (PyPI has only its source, an nvcc build): transformers' torch path "
                     "runs the short convolution")
 

@@ -69,7 +69,7 @@ class LlamaCpp(_FlatJson):
 @dataclass
 class FlashLinearAttention(_FlatJson):
     """flash-linear-attention (Triton kernels for Qwen3.5's Gated DeltaNet layers), where they run and
-    help; else none, with why: transformers' torch path runs those layers then."""
+    help; else none, with why: our torch chunked rule runs those layers then."""
 
     source: str  # "pypi" | "none"
     spec: str | None = None  # "flash-linear-attention==0.6.0"

@@ -176,7 +176,7 @@ def _judge_triton(result: dict[str, Any], context: _Context) -> Verdict:
 
 
 def _judge_fla(result: dict[str, Any], context: _Context) -> Verdict:
-    """An accelerator for Qwen3.5's Gated DeltaNet layers, never required: transformers' torch path runs
+    """An accelerator for Qwen3.5's Gated DeltaNet layers, never required: our torch chunked rule runs
     them without it. Whether it is used here follows the plan's part (the matrix's Hopper/Triton rule)."""
     fla = context.plan.flash_linear_attention if context.plan is not None else None
     wanted = fla is not None and fla.available
