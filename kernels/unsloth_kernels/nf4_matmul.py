@@ -1,0 +1,180 @@
+"""y = x @ W^T (+ bias) for a few rows of x and a bitsandbytes 4-bit weight W, without materializing W.
+
+For 2-16 rows (batch-8 decoding, GRPO rollouts) bitsandbytes dequantizes the whole weight to 16 bits
+and then runs a matmul: it writes and reads ~4x the bytes of the packed weight on every step. Here
+each program reads a [BLOCK_N, BLOCK_K] tile of the packed bytes and their absmax once, dequantizes
+it in registers (the layout is described in nf4.py), rounds it to x's dtype (as bitsandbytes'
+dense weight would be) and multiplies it into an fp32 accumulator.
+
+Where the N tiles alone are too few programs to fill the GPU, K is split across programs too: each
+writes an fp32 partial sum and a second small pass adds the partials in a fixed order (no atomics,
+so the result is deterministic), adds the bias and casts.
+
+`nf4_matmul` is a `torch.library.triton_op`, so torch.compile traces into it (the decode step is
+compiled and captured in CUDA graphs) instead of breaking the graph at an opaque call. Under
+TRITON_INTERPRET=1 it is an opaque custom op with a fake instead (see below).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from ._utils import INTERPRET, cdiv, num_sms, round_to_bf16
+from .nf4 import Prepared4bit
+
+# All launch constants, in one place. UNTUNED: chosen by reasoning, not measured on a GPU yet
+# (bench/nf4_matmul.py is the measurement to make before tuning them or turning the path on).
+MAX_ROWS = 16  # rows of x one launch handles; tl.dot wants a 16-row tile anyway
+BLOCK_N = 64  # output features per program
+BLOCK_K = 128  # input features per loop step (64 packed bytes per weight row)
+WARPS = 4
+PROGRAMS_PER_SM = 2  # split K until about this many programs per SM run
+MAX_SPLIT = 16
+
+
+@triton.jit
+def _nf4_matmul_kernel(
+    x_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, offset,
+    bias_ptr, out_ptr, M, N, K, stride_xm, k_chunk,
+    BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, OFFSET_IN_MEMORY: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, ROUND_BF16: tl.constexpr, FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_live = n < N
+    pairs = tl.arange(0, BLOCK_K // 2)  # packed bytes of one weight row in a step
+    cols = tl.arange(0, BLOCK_K)
+    # element index of (n, 0) in the flattened weight; int64, weights can pass 2**31 elements
+    row_start = n.to(tl.int64) * K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_begin = split * k_chunk
+    k_end = tl.minimum(k_begin + k_chunk, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        # K is even, so a byte never straddles two weight rows, and its two elements share a block.
+        element = row_start[:, None] + k0 + 2 * pairs[None, :]  # the byte's first (high-nibble) element
+        live = n_live[:, None] & (k0 + 2 * pairs[None, :] < k_end)
+        packed = tl.load(packed_ptr + element // 2, mask=live, other=0).to(tl.int32)
+        block = element // BLOCKSIZE
+        if NESTED:
+            scale_q = tl.load(absmax_ptr + block, mask=live, other=0).to(tl.int32)
+            scale = tl.load(code2_ptr + scale_q) * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=live, other=0.0)
+            scale = scale + (tl.load(offset_ptr) if OFFSET_IN_MEMORY else offset)
+        else:
+            scale = tl.load(absmax_ptr + block, mask=live, other=0.0)
+        high = tl.load(code_ptr + (packed >> 4)) * scale
+        low = tl.load(code_ptr + (packed & 0xF)) * scale
+        w = tl.interleave(high, low)  # [BLOCK_N, BLOCK_K], element order high, low, high, low, ...
+        if ROUND_BF16:
+            w = round_to_bf16(w)  # the interpreter truncates fp32 -> bf16; GPUs round to nearest
+        k = k0 + cols
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < k_end),
+                    other=0.0)  # fmt: skip
+        w = w.to(x.dtype)
+        if FP32:  # no TF32 for fp32 inputs; the interpreter's dot takes fp32 only (exact for 16-bit values)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    mask = (rows[:, None] < M) & n_live[None, :]
+    if PARTIAL:
+        out = out_ptr + (split * M + rows[:, None]) * N + n[None, :]
+        tl.store(out, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_live, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(partials_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):  # a fixed order: deterministic
+        acc += tl.load(partials_ptr + s * MN + i, mask=live, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + i % N, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def _split(n: int, k: int, device: torch.device) -> int:
+    """How many programs share K: enough that about PROGRAMS_PER_SM programs run per SM."""
+    tiles = cdiv(n, BLOCK_N)
+    index = device.index if device.type == "cuda" and device.index is not None else 0
+    wanted = cdiv(PROGRAMS_PER_SM * num_sms(index), tiles)
+    return max(1, min(wanted, MAX_SPLIT, cdiv(k, BLOCK_K)))
+
+
+def _nf4_matmul_launch(
+    x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, code: torch.Tensor, absmax2: torch.Tensor,
+    code2: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None, n: int, blocksize: int, blocksize2: int,
+    nested: bool,
+) -> torch.Tensor:  # fmt: skip
+    m, k = x.shape
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+    split = _split(n, k, x.device)
+    k_chunk = cdiv(cdiv(k, split), BLOCK_K) * BLOCK_K  # whole steps per split: only the last one ends mid-step
+    split = cdiv(k, k_chunk)
+    partial = split > 1
+    target = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if partial else out
+    bias_arg = bias if bias is not None else out  # unread when HAS_BIAS is off
+    wrap_triton(_nf4_matmul_kernel)[(cdiv(n, BLOCK_N), split)](
+        x, data, scales, code, absmax2, code2, offset, 0.0, bias_arg, target, m, n, k, x.stride(0), k_chunk,
+        BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, OFFSET_IN_MEMORY=True,
+        HAS_BIAS=bias is not None, PARTIAL=partial, ROUND_BF16=INTERPRET and x.dtype == torch.bfloat16,
+        FP32=INTERPRET or x.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS,
+    )  # fmt: skip
+    if partial:
+        block = 1024
+        wrap_triton(_sum_splits_kernel)[(cdiv(m * n, block),)](
+            target, bias_arg, out, m * n, n, SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4
+        )
+    return out
+
+
+def _nf4_matmul_fake(x, data, scales, code, absmax2, code2, offset, bias, n, blocksize, blocksize2, nested):
+    return x.new_empty((x.shape[0], n))
+
+
+if INTERPRET:
+    # Under the interpreter a kernel is not a JITFunction and torch cannot trace into it (wrap_triton
+    # hands it back as is), so the op is opaque there, with a fake for compile: the CPU tests' form.
+    _nf4_matmul_op = torch.library.custom_op("unsloth::nf4_matmul", mutates_args=())(_nf4_matmul_launch)
+    _nf4_matmul_op.register_fake(_nf4_matmul_fake)
+else:
+    _nf4_matmul_op = triton_op("unsloth::nf4_matmul", mutates_args=())(_nf4_matmul_launch)
+
+
+def nf4_matmul(x: torch.Tensor, prepared: Prepared4bit, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias) for x of shape [..., K] with at most MAX_ROWS rows in all, and a prepared
+    4-bit weight W of logical shape [N, K] (out x in, as nn.Linear). Output in x's dtype."""
+    if len(prepared.shape) != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {prepared.shape}")
+    n, k = prepared.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features; the weight takes {k}")
+    if k % 2:
+        raise ValueError(f"K must be even (two weights per byte in one row), got {k}")
+    rows = x.reshape(-1, k)
+    if rows.shape[0] > MAX_ROWS:
+        raise ValueError(f"nf4_matmul handles at most {MAX_ROWS} rows, got {rows.shape[0]}")
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    offset = prepared.offset
+    if not isinstance(offset, torch.Tensor):  # the op takes tensors; a float offset goes to the device once
+        offset = torch.full((1,), float(offset), dtype=torch.float32, device=x.device)
+    if bias is not None:
+        bias = bias.contiguous()
+    y = _nf4_matmul_op(rows, prepared.data, prepared.scales, prepared.code, prepared.absmax2, prepared.code2, offset,
+                       bias, n, prepared.blocksize, prepared.blocksize2, prepared.nested)  # fmt: skip
+    return y.reshape(*x.shape[:-1], n)
