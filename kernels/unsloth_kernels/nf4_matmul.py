@@ -87,12 +87,14 @@ def _nf4_matmul_kernel(
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n, mask=n_live, other=0.0).to(tl.float32)[None, :]
+        if ROUND_BF16:
+            acc = round_to_bf16(acc)
         tl.store(out_ptr + rows[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _sum_splits_kernel(partials_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr):  # fmt: skip
+                       ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = i < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -100,6 +102,8 @@ def _sum_splits_kernel(partials_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constex
         acc += tl.load(partials_ptr + s * MN + i, mask=live, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + i % N, mask=live, other=0.0).to(tl.float32)
+    if ROUND_BF16:
+        acc = round_to_bf16(acc)
     tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=live)
 
 
@@ -126,19 +130,21 @@ def _nf4_matmul_launch(
     k_chunk = cdiv(cdiv(k, split), BLOCK_K) * BLOCK_K  # whole steps per split: only the last one ends mid-step
     split = cdiv(k, k_chunk)
     partial = split > 1
+    round_bf16 = INTERPRET and x.dtype == torch.bfloat16
     target = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if partial else out
     bias_arg = bias if bias is not None else out  # unread when HAS_BIAS is off
     wrap_triton(_nf4_matmul_kernel)[(cdiv(n, BLOCK_N), split)](
         x, data, scales, code, absmax2, code2, offset, 0.0, bias_arg, target, m, n, k, x.stride(0), k_chunk,
         BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, OFFSET_IN_MEMORY=True,
-        HAS_BIAS=bias is not None, PARTIAL=partial, ROUND_BF16=INTERPRET and x.dtype == torch.bfloat16,
+        HAS_BIAS=bias is not None, PARTIAL=partial, ROUND_BF16=round_bf16,
         FP32=INTERPRET or x.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS,
     )  # fmt: skip
     if partial:
         block = 1024
         wrap_triton(_sum_splits_kernel)[(cdiv(m * n, block),)](
-            target, bias_arg, out, m * n, n, SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4
-        )
+            target, bias_arg, out, m * n, n, SPLIT=split, HAS_BIAS=bias is not None, ROUND_BF16=round_bf16,
+            BLOCK=block, num_warps=4,
+        )  # fmt: skip
     return out
 
 
