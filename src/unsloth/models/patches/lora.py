@@ -6,10 +6,15 @@ its base weight is dense or bitsandbytes 4-bit (an 8-bit base keeps peft's forwa
 activation recomputed in backward, not stored), and every other LoRA linear as `lora_o` (only
 x and x A^T saved). The check runs on every call, so disabling adapters (as TRL does for a
 reference model), merging or a mixed-adapter batch falls back to peft's own forward.
+
+Under torch.compile (the decode step) those forwards are peft's; with UNSLOTH_NF4_DECODE=1 a
+bitsandbytes 4-bit base layer then multiplies a few rows by its packed weight directly
+(`_nf4_decode_forward`), instead of bitsandbytes dequantizing the whole weight every step.
 """
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -111,6 +116,42 @@ def _lora_mlp_forward(self, x):
     return lora_mlp(x, *weights, activation=_MLP_ACTIVATION[self._unsloth_act], output_needed=output_needed)
 
 
+NF4_DECODE_ROWS = 16  # nf4_matmul's MAX_ROWS: more rows than this keep bitsandbytes' path
+
+
+def _nf4_decode_forward(self, x, *args, **kwargs):
+    """A bitsandbytes 4-bit base layer's forward (peft adds the LoRA delta after it): inside a compiled
+    step with UNSLOTH_NF4_DECODE=1, a few rows and no gradient, our fused nf4_matmul; else bitsandbytes'.
+    Off by default: it has not been measured on a GPU yet (bench/nf4_matmul.py)."""
+    from unsloth.models.kernels import compiling
+
+    if (not args and not kwargs and compiling() and os.environ.get("UNSLOTH_NF4_DECODE") == "1"
+            and _nf4_decode_applies(self, x)):  # fmt: skip
+        from unsloth_kernels.nf4 import prepare_bnb_4bit
+        from unsloth_kernels.nf4_matmul import nf4_matmul
+
+        # Prepared per call: under compile it is traced once into views of the same tensors.
+        prepared = prepare_bnb_4bit(self.weight, self.weight.quant_state)
+        return nf4_matmul(x, prepared, None if self.bias is None else self.bias.to(x.dtype))
+    return type(self).forward(self, x, *args, **kwargs)
+
+
+def _nf4_decode_applies(base, x) -> bool:
+    from unsloth_kernels._utils import INTERPRET
+
+    weight = base.weight
+    state = getattr(weight, "quant_state", None)
+    return (state is not None and getattr(state, "quant_type", None) == "nf4" and len(state.shape) == 2
+            and x.shape[-1] == state.shape[1] and state.shape[1] % 2 == 0
+            and x.numel() <= NF4_DECODE_ROWS * x.shape[-1]
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and (x.is_cuda or INTERPRET) and not (torch.is_grad_enabled() and x.requires_grad))  # fmt: skip
+
+
+def _is_4bit_linear(module) -> bool:
+    return isinstance(module, nn.Linear) and getattr(getattr(module, "weight", None), "quant_state", None) is not None
+
+
 def patch_lora(model, mlp_feeds_residual: bool = False) -> dict[str, int]:
     """Route the LoRA layers of a PeftModel through the fused kernels; returns counts per kind.
 
@@ -134,4 +175,8 @@ def patch_lora(model, mlp_feeds_residual: bool = False) -> dict[str, int]:
                 and id(module) not in in_mlp and "forward" not in module.__dict__ and kernel_reads_base(module)):
             module.forward = types.MethodType(_lora_linear_forward, module)
             linears += 1
+    for module in model.modules():  # the 4-bit bases of every LoRA layer, in an MLP or not
+        base = module.get_base_layer() if isinstance(module, LoraLayer) else None
+        if base is not None and _is_4bit_linear(base) and "forward" not in base.__dict__:
+            base.forward = types.MethodType(_nf4_decode_forward, base)
     return {"MLP": mlps, "linear": linears}

@@ -1,0 +1,85 @@
+"""UNSLOTH_NF4_DECODE=1: inside a compiled decode step a QLoRA model's 4-bit base projections run our
+nf4_matmul instead of bitsandbytes' dequantize-then-matmul, with the same greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny_families import save_tiny
+from unsloth.models import generation
+
+pytest.importorskip("bitsandbytes")
+from unsloth_kernels._utils import INTERPRET  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                reason="nf4_matmul runs on a GPU or under TRITON_INTERPRET=1")
+
+
+def _qlora_llama(tmp_path):
+    from unsloth.models.loader import add_lora, load_pretrained
+
+    model, _ = load_pretrained(str(save_tiny("llama", tmp_path / "llama")), max_seq_length=64, dtype="float32",
+                               load_in_4bit=True)  # fmt: skip
+    model = add_lora(model, r=4, lora_alpha=8, random_state=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)  # large enough that the adapters change the tokens
+    return model.eval()
+
+
+def _count_calls(monkeypatch):
+    import unsloth_kernels.nf4_matmul as module
+
+    calls, original = [], module.nf4_matmul
+    monkeypatch.setattr(module, "nf4_matmul", lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+def test_greedy_tokens_are_the_same_with_nf4_decode_on_and_off(tmp_path, monkeypatch):
+    """On the CPU transformers does not compile the decode step, so the compiled step's branch is taken by
+    saying we are compiling: the patched forwards then run as they do in the graph (peft's, on our base)."""
+    import unsloth.models.kernels as kernels
+
+    model = _qlora_llama(tmp_path)
+    generation.enable(model)
+    monkeypatch.setattr(kernels, "compiling", lambda: True)
+    calls = _count_calls(monkeypatch)
+    ids = torch.randint(2, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    tokens = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("UNSLOTH_NF4_DECODE", flag)
+        tokens[flag] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                      pad_token_id=0, eos_token_id=None)  # fmt: skip
+        assert bool(calls) == (flag == "1")
+    # the prompt (14 rows) and each decode step (2 rows) take the kernel: 7 projections per layer
+    assert len(calls) % 7 == 0 and len(calls) > 0
+    assert torch.equal(tokens["0"], tokens["1"])
+
+
+def test_a_4bit_lora_layer_compiles_into_one_graph_with_nf4_decode(tmp_path, monkeypatch):
+    """The real compiled branch: a peft LoRA layer over a 4-bit base, fullgraph, gives peft's output."""
+    import bitsandbytes as bnb
+    from peft import LoraConfig, get_peft_model
+
+    from unsloth.models.patches.lora import patch_lora
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(bnb.nn.Linear4bit(64, 72, bias=True, compute_dtype=torch.float32,
+                                                quant_type="nf4", compress_statistics=True))  # fmt: skip
+    net[0].weight = bnb.nn.Params4bit(torch.randn(72, 64), requires_grad=False, quant_type="nf4",
+                                      compress_statistics=True)._quantize("cpu")  # fmt: skip
+    peft = get_peft_model(net, LoraConfig(r=4, target_modules=["0"], init_lora_weights=False)).eval()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        expected = peft(x)  # peft over bitsandbytes' matmul_4bit
+        patch_lora(peft)
+        monkeypatch.setenv("UNSLOTH_NF4_DECODE", "1")
+        calls = _count_calls(monkeypatch)
+        torch._dynamo.reset()
+        got = torch.compile(peft, fullgraph=True, dynamic=False)(x)
+    assert calls, "the compiled forward did not take nf4_matmul"
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
