@@ -1,0 +1,117 @@
+"""Few-row NF4 matmul (the 4-bit decode step's base projections): ours vs bitsandbytes, one process.
+
+At Llama-3.1-8B projection shapes (q/o, k/v, gate/up, down), M = 1, 8, 16 rows, bf16, NF4 with
+double-quantized absmax (what QLoRA loads), times y = x @ W^T three ways:
+- ours: unsloth_kernels.nf4_matmul (reads the packed weight once, dequantizes in registers);
+- bnb: bitsandbytes.matmul_4bit, what a decode step runs today (a gemv for 1 row; for more rows it
+  dequantizes the whole weight to bf16, then a matmul);
+- dequant+mm: bitsandbytes.functional.dequantize_4bit then torch's matmul, spelled out.
+ms is the median of triton.testing.do_bench (host launch time included); graph ms the same call
+replayed from a CUDA graph, as the compiled decode step runs it (the GPU time alone); ratios are bnb / ours and dequant+mm / ours (> 1: ours is
+faster); GB/s is ours (graph ms where there is one) over the packed weight's bytes (packed + absmax), the bytes it must read.
+
+    python bench/nf4_matmul.py            # on a GPU
+    TRITON_INTERPRET=1 python bench/nf4_matmul.py --tiny   # a smoke test on the CPU, tiny shapes
+
+Prints one line per row to stderr, then a markdown table and one JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import bitsandbytes as bnb
+import bitsandbytes.functional as bnb_functional
+import torch
+
+from unsloth_kernels.nf4 import prepare_bnb_4bit
+from unsloth_kernels.nf4_matmul import nf4_matmul
+
+# (name, N = out features, K = in features) of Llama-3.1-8B's projections
+SHAPES = [("q_proj / o_proj", 4096, 4096), ("k_proj / v_proj", 1024, 4096), ("gate_proj / up_proj", 14336, 4096),
+          ("down_proj", 4096, 14336)]  # fmt: skip
+TINY_SHAPES = [("tiny", 72, 320), ("tiny split", 200, 576)]
+ROWS = (1, 8, 16)
+
+
+def timed(fn, device) -> float:
+    """Median ms of fn: do_bench on a GPU; a few wall-clock runs elsewhere (the interpreter smoke test)."""
+    if device == "cuda":
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        runs.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(runs)
+
+
+def graph_timed(fn, device) -> float | None:
+    """Median ms of fn replayed from a CUDA graph, as the compiled decode step runs it (no host time)."""
+    if device != "cuda":
+        return None
+    import triton
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    except Exception as error:  # noqa: BLE001 - a diagnostic column only
+        print(json.dumps({"graph": f"{type(error).__name__}: {error}"[:200]}), file=sys.stderr)
+        return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (for TRITON_INTERPRET=1 on the CPU)")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16
+    results = []
+    for name, n, k in TINY_SHAPES if args.tiny else SHAPES:
+        weight = torch.randn(n, k, device=device, dtype=dtype) * 0.02
+        packed, state = bnb_functional.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
+        state.dtype = dtype
+        prepared = prepare_bnb_4bit(packed, state)
+        weight_bytes = packed.numel() + state.absmax.numel() * state.absmax.element_size()
+        for m in ROWS:
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            ours = lambda: nf4_matmul(x, prepared)  # noqa: E731
+            theirs = lambda: bnb.matmul_4bit(x, packed.t(), quant_state=state)  # noqa: E731
+            spelled = lambda: x @ bnb_functional.dequantize_4bit(packed, state).t()  # noqa: E731
+            diff = (ours().float() - theirs().float()).abs().max().item()
+            fns = (("ours", ours), ("bnb", theirs), ("dequant+mm", spelled))
+            ms = {label: timed(fn, device) for label, fn in fns}
+            graph = {label: graph_timed(fn, device) for label, fn in fns}
+            row = {"shape": name, "N": n, "K": k, "M": m, **{f"{key} ms": round(v, 4) for key, v in ms.items()},
+                   **{f"{key} graph ms": v and round(v, 4) for key, v in graph.items()},
+                   "bnb / ours": round(ms["bnb"] / ms["ours"], 3),
+                   "dequant+mm / ours": round(ms["dequant+mm"] / ms["ours"], 3),
+                   "graph bnb / ours": graph["ours"] and round(graph["bnb"] / graph["ours"], 3),
+                   "ours GB/s": round(weight_bytes / (graph["ours"] or ms["ours"]) / 1e6, 1), "max |ours - bnb|": diff}  # fmt: skip
+            print(json.dumps(row), file=sys.stderr)
+            results.append(row)
+    keys = list(results[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in results:
+        print("| " + " | ".join(str(row[key]) for key in keys) + " |")
+    print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else device, "rows": results}))
+
+
+if __name__ == "__main__":
+    main()
