@@ -7,8 +7,9 @@ double-quantized absmax (what QLoRA loads), times y = x @ W^T three ways:
   dequantizes the whole weight to bf16, then a matmul);
 - dequant+mm: bitsandbytes.functional.dequantize_4bit then torch's matmul, spelled out.
 ms is the median of triton.testing.do_bench (host launch time included); graph ms the same call
-replayed from a CUDA graph, as the compiled decode step runs it (the GPU time alone); ratios are bnb / ours and dequant+mm / ours (> 1: ours is
-faster); GB/s is ours (graph ms where there is one) over the packed weight's bytes (packed + absmax), the bytes it must read.
+replayed from a CUDA graph, as the compiled decode step runs it (the GPU time alone); ratios are
+bnb / ours and dequant+mm / ours (> 1: ours is faster); GB/s is ours (graph ms where there is one)
+over the packed weight's bytes (packed + absmax), the bytes it must read.
 
     python bench/nf4_matmul.py            # on a GPU
     TRITON_INTERPRET=1 python bench/nf4_matmul.py --tiny   # a smoke test on the CPU, tiny shapes
@@ -101,8 +102,9 @@ def main() -> None:
                    **{f"{key} graph ms": v and round(v, 4) for key, v in graph.items()},
                    "bnb / ours": round(ms["bnb"] / ms["ours"], 3),
                    "dequant+mm / ours": round(ms["dequant+mm"] / ms["ours"], 3),
-                   "graph bnb / ours": graph["ours"] and round(graph["bnb"] / graph["ours"], 3),
-                   "ours GB/s": round(weight_bytes / (graph["ours"] or ms["ours"]) / 1e6, 1), "max |ours - bnb|": diff}  # fmt: skip
+                   "graph bnb / ours": graph["ours"] and graph["bnb"] and round(graph["bnb"] / graph["ours"], 3),
+                   "ours GB/s": round(weight_bytes / (graph["ours"] or ms["ours"]) / 1e6, 1),
+                   "max |ours - bnb|": diff}  # fmt: skip
             print(json.dumps(row), file=sys.stderr)
             results.append(row)
     keys = list(results[0])
