@@ -3,7 +3,7 @@
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
 # sections: machine, tests, kernels, trainer, profile, ab, host, moe, moetune, notebook, families, families_call, generation,
-# grpo, tts, fullft, vision, dpo, multigpu; all = machine tests kernels trainer)
+# nf4mm, grpo, tts, fullft, vision, dpo, multigpu; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
 set -u
 OUT=${OUT:-/tmp/h200-out}
@@ -189,6 +189,10 @@ generation() {  # decoding after for_inference, LoRA attached, batch 1 and 8; GE
   done
 }
 
+nf4mm() {  # the few-row NF4 matmul against bitsandbytes (carried in .whl) at the 8B projections, M = 1, 8, 16
+  timeout 300 python3 bench/nf4_matmul.py 2>&1 | tee "$OUT/nf4_matmul.log"
+}
+
 grpo() {  # a notebook-style GRPO step (QLoRA, a group of 8 x 256 after a 256-token prompt, no vLLM): ours, then Unsloth
   [ -f /tmp/llama8b/config.json ] || python3 .anchors/anchor_lora.py --impl make >/dev/null
   # shellcheck disable=SC2086
@@ -246,7 +250,7 @@ multigpu() {  # several GPUs (bench/bench_multigpu.py; a kind with 2+ GPUs): DDP
 [ $# -gt 0 ] || set -- all
 for section in "$@"; do
   case $section in
-    machine|tests|kernels|trainer|profile|ab|host|moe|moetune|notebook|families|families_call|generation|grpo|tts|fullft|vision|dpo|multigpu) $section ;;
+    machine|tests|kernels|trainer|profile|ab|host|moe|moetune|notebook|families|families_call|generation|nf4mm|grpo|tts|fullft|vision|dpo|multigpu) $section ;;
     all) machine; tests; kernels; trainer ;;
     *) echo "unknown section: $section" >&2; exit 2 ;;
   esac
