@@ -28,6 +28,7 @@ import time
 import bitsandbytes as bnb
 import bitsandbytes.functional as bnb_functional
 import torch
+from bench_kernels import graph_ms  # this folder: a script's own folder is on its path
 
 from unsloth_kernels.nf4 import prepare_bnb_4bit
 from unsloth_kernels.nf4_matmul import nf4_matmul
@@ -54,28 +55,6 @@ def timed(fn, device) -> float:
     return statistics.median(runs)
 
 
-def graph_timed(fn, device) -> float | None:
-    """Median ms of fn replayed from a CUDA graph, as the compiled decode step runs it (no host time)."""
-    if device != "cuda":
-        return None
-    import triton
-
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
-    except Exception as error:  # noqa: BLE001 - a diagnostic column only
-        print(json.dumps({"graph": f"{type(error).__name__}: {error}"[:200]}), file=sys.stderr)
-        return None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (for TRITON_INTERPRET=1 on the CPU)")
@@ -97,7 +76,7 @@ def main() -> None:
             diff = (ours().float() - theirs().float()).abs().max().item()
             fns = (("ours", ours), ("bnb", theirs), ("dequant+mm", spelled))
             ms = {label: timed(fn, device) for label, fn in fns}
-            graph = {label: graph_timed(fn, device) for label, fn in fns}
+            graph = {label: graph_ms(fn) if device == "cuda" else None for label, fn in fns}
             row = {"shape": name, "N": n, "K": k, "M": m, **{f"{key} ms": round(v, 4) for key, v in ms.items()},
                    **{f"{key} graph ms": v and round(v, 4) for key, v in graph.items()},
                    "bnb / ours": round(ms["bnb"] / ms["ours"], 3),
