@@ -37,9 +37,9 @@ MAX_SPLIT = 16
 
 @triton.jit
 def _nf4_matmul_kernel(
-    x_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, offset,
+    x_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr,
     bias_ptr, out_ptr, M, N, K, stride_xm, k_chunk,
-    BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, OFFSET_IN_MEMORY: tl.constexpr,
+    BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, ROUND_BF16: tl.constexpr, FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -64,7 +64,7 @@ def _nf4_matmul_kernel(
         if NESTED:
             scale_q = tl.load(absmax_ptr + block, mask=live, other=0).to(tl.int32)
             scale = tl.load(code2_ptr + scale_q) * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=live, other=0.0)
-            scale = scale + (tl.load(offset_ptr) if OFFSET_IN_MEMORY else offset)
+            scale = scale + tl.load(offset_ptr)  # always a tensor here: nf4_matmul puts a float offset on the device
         else:
             scale = tl.load(absmax_ptr + block, mask=live, other=0.0)
         high = tl.load(code_ptr + (packed >> 4)) * scale
@@ -134,8 +134,8 @@ def _nf4_matmul_launch(
     target = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if partial else out
     bias_arg = bias if bias is not None else out  # unread when HAS_BIAS is off
     wrap_triton(_nf4_matmul_kernel)[(cdiv(n, BLOCK_N), split)](
-        x, data, scales, code, absmax2, code2, offset, 0.0, bias_arg, target, m, n, k, x.stride(0), k_chunk,
-        BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, OFFSET_IN_MEMORY=True,
+        x, data, scales, code, absmax2, code2, offset, bias_arg, target, m, n, k, x.stride(0), k_chunk,
+        BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested,
         HAS_BIAS=bias is not None, PARTIAL=partial, ROUND_BF16=round_bf16,
         FP32=INTERPRET or x.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS,
     )  # fmt: skip

@@ -116,9 +116,6 @@ def _lora_mlp_forward(self, x):
     return lora_mlp(x, *weights, activation=_MLP_ACTIVATION[self._unsloth_act], output_needed=output_needed)
 
 
-NF4_DECODE_ROWS = 16  # nf4_matmul's MAX_ROWS: more rows than this keep bitsandbytes' path
-
-
 def _nf4_decode_forward(self, x, *args, **kwargs):
     """A bitsandbytes 4-bit base layer's forward (peft adds the LoRA delta after it): inside a compiled
     step with UNSLOTH_NF4_DECODE=1, a few rows and no gradient, our fused nf4_matmul; else bitsandbytes'.
@@ -138,12 +135,13 @@ def _nf4_decode_forward(self, x, *args, **kwargs):
 
 def _nf4_decode_applies(base, x) -> bool:
     from unsloth_kernels._utils import INTERPRET
+    from unsloth_kernels.nf4_matmul import MAX_ROWS  # more rows keep bitsandbytes' path
 
     weight = base.weight
     state = getattr(weight, "quant_state", None)
     return (state is not None and getattr(state, "quant_type", None) == "nf4" and len(state.shape) == 2
             and x.shape[-1] == state.shape[1] and state.shape[1] % 2 == 0
-            and x.numel() <= NF4_DECODE_ROWS * x.shape[-1]
+            and x.numel() <= MAX_ROWS * x.shape[-1]
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and (x.is_cuda or INTERPRET) and not (torch.is_grad_enabled() and x.requires_grad))  # fmt: skip
 
