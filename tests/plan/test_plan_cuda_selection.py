@@ -131,3 +131,15 @@ def test_unidentified_nvidia_without_driver_gets_cpu(matrix):
     plan = resolve(platform, matrix)
     assert plan.torch.backend == "cpu"
     assert "no GPU the hardware matrix knows" in plan.device_reason
+
+
+def test_a_torch_range_reaches_its_tightest_upper_bound_and_a_pin_is_its_own():
+    from packaging.version import Version
+
+    from unsloth.plan.versions import NO_CEILING, torch_ceiling
+
+    assert torch_ceiling(">=2.9,<2.14") == Version("2.14")
+    assert torch_ceiling("<=2.12.1,<2.14") == Version("2.12.1")
+    assert torch_ceiling("==2.11.0") == Version("2.11.0")  # a pinned index does not outrank a newer range
+    assert torch_ceiling("==2.11.*") == Version("2.11")
+    assert torch_ceiling(">=2.9") == NO_CEILING

@@ -69,6 +69,8 @@ NO_CEILING = Version("9999")
 
 
 def torch_ceiling(specifier: str) -> Version:
-    """The release a torch specifier (">=2.9,<2.14") stays below: its tightest upper bound."""
-    bounds = [Version(spec.version) for spec in SpecifierSet(specifier) if spec.operator in ("<", "<=")]
+    """The newest release a torch specifier (">=2.9,<2.14", "==2.11.0") reaches, as its tightest
+    upper bound (an exact pin is its own bound)."""
+    bounds = [Version(spec.version.removesuffix(".*")) for spec in SpecifierSet(specifier)
+              if spec.operator in ("<", "<=", "==")]
     return min(bounds, default=NO_CEILING)
