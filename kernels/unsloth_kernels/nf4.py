@@ -239,6 +239,10 @@ def prepare_bnb_4bit(weight: torch.Tensor, quant_state) -> Prepared4bit:
     The QuantState is duck-typed (absmax, shape, dtype, blocksize, quant_type, code, offset, state2
     with absmax/code/blocksize), so bitsandbytes need not be importable here.
     """
+    if getattr(quant_state, "packing_format_for_cpu", False):
+        raise ValueError("this 4-bit weight is in bitsandbytes' CPU inference layout (repacked by an eval forward "
+                         "on the CPU), which unsloth's kernels do not read; load the model through unsloth "
+                         "(FastLanguageModel.from_pretrained), which keeps the canonical layout")
     quant_type = getattr(quant_state, "quant_type", "nf4")
     if quant_type not in ("nf4", "fp4"):
         raise ValueError(f"unsupported 4-bit quant_type {quant_type!r} (expected 'nf4' or 'fp4')")

@@ -60,23 +60,51 @@ def test_greedy_tokens_are_the_same_with_nf4_decode_on_and_off(tmp_path, monkeyp
     assert torch.equal(tokens["0"], tokens["1"])
 
 
-def test_a_4bit_lora_layer_compiles_into_one_graph_with_nf4_decode(tmp_path, monkeypatch):
-    """The real compiled branch: a peft LoRA layer over a 4-bit base, fullgraph, gives peft's output."""
+def _peft_over_4bit(out_features=72):
+    """A peft LoRA layer (random, non-zero adapters) over one bitsandbytes NF4 Linear4bit, 64 in."""
     import bitsandbytes as bnb
     from peft import LoraConfig, get_peft_model
 
-    from unsloth.models.patches.lora import patch_lora
-
     torch.manual_seed(0)
-    net = torch.nn.Sequential(bnb.nn.Linear4bit(64, 72, bias=True, compute_dtype=torch.float32,
+    net = torch.nn.Sequential(bnb.nn.Linear4bit(64, out_features, bias=True, compute_dtype=torch.float32,
                                                 quant_type="nf4", compress_statistics=True))  # fmt: skip
-    net[0].weight = bnb.nn.Params4bit(torch.randn(72, 64), requires_grad=False, quant_type="nf4",
+    net[0].weight = bnb.nn.Params4bit(torch.randn(out_features, 64), requires_grad=False, quant_type="nf4",
                                       compress_statistics=True)._quantize("cpu")  # fmt: skip
-    peft = get_peft_model(net, LoraConfig(r=4, target_modules=["0"], init_lora_weights=False)).eval()
+    return get_peft_model(net, LoraConfig(r=4, target_modules=["0"], init_lora_weights=False)).eval()
+
+
+def test_a_weight_bitsandbytes_repacked_for_its_cpu_kernel_keeps_peft_s_path(monkeypatch):
+    """bitsandbytes repacks a 4-bit weight for its AVX512-BF16 CPU kernel on the first eval forward
+    without gradients. Patched after that, the layer keeps peft's (correct) forward instead of our
+    kernels, which read the canonical layout; nf4_matmul's preparation refuses that layout outright."""
+    from unsloth.models.patches.lora import lora_weights, patch_lora
+    from unsloth_kernels.nf4 import prepare_bnb_4bit
+
+    peft = _peft_over_4bit(128)  # bitsandbytes' CPU layout takes whole 32-row blocks
     x = torch.randn(3, 64)
     with torch.no_grad():
-        expected = peft(x)  # peft over bitsandbytes' matmul_4bit
-        patch_lora(peft)
+        expected = peft(x)  # repacks, where this CPU has AVX512-BF16
+    base = peft.base_model.model[0].base_layer
+    if not getattr(base.weight.quant_state, "packing_format_for_cpu", False):
+        pytest.skip("this CPU has no AVX512-BF16: bitsandbytes does not repack here")
+    patch_lora(peft)
+    assert lora_weights(peft.base_model.model[0]) is None
+    monkeypatch.setenv("UNSLOTH_NF4_DECODE", "1")
+    with torch.no_grad():
+        torch.testing.assert_close(peft(x), expected)
+    with pytest.raises(ValueError, match="CPU inference layout"):
+        prepare_bnb_4bit(base.weight, base.weight.quant_state)
+
+
+def test_a_4bit_lora_layer_compiles_into_one_graph_with_nf4_decode(tmp_path, monkeypatch):
+    """The real compiled branch: a peft LoRA layer over a 4-bit base, fullgraph, gives peft's output."""
+    from unsloth.models.patches.lora import patch_lora
+
+    peft = _peft_over_4bit()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        patch_lora(peft)  # first: it keeps bitsandbytes from repacking the weight for its CPU kernel
+        expected = peft(x)  # peft over bitsandbytes' matmul_4bit (not compiling: our decode path is off)
         monkeypatch.setenv("UNSLOTH_NF4_DECODE", "1")
         calls = _count_calls(monkeypatch)
         torch._dynamo.reset()

@@ -19,6 +19,7 @@ from unsloth.errors import UnslothError
 from unsloth.models.distributed import bind_to_gpu_numa_node, rank_device, world_size
 from unsloth.models.embedding import offload_input_embedding
 from unsloth.models.patches import patch_model, patch_peft_model
+from unsloth.models.patches.lora import keep_4bit_layout
 from unsloth.models.speech import CODEC_MODULES, codec_of
 from unsloth.models.checkpointing import apply_gradient_checkpointing
 
@@ -334,6 +335,7 @@ def load_pretrained(
                  "on unsloth's static-cache path%s.", "installed (`unsloth install --with vllm` adds it where its "
                  "wheels exist)" if importlib.util.find_spec("vllm") is None else "used off a GPU",
                  " with CUDA graphs" if torch.cuda.is_available() else "")
+    keep_4bit_layout(model)
     patch_model(model)
     if full_finetuning:
         for p in model.parameters():

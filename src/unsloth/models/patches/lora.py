@@ -56,7 +56,9 @@ def lora_weights(layer):
     if cached is not None and cached[1] == values and all(a is b for a, b in zip(cached[0], objects)):
         return cached[2]
     weights = None
-    if isinstance(dropout, nn.Identity) and not dora and not fan_in_fan_out and weight is not None:
+    if getattr(quant_state, "packing_format_for_cpu", False):
+        pass  # repacked for bitsandbytes' CPU kernel before we could stop it (keep_4bit_layout): peft's path
+    elif isinstance(dropout, nn.Identity) and not dora and not fan_in_fan_out and weight is not None:
         # 4-bit, or a dense base that is frozen (not 8-bit, not itself being trained)
         if quant_state is not None or (weight.is_floating_point() and not weight.requires_grad):
             from unsloth_kernels.lora import LoraWeights
@@ -64,6 +66,15 @@ def lora_weights(layer):
             weights = LoraWeights(weight, A, B, float(scaling), quant_state, bias)
     layer.__dict__["_unsloth_lora_weights"] = (objects, values, weights)
     return weights
+
+
+def keep_4bit_layout(model: nn.Module) -> None:
+    """bitsandbytes (0.50) repacks a 4-bit weight into a CPU-only layout the first time an eval
+    forward without gradients runs on an AVX512-BF16 CPU; our kernels (training after generating,
+    merging, nf4_matmul) read the canonical layout, so every 4-bit layer is told not to."""
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
 
 
 def kernel_reads_base(layer) -> bool:
@@ -140,6 +151,7 @@ def _nf4_decode_applies(base, x) -> bool:
     weight = base.weight
     state = getattr(weight, "quant_state", None)
     return (state is not None and getattr(state, "quant_type", None) == "nf4" and len(state.shape) == 2
+            and not getattr(state, "packing_format_for_cpu", False)
             and x.shape[-1] == state.shape[1] and state.shape[1] % 2 == 0
             and x.numel() <= MAX_ROWS * x.shape[-1]
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -173,6 +185,7 @@ def patch_lora(model, mlp_feeds_residual: bool = False) -> dict[str, int]:
                 and id(module) not in in_mlp and "forward" not in module.__dict__ and kernel_reads_base(module)):
             module.forward = types.MethodType(_lora_linear_forward, module)
             linears += 1
+    keep_4bit_layout(model)
     for module in model.modules():  # the 4-bit bases of every LoRA layer, in an MLP or not
         base = module.get_base_layer() if isinstance(module, LoraLayer) else None
         if base is not None and _is_4bit_linear(base) and "forward" not in base.__dict__:
