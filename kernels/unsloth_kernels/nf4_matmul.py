@@ -25,14 +25,19 @@ from torch.library import triton_op, wrap_triton
 from ._utils import INTERPRET, cdiv, num_sms, round_to_bf16
 from .nf4 import Prepared4bit
 
-# All launch constants, in one place. UNTUNED: chosen by reasoning, not measured on a GPU yet
-# (bench/nf4_matmul.py is the measurement to make before tuning them or turning the path on).
 MAX_ROWS = 16  # rows of x one launch handles; tl.dot wants a 16-row tile anyway
-BLOCK_N = 64  # output features per program
-BLOCK_K = 128  # input features per loop step (64 packed bytes per weight row)
-WARPS = 4
-PROGRAMS_PER_SM = 2  # split K until about this many programs per SM run
-MAX_SPLIT = 16
+MAX_SPLIT = 16  # at most this many programs share one tile's K
+
+# Launch configurations, (BLOCK_N, BLOCK_K, warps, programs per SM, dot), by the number of rows:
+# "one" (batch-1 decoding: a multiply-add reduction) and "few" (2 to MAX_ROWS rows: a 16-row tl.dot
+# per step where dot is on, else a reduction per row). K is split across programs until about
+# "programs per SM" programs run on each SM. Read at each launch, so bench/nf4_matmul.py --sweep can
+# try others on a GPU; the interpreter gets small tiles (its cost grows with tile size).
+NF4_MATMUL_TUNING: dict[str, tuple[int, int, int, int, bool]] = (
+    {"one": (32, 64, 4, 2, False), "few": (32, 64, 4, 2, False)}
+    if INTERPRET else
+    {"one": (16, 512, 4, 4, False), "few": (64, 128, 4, 2, False)}
+)  # fmt: skip
 
 
 @triton.jit
@@ -41,55 +46,97 @@ def _nf4_matmul_kernel(
     bias_ptr, out_ptr, M, N, K, stride_xm, k_chunk,
     BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, ROUND_BF16: tl.constexpr, FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
+    # A step covers [BLOCK_N, BLOCK_K] weights, BLOCK_K // 2 bytes a row. Byte j holds element 2j in
+    # its high nibble and 2j + 1 in its low one, so the step is two [BLOCK_N, BLOCK_K // 2] halves,
+    # "high" (even columns) and "low" (odd), each multiplied by x's even or odd columns: no
+    # interleaving of the nibbles in registers. The bytes are read as BLOCK_K // GROUP groups of
+    # GROUP elements sharing one absmax (GROUP divides the blocksize and K is a multiple of it), so
+    # a scale is loaded once per group; where K is not, GROUP is 2: a scale per byte.
+    N_GROUPS: tl.constexpr = BLOCK_K // GROUP
+    GROUP_BYTES: tl.constexpr = GROUP // 2
+    HALF: tl.constexpr = BLOCK_K // 2
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_live = n < N
-    pairs = tl.arange(0, BLOCK_K // 2)  # packed bytes of one weight row in a step
-    cols = tl.arange(0, BLOCK_K)
+    groups = tl.arange(0, N_GROUPS)
+    group_bytes = tl.arange(0, GROUP_BYTES)
+    pairs = tl.arange(0, HALF)
+    rows = tl.arange(0, BLOCK_M)
     # element index of (n, 0) in the flattened weight; int64, weights can pass 2**31 elements
     row_start = n.to(tl.int64) * K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = split * k_chunk
     k_end = tl.minimum(k_begin + k_chunk, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         # K is even, so a byte never straddles two weight rows, and its two elements share a block.
-        element = row_start[:, None] + k0 + 2 * pairs[None, :]  # the byte's first (high-nibble) element
-        live = n_live[:, None] & (k0 + 2 * pairs[None, :] < k_end)
-        packed = tl.load(packed_ptr + element // 2, mask=live, other=0).to(tl.int32)
-        block = element // BLOCKSIZE
+        first = row_start[:, None] + k0 + groups[None, :] * GROUP  # [BLOCK_N, N_GROUPS]: each group's first element
+        live = n_live[:, None] & (k0 + groups[None, :] * GROUP < k_end)  # groups are whole or out of range
+        block = first // BLOCKSIZE
         if NESTED:
             scale_q = tl.load(absmax_ptr + block, mask=live, other=0).to(tl.int32)
             scale = tl.load(code2_ptr + scale_q) * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=live, other=0.0)
             scale = scale + tl.load(offset_ptr)  # always a tensor here: nf4_matmul puts a float offset on the device
         else:
             scale = tl.load(absmax_ptr + block, mask=live, other=0.0)
-        high = tl.load(code_ptr + (packed >> 4)) * scale
-        low = tl.load(code_ptr + (packed & 0xF)) * scale
-        w = tl.interleave(high, low)  # [BLOCK_N, BLOCK_K], element order high, low, high, low, ...
-        if ROUND_BF16:
-            w = round_to_bf16(w)  # the interpreter truncates fp32 -> bf16; GPUs round to nearest
-        k = k0 + cols
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < k_end),
-                    other=0.0)  # fmt: skip
-        w = w.to(x.dtype)
-        if FP32:  # no TF32 for fp32 inputs; the interpreter's dot takes fp32 only (exact for 16-bit values)
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
-    mask = (rows[:, None] < M) & n_live[None, :]
+        byte = first[:, :, None] // 2 + group_bytes[None, None, :]
+        packed = tl.load(packed_ptr + byte, mask=live[:, :, None], other=0).to(tl.int32)
+        high = tl.reshape(tl.load(code_ptr + (packed >> 4)) * scale[:, :, None], (BLOCK_N, HALF))
+        low = tl.reshape(tl.load(code_ptr + (packed & 0xF)) * scale[:, :, None], (BLOCK_N, HALF))
+        if ROUND_BF16:  # the interpreter truncates fp32 -> bf16; GPUs round to nearest
+            high = round_to_bf16(high)
+            low = round_to_bf16(low)
+        even = k0 + 2 * pairs
+        if BLOCK_M == 1:
+            x_even = tl.load(x_ptr + even, mask=even < k_end, other=0.0)
+            x_odd = tl.load(x_ptr + even + 1, mask=even < k_end, other=0.0)
+            acc += tl.sum(high.to(x_even.dtype).to(tl.float32) * x_even.to(tl.float32)[None, :]
+                          + low.to(x_even.dtype).to(tl.float32) * x_odd.to(tl.float32)[None, :], axis=1)
+        elif DOT:  # a 16-row tile on the tensor cores
+            x_rows = x_ptr + rows[:, None] * stride_xm + even[None, :]
+            x_live = (rows[:, None] < M) & (even[None, :] < k_end)
+            x_even = tl.load(x_rows, mask=x_live, other=0.0)
+            x_odd = tl.load(x_rows + 1, mask=x_live, other=0.0)
+            high = high.to(x_even.dtype)
+            low = low.to(x_even.dtype)
+            if FP32:  # no TF32 for fp32 inputs; the interpreter's dot takes fp32 only (exact for 16-bit values)
+                acc += tl.dot(x_even.to(tl.float32), tl.trans(high.to(tl.float32)), input_precision="ieee")
+                acc += tl.dot(x_odd.to(tl.float32), tl.trans(low.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(x_even, tl.trans(high))
+                acc += tl.dot(x_odd, tl.trans(low))
+        else:  # a multiply-add reduction per row, each row's sums put in its row of the accumulator
+            high = high.to(x_ptr.dtype.element_ty).to(tl.float32)
+            low = low.to(x_ptr.dtype.element_ty).to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                x_row = x_ptr + tl.minimum(m, M - 1) * stride_xm  # rows past M: a real row, never stored
+                x_even = tl.load(x_row + even, mask=even < k_end, other=0.0).to(tl.float32)
+                x_odd = tl.load(x_row + even + 1, mask=even < k_end, other=0.0).to(tl.float32)
+                sums = tl.sum(high * x_even[None, :] + low * x_odd[None, :], axis=1)
+                acc += tl.where(rows[:, None] == m, sums[None, :], 0.0)
+    if BLOCK_M == 1:
+        offsets = n
+        mask = n_live
+    else:
+        offsets = rows[:, None] * N + n[None, :]
+        mask = (rows[:, None] < M) & n_live[None, :]
     if PARTIAL:
-        out = out_ptr + (split * M + rows[:, None]) * N + n[None, :]
-        tl.store(out, acc, mask=mask)
+        tl.store(out_ptr + split * M * N + offsets, acc, mask=mask)
     else:
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + n, mask=n_live, other=0.0).to(tl.float32)[None, :]
+            bias = tl.load(bias_ptr + n, mask=n_live, other=0.0).to(tl.float32)
+            if BLOCK_M == 1:
+                acc += bias
+            else:
+                acc += bias[None, :]
         if ROUND_BF16:
             acc = round_to_bf16(acc)
-        tl.store(out_ptr + rows[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -107,12 +154,20 @@ def _sum_splits_kernel(partials_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constex
     tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=live)
 
 
-def _split(n: int, k: int, device: torch.device) -> int:
-    """How many programs share K: enough that about PROGRAMS_PER_SM programs run per SM."""
-    tiles = cdiv(n, BLOCK_N)
+def _split(n: int, k: int, block_n: int, block_k: int, programs_per_sm: int, device: torch.device) -> int:
+    """How many programs share K: enough that about `programs_per_sm` programs run per SM."""
+    tiles = cdiv(n, block_n)
     index = device.index if device.type == "cuda" and device.index is not None else 0
-    wanted = cdiv(PROGRAMS_PER_SM * num_sms(index), tiles)
-    return max(1, min(wanted, MAX_SPLIT, cdiv(k, BLOCK_K)))
+    wanted = cdiv(programs_per_sm * num_sms(index), tiles)
+    return max(1, min(wanted, MAX_SPLIT, cdiv(k, block_k)))
+
+
+def _group(k: int, blocksize: int, block_k: int) -> int:
+    """Elements per scale group (see the kernel): the block, or the step where the block is longer,
+    when K is a multiple of a power-of-two blocksize; else 2 (a scale per byte)."""
+    if blocksize & (blocksize - 1) == 0 and k % blocksize == 0:
+        return min(blocksize, block_k)
+    return 2
 
 
 def _nf4_matmul_launch(
@@ -126,18 +181,21 @@ def _nf4_matmul_launch(
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    split = _split(n, k, x.device)
-    k_chunk = cdiv(cdiv(k, split), BLOCK_K) * BLOCK_K  # whole steps per split: only the last one ends mid-step
+    block_n, block_k, warps, programs_per_sm, dot = NF4_MATMUL_TUNING["one" if m == 1 else "few"]
+    split = _split(n, k, block_n, block_k, programs_per_sm, x.device)
+    k_chunk = cdiv(cdiv(k, split), block_k) * block_k  # whole steps per split: only the last one ends mid-step
     split = cdiv(k, k_chunk)
     partial = split > 1
     round_bf16 = INTERPRET and x.dtype == torch.bfloat16
     target = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if partial else out
     bias_arg = bias if bias is not None else out  # unread when HAS_BIAS is off
-    wrap_triton(_nf4_matmul_kernel)[(cdiv(n, BLOCK_N), split)](
+    wrap_triton(_nf4_matmul_kernel)[(cdiv(n, block_n), split)](
         x, data, scales, code, absmax2, code2, offset, bias_arg, target, m, n, k, x.stride(0), k_chunk,
         BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested,
         HAS_BIAS=bias is not None, PARTIAL=partial, ROUND_BF16=round_bf16,
-        FP32=INTERPRET or x.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS,
+        FP32=INTERPRET or x.dtype == torch.float32, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=1 if m == 1 else MAX_ROWS if dot else triton.next_power_of_2(m), DOT=dot,
+        GROUP=_group(k, blocksize, block_k), num_warps=warps,
     )  # fmt: skip
     if partial:
         block = 1024

@@ -10,23 +10,28 @@ import pytest
 import torch
 
 from reference import DEVICE, needs_kernels
+from unsloth_kernels import nf4_matmul as nf4_matmul_module
 from unsloth_kernels.nf4 import prepare_bnb_4bit
 from unsloth_kernels.nf4_matmul import MAX_ROWS, nf4_matmul
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 pytestmark = needs_kernels
 
-# K not a multiple of BLOCK_K (576 = 4.5 steps, 320 = 2.5), N not a multiple of BLOCK_N. The
-# interpreter counts 4 SMs, so up to N = 256 K is split (the two-pass sum); N = 520 runs in one pass.
-CASES = [(1, 72, 320), (3, 200, 576), (8, 520, 320), (16, 200, 320)]
+# With the interpreter's tiles (NF4_MATMUL_TUNING: 32 rows of W by 64 columns of K a step): K
+# ending mid-step (200 = 3 steps and 8 columns; no multiple of the 64-element block either, so a
+# scale per byte), K split into unequal parts (576 = 5 + 4 steps), N not a multiple of the tile
+# (73, 200, 520), one row (the multiply-add form, with and without bias) and several (tl.dot). The
+# interpreter counts 4 SMs, so up to N = 256 K is split across programs (the two-pass sum); N = 520
+# runs in one pass.
+CASES = [(1, 72, 320), (1, 73, 200), (3, 200, 576), (2, 72, 200), (8, 520, 320), (16, 200, 320)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 EPS = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 2**-22}
 
 
-def quantize(n, k, nested, seed=0):
+def quantize(n, k, nested, seed=0, blocksize=64):
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn((n, k), generator=generator).to(DEVICE)
-    return bnb_functional.quantize_4bit(weight, blocksize=64, compress_statistics=nested, quant_type="nf4")
+    return bnb_functional.quantize_4bit(weight, blocksize=blocksize, compress_statistics=nested, quant_type="nf4")
 
 
 def check(y, x, packed, state, bias):
@@ -43,14 +48,34 @@ def check(y, x, packed, state, bias):
     assert ((y.double() - ref).abs() <= tol).all(), (y.double() - ref).abs().max()
 
 
+@pytest.fixture(params=[False, True], ids=["reduce", "dot"])
+def few_rows_form(request, monkeypatch):
+    """Both forms of the 2..16-row kernel: a reduction per row, and a 16-row tl.dot."""
+    block_n, block_k, warps, programs_per_sm, _ = nf4_matmul_module.NF4_MATMUL_TUNING["few"]
+    monkeypatch.setitem(nf4_matmul_module.NF4_MATMUL_TUNING, "few",
+                        (block_n, block_k, warps, programs_per_sm, request.param))  # fmt: skip
+    return request.param
+
+
 @pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m,n,k", CASES, ids=str)
-def test_matches_float64_reference(m, n, k, dtype, nested):
+def test_matches_float64_reference(m, n, k, dtype, nested, few_rows_form):
+    if m == 1 and few_rows_form:
+        pytest.skip("one row has one form")
     packed, state = quantize(n, k, nested)
     x = torch.randn((m, k), device=DEVICE).to(dtype)
     use_bias = (m + n) % 2 == 0  # with and without bias across the cases, not doubling them
     bias = torch.randn(n, device=DEVICE).to(dtype) if use_bias else None
+    check(nf4_matmul(x, prepare_bnb_4bit(packed, state), bias), x, packed, state, bias)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_a_block_longer_than_the_step(m, few_rows_form):
+    """blocksize 128 over 64-column steps: each step reads half a block's scale group."""
+    packed, state = quantize(40, 384, nested=True, blocksize=128)
+    x = torch.randn((m, 384), device=DEVICE).to(torch.bfloat16)
+    bias = torch.randn(40, device=DEVICE).to(torch.bfloat16)
     check(nf4_matmul(x, prepare_bnb_4bit(packed, state), bias), x, packed, state, bias)
 
 
