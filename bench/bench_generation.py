@@ -42,6 +42,8 @@ def arguments(argv=None):
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama on the CPU (checks the logic)")
     p.add_argument("--sync-every-step", action="store_true",
                    help="ours: the host waits for every decode step, as transformers does on CUDA (the A/B of the deferred stop check)")
+    p.add_argument("--nf4-tuning", metavar="FILE",
+                   help="ours: nf4_matmul's launch configurations from bench/nf4_matmul.py --tuning-out (same call)")
     p.add_argument("--profile", action="store_true",
                    help="one more call under torch.profiler: the GPU's kernel time per decode step beside the wall time")
     args = p.parse_args(argv)
@@ -134,7 +136,8 @@ def measure(model, args, batch: int, device: str) -> dict:
     assert new_tokens.shape[1] == args.new, new_tokens.shape
     profiled = device_time(generate, args.new) if args.profile else {}
     return {"impl": args.impl, "batch": batch, "prompt": args.prompt, "new": args.new, "four_bit": args.four_bit,
-            "sync_every_step": args.sync_every_step, "wall_ms_per_step": round(1000 * seconds / args.new, 3), **profiled,
+            "sync_every_step": args.sync_every_step, "nf4_decode": os.environ.get("UNSLOTH_NF4_DECODE") == "1",
+            "wall_ms_per_step": round(1000 * seconds / args.new, 3), **profiled,
             "tokens_per_s": round(batch * args.new / seconds, 2), "seconds": round(seconds, 3),
             "first_call_s": round(first_s, 2),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
@@ -167,6 +170,11 @@ def main(argv=None):
         from unsloth.models import generation
 
         generation.DEFER_DEVICES = set()
+    if args.nf4_tuning and args.impl == "ours":
+        from unsloth_kernels import nf4_matmul
+
+        with open(args.nf4_tuning) as f:
+            nf4_matmul.NF4_MATMUL_TUNING.update({kind: tuple(config) for kind, config in json.load(f).items()})
     import torch
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"

@@ -189,8 +189,11 @@ generation() {  # decoding after for_inference, LoRA attached, batch 1 and 8; GE
   done
 }
 
-nf4mm() {  # the few-row NF4 matmul against bitsandbytes (carried in .whl) at the 8B projections, M = 1, 8, 16
-  timeout 300 python3 bench/nf4_matmul.py 2>&1 | tee "$OUT/nf4_matmul.log"
+nf4mm() {  # the few-row NF4 matmul against bitsandbytes (in .anchors) at the 8B projections, M = 1, 8, 16
+  # NF4MM_ARGS="--sweep --tuning-out $OUT/nf4-tuning.json" first picks the launch configurations;
+  # GEN_ARGS="--four-bit --nf4-tuning $OUT/nf4-tuning.json" then decodes with them in the same call
+  # shellcheck disable=SC2086
+  timeout "${NF4MM_TIMEOUT:-300}" python3 bench/nf4_matmul.py ${NF4MM_ARGS:-} 2>&1 | tee "$OUT/nf4_matmul.log"
 }
 
 grpo() {  # a notebook-style GRPO step (QLoRA, a group of 8 x 256 after a 256-token prompt, no vLLM): ours, then Unsloth

@@ -12,7 +12,14 @@ bnb / ours and dequant+mm / ours (> 1: ours is faster); GB/s is ours (graph ms w
 over the packed weight's bytes (packed + absmax), the bytes it must read.
 
     python bench/nf4_matmul.py            # on a GPU
+    python bench/nf4_matmul.py --sweep --tuning-out tuning.json   # first tries launch configurations
     TRITON_INTERPRET=1 python bench/nf4_matmul.py --tiny   # a smoke test on the CPU, tiny shapes
+
+--sweep times every configuration of SWEEP (nf4_matmul.NF4_MATMUL_TUNING's tuple: BLOCK_N, BLOCK_K,
+warps, programs per SM, tl.dot or a reduction) for one row ("one", M = 1) and a few ("few", M = 8),
+from a CUDA graph, summed over a decode step's projections (WEIGHTS: how many of each shape a layer
+has), keeps the fastest of each for the table, and with --tuning-out writes them as JSON for
+bench_generation.py --nf4-tuning.
 
 Prints one line per row to stderr, then a markdown table and one JSON line on stdout.
 """
@@ -30,6 +37,7 @@ import bitsandbytes.functional as bnb_functional
 import torch
 from bench_kernels import graph_ms  # this folder: a script's own folder is on its path
 
+from unsloth_kernels import nf4_matmul as nf4_matmul_module
 from unsloth_kernels.nf4 import prepare_bnb_4bit
 from unsloth_kernels.nf4_matmul import nf4_matmul
 
@@ -38,6 +46,15 @@ SHAPES = [("q_proj / o_proj", 4096, 4096), ("k_proj / v_proj", 1024, 4096), ("ga
           ("down_proj", 4096, 14336)]  # fmt: skip
 TINY_SHAPES = [("tiny", 72, 320), ("tiny split", 200, 576)]
 ROWS = (1, 8, 16)
+WEIGHTS = {"q_proj / o_proj": 2, "k_proj / v_proj": 2, "gate_proj / up_proj": 2, "down_proj": 1, "tiny": 1,
+           "tiny split": 1}  # fmt: skip
+# (BLOCK_N, BLOCK_K, warps, programs per SM, dot) tried by --sweep; tiles over 16K weights would spill
+_REDUCE = [(bn, bk, w, p, False) for bn in (16, 32, 64) for bk in (128, 256, 512) for w in (2, 4) for p in (2, 4)
+           if bn * bk <= 16384]  # fmt: skip
+_DOT = [(bn, bk, w, p, True) for bn in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8) for p in (2, 4)
+        if bn * bk <= 16384]  # fmt: skip
+SWEEP = {"one": _REDUCE, "few": _REDUCE + _DOT}
+SWEEP_ROWS = {"one": 1, "few": 8}
 
 
 def timed(fn, device) -> float:
@@ -55,18 +72,57 @@ def timed(fn, device) -> float:
     return statistics.median(runs)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (for TRITON_INTERPRET=1 on the CPU)")
-    args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16
-    results = []
-    for name, n, k in TINY_SHAPES if args.tiny else SHAPES:
+def quantized(shapes, device, dtype):
+    """(name, n, k, packed, state, prepared) per shape: NF4 with double-quantized absmax, as QLoRA loads."""
+    out = []
+    for name, n, k in shapes:
         weight = torch.randn(n, k, device=device, dtype=dtype) * 0.02
         packed, state = bnb_functional.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
         state.dtype = dtype
-        prepared = prepare_bnb_4bit(packed, state)
+        out.append((name, n, k, packed, state, prepare_bnb_4bit(packed, state)))
+    return out
+
+
+def sweep(weights, device, dtype, tiny=False) -> dict[str, list]:
+    """The fastest configuration of SWEEP per kind, by a decode step's weighted graph time (with --tiny,
+    the first and last only: the interpreter's smoke test of this code)."""
+    best = {}
+    for kind, configs in SWEEP.items():
+        configs = configs[:1] + configs[-1:] if tiny else configs
+        xs = [torch.randn(SWEEP_ROWS[kind], k, device=device, dtype=dtype) for _, _, k, *_ in weights]
+        scores = []
+        for config in configs:
+            nf4_matmul_module.NF4_MATMUL_TUNING[kind] = config
+            total = 0.0
+            for x, (name, *_, prepared) in zip(xs, weights):
+                fn = lambda: nf4_matmul(x, prepared)  # noqa: E731, B023 - called at once
+                ms = graph_ms(fn) if device == "cuda" else timed(fn, device)
+                total = float("inf") if ms is None else total + WEIGHTS[name] * ms
+            scores.append((total, config))
+            print(json.dumps({"sweep": kind, "config": config, "weighted ms": round(total, 4)}), file=sys.stderr)
+        best[kind] = list(min(scores)[1])
+        nf4_matmul_module.NF4_MATMUL_TUNING[kind] = tuple(best[kind])
+        print(json.dumps({"sweep best": kind, "config": best[kind], "weighted ms": round(min(scores)[0], 4)}),
+              file=sys.stderr)  # fmt: skip
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (for TRITON_INTERPRET=1 on the CPU)")
+    parser.add_argument("--sweep", action="store_true", help="first pick the launch configurations (see above)")
+    parser.add_argument("--tuning-out", help="write the swept configurations here (JSON)")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16
+    weights = quantized(TINY_SHAPES if args.tiny else SHAPES, device, dtype)
+    if args.sweep:
+        best = sweep(weights, device, dtype, tiny=args.tiny)
+        if args.tuning_out:
+            with open(args.tuning_out, "w") as f:
+                json.dump(best, f)
+    results = []
+    for name, n, k, packed, state, prepared in weights:
         weight_bytes = packed.numel() + state.absmax.numel() * state.absmax.element_size()
         for m in ROWS:
             x = torch.randn(m, k, device=device, dtype=dtype)
@@ -91,7 +147,8 @@ def main() -> None:
     print("|" + "---|" * len(keys))
     for row in results:
         print("| " + " | ".join(str(row[key]) for key in keys) + " |")
-    print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else device, "rows": results}))
+    print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else device,
+                      "tuning": nf4_matmul_module.NF4_MATMUL_TUNING, "rows": results}))
 
 
 if __name__ == "__main__":
