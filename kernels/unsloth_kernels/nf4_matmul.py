@@ -32,11 +32,13 @@ MAX_SPLIT = 16  # at most this many programs share one tile's K
 # "one" (batch-1 decoding: a multiply-add reduction) and "few" (2 to MAX_ROWS rows: a 16-row tl.dot
 # per step where dot is on, else a reduction per row). K is split across programs until about
 # "programs per SM" programs run on each SM. Read at each launch, so bench/nf4_matmul.py --sweep can
-# try others on a GPU; the interpreter gets small tiles (its cost grows with tile size).
+# try others. The GPU's are that sweep's best on the H200 (docs/benchmarks.md, "Few-row NF4
+# matmul"): the reduction beat tl.dot at 8 rows. The interpreter gets small tiles (its cost grows
+# with tile size).
 NF4_MATMUL_TUNING: dict[str, tuple[int, int, int, int, bool]] = (
     {"one": (32, 64, 4, 2, False), "few": (32, 64, 4, 2, False)}
     if INTERPRET else
-    {"one": (16, 512, 4, 4, False), "few": (64, 128, 4, 2, False)}
+    {"one": (16, 512, 4, 2, False), "few": (64, 256, 4, 4, False)}
 )  # fmt: skip
 
 

@@ -130,7 +130,7 @@ def _lora_mlp_forward(self, x):
 def _nf4_decode_forward(self, x, *args, **kwargs):
     """A bitsandbytes 4-bit base layer's forward (peft adds the LoRA delta after it): inside a compiled
     step with UNSLOTH_NF4_DECODE=1, a few rows and no gradient, our fused nf4_matmul; else bitsandbytes'.
-    Off by default: it has not been measured on a GPU yet (bench/nf4_matmul.py)."""
+    Off by default: on the H200 bitsandbytes is still faster on large projections (docs/benchmarks.md)."""
     from unsloth.models.kernels import compiling
 
     if (not args and not kwargs and compiling() and os.environ.get("UNSLOTH_NF4_DECODE") == "1"
