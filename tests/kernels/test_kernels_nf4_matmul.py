@@ -61,8 +61,8 @@ def few_rows_form(request, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m,n,k", CASES, ids=str)
 def test_matches_float64_reference(m, n, k, dtype, nested, few_rows_form):
-    if m == 1 and few_rows_form:
-        pytest.skip("one row has one form")
+    if few_rows_form and (m == 1 or not nested):
+        pytest.skip("one row has one form; the tl.dot form reads scales as the other does (nested covers it)")
     packed, state = quantize(n, k, nested)
     x = torch.randn((m, k), device=DEVICE).to(dtype)
     use_bias = (m + n) % 2 == 0  # with and without bias across the cases, not doubling them
