@@ -92,7 +92,7 @@ class Nf4Stack(torch.Tensor):
         return cls(torch.cat([packed for packed, _ in parts]), state)
 
     def dequantize(self) -> torch.Tensor:
-        from bitsandbytes.functional import dequantize_4bit
+        from unsloth.models.bnb_layout import dequantize_4bit
 
         return dequantize_4bit(self.packed, self.quant_state)
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from unsloth.errors import UnslothError
+from unsloth.models.bnb_layout import keep_4bit_layout
 from unsloth.models.distributed import bind_to_gpu_numa_node, rank_device, world_size
 from unsloth.models.embedding import offload_input_embedding
 from unsloth.models.patches import patch_model, patch_peft_model
-from unsloth.models.patches.lora import keep_4bit_layout
 from unsloth.models.speech import CODEC_MODULES, codec_of
 from unsloth.models.checkpointing import apply_gradient_checkpointing
 

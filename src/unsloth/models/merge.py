@@ -57,9 +57,9 @@ def dequantized_weight(layer: Any) -> torch.Tensor:
             from unsloth_kernels.nf4 import dequantize_bnb_4bit
 
             return dequantize_bnb_4bit(weight.data, quant_state)
-        import bitsandbytes.functional as bnbf
+        from unsloth.models.bnb_layout import dequantize_4bit
 
-        return bnbf.dequantize_4bit(weight.data, quant_state)
+        return dequantize_4bit(weight.data, quant_state)
     from peft.utils.integrations import dequantize_module_weight
 
     return dequantize_module_weight(layer).detach()

@@ -20,6 +20,8 @@ import types
 import torch
 from torch import nn
 
+from unsloth.models.bnb_layout import keep_4bit_layout
+
 # our activation kind (patches/mlp.py) -> the LoRA MLP kernel's name for it
 _MLP_ACTIVATION = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}
 
@@ -66,15 +68,6 @@ def lora_weights(layer):
             weights = LoraWeights(weight, A, B, float(scaling), quant_state, bias)
     layer.__dict__["_unsloth_lora_weights"] = (objects, values, weights)
     return weights
-
-
-def keep_4bit_layout(model: nn.Module) -> None:
-    """bitsandbytes (0.50) repacks a 4-bit weight into a CPU-only layout the first time an eval
-    forward without gradients runs on an AVX512-BF16 CPU; our kernels (training after generating,
-    merging, nf4_matmul) read the canonical layout, so every 4-bit layer is told not to."""
-    for module in model.modules():
-        if getattr(module, "support_avx512bf16_for_cpu", False):
-            module.support_avx512bf16_for_cpu = False
 
 
 def kernel_reads_base(layer) -> bool:
