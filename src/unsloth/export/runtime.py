@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,21 +51,47 @@ def load(path: str | Path, *, n_ctx: int = 2048, gpu: bool = True, logits_all: b
 
         handler = MTMDChatHandler(clip_model_path=str(mmproj), verbose=verbose, use_gpu=gpu)
     try:
-        return llama_cpp.Llama(
-            str(path),
-            n_ctx=n_ctx,
-            n_gpu_layers=-1 if gpu else 0,
-            logits_all=logits_all,
-            n_threads=os.cpu_count(),
-            seed=0,
-            verbose=verbose,
-            chat_handler=handler,
-        )
+        with _without_amx_buffers(llama_cpp):
+            return llama_cpp.Llama(
+                str(path),
+                n_ctx=n_ctx,
+                n_gpu_layers=-1 if gpu else 0,
+                logits_all=logits_all,
+                n_threads=os.cpu_count(),
+                seed=0,
+                verbose=verbose,
+                chat_handler=handler,
+            )
     except (ValueError, RuntimeError) as exc:
         raise ExportError(
             f"llama.cpp could not load {path} ({exc})",
             fix="re-export the model, or update llama-cpp-python if the file comes from a newer llama.cpp",
         ) from exc
+
+
+@contextmanager
+def _without_amx_buffers(llama_cpp: Any) -> Iterator[None]:
+    """On a CPU with AMX-INT8 (Xeon Sapphire Rapids and later) llama.cpp repacks quantized weights
+    into its AMX buffers, and a small Q8_0 model then crashes it (SIGSEGV on the first eval;
+    llama-cpp-python 0.3.36) where its plain CPU path is right. `Llama` takes no switch for those
+    buffers, so while it loads, the model parameters it starts from say `use_extra_bufts = False`."""
+    module = llama_cpp.llama_cpp
+    default = module.llama_model_default_params
+    has_switch = any(name == "use_extra_bufts" for name, *_ in getattr(default(), "_fields_", ()))
+    if not has_switch or b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info():
+        yield
+        return
+
+    def without_extra_buffers():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    module.llama_model_default_params = without_extra_buffers
+    try:
+        yield
+    finally:
+        module.llama_model_default_params = default
 
 
 def multimodal_available() -> bool:
