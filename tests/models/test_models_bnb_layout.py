@@ -21,6 +21,9 @@ def test_dequantize_reads_every_shape_as_its_flat_bytes(shape):
     got = dequantize_4bit(packed, state)
     assert got.shape == dense.shape
     torch.testing.assert_close(got, bnb_functional.dequantize_4bit(flat_packed, flat_state).view(shape), rtol=0, atol=0)
-    # NF4's codes are at most 0.31 of a block's absmax apart: a value read right is within half of
-    # that (plus the absmax's own 8-bit rounding); a misread block is far off
-    assert ((got - dense).abs() <= 0.17 * dense.abs().max() + 1e-6).all()
+    # NF4's codes are at most 0.304 of a block's absmax apart, so a value read right is within 0.152
+    # of its block's absmax, plus the absmax's own 8-bit rounding (under 1%); a misread block is far off
+    flat = dense.reshape(-1)
+    block = torch.arange(flat.numel()) // 64
+    absmax = torch.zeros(int(block[-1]) + 1).scatter_reduce(0, block, flat.abs(), "amax")
+    assert ((got.reshape(-1) - flat).abs() <= 0.16 * absmax[block] + 1e-6).all()

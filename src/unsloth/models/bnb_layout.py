@@ -20,6 +20,11 @@ def keep_4bit_layout(model: nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+def repacked_for_cpu(quant_state) -> bool:
+    """Whether bitsandbytes repacked this weight for its CPU kernel before keep_4bit_layout could stop it."""
+    return bool(getattr(quant_state, "packing_format_for_cpu", False))
+
+
 def dequantize_4bit(packed: torch.Tensor, quant_state) -> torch.Tensor:
     """bitsandbytes' dequantize_4bit of the flat weight, in the state's shape: on the CPU it misreads
     a shape whose last dimension is under the block (a stack of 32-wide experts came back with errors

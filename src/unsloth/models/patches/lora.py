@@ -20,7 +20,7 @@ import types
 import torch
 from torch import nn
 
-from unsloth.models.bnb_layout import keep_4bit_layout
+from unsloth.models.bnb_layout import keep_4bit_layout, repacked_for_cpu
 
 # our activation kind (patches/mlp.py) -> the LoRA MLP kernel's name for it
 _MLP_ACTIVATION = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}
@@ -58,8 +58,8 @@ def lora_weights(layer):
     if cached is not None and cached[1] == values and all(a is b for a, b in zip(cached[0], objects)):
         return cached[2]
     weights = None
-    if getattr(quant_state, "packing_format_for_cpu", False):
-        pass  # repacked for bitsandbytes' CPU kernel before we could stop it (keep_4bit_layout): peft's path
+    if repacked_for_cpu(quant_state):
+        pass  # a layout our kernels do not read: peft's path
     elif isinstance(dropout, nn.Identity) and not dora and not fan_in_fan_out and weight is not None:
         # 4-bit, or a dense base that is frozen (not 8-bit, not itself being trained)
         if quant_state is not None or (weight.is_floating_point() and not weight.requires_grad):
@@ -144,7 +144,7 @@ def _nf4_decode_applies(base, x) -> bool:
     weight = base.weight
     state = getattr(weight, "quant_state", None)
     return (state is not None and getattr(state, "quant_type", None) == "nf4" and len(state.shape) == 2
-            and not getattr(state, "packing_format_for_cpu", False)
+            and not repacked_for_cpu(state)
             and x.shape[-1] == state.shape[1] and state.shape[1] % 2 == 0
             and x.numel() <= MAX_ROWS * x.shape[-1]
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
