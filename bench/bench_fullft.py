@@ -175,15 +175,18 @@ def main() -> None:
     sync()
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    from profiling import kernel_profile  # BENCH_PROFILE=1: the last step's kernels
+
     times, losses = [], []
     for i in range(args.warmup + args.steps):
         ids = torch.randint(0, min(vocab, 128000), (args.batch, args.seq), device=DEVICE, generator=g)
         sync()
         t0 = time.perf_counter()
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with kernel_profile(f"fullft {args.impl}", enabled=i == args.warmup + args.steps - 1):
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         sync()
         losses.append(float(out.loss))
         if i >= args.warmup:

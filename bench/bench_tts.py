@@ -139,8 +139,10 @@ def main() -> None:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.start)
 
+    from profiling import profile_step_callback  # BENCH_PROFILE=1: the last step's kernels
+
     trainer = Trainer(
-        model=model, train_dataset=dataset, callbacks=[Timer()],
+        model=model, train_dataset=dataset, callbacks=[Timer(), profile_step_callback(steps - 1, f"tts {args.impl}")],
         args=TrainingArguments(per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.grad_accum,
                                warmup_steps=1, max_steps=steps, learning_rate=2e-4, logging_steps=1,
                                optim=args.optim if cuda else "adamw_torch", weight_decay=0.001,

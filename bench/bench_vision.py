@@ -156,6 +156,8 @@ def bench() -> None:
     opt = torch.optim.AdamW(params, lr=2e-4, fused=DEVICE == "cuda")
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    from profiling import kernel_profile  # BENCH_PROFILE=1: the last step's kernels
+
     times, collate, losses, tokens = [], [], [], 0
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
@@ -163,10 +165,11 @@ def bench() -> None:
         batch = {k: v.to(DEVICE) if hasattr(v, "to") else v for k, v in batch.items()}
         sync()
         t1 = time.perf_counter()
-        out = model(**batch)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with kernel_profile(f"vision {args.impl}", enabled=i == args.warmup + args.steps - 1):
+            out = model(**batch)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         sync()
         losses.append(float(out.loss))
         if i >= args.warmup:

@@ -2,6 +2,7 @@
 # Everything measured on the lent H200, in one call per section, beside the anchors.
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
+# BENCH_PROFILE=1 adds a JSON line per tts / vision / fullft run: its last step's kernels by category.
 # sections: machine, tests, kernels, trainer, profile, ab, host, moe, moetune, notebook, families, families_call, generation,
 # nf4mm, grpo, tts, fullft, vision, dpo, multigpu; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
@@ -118,9 +119,9 @@ vision() {  # Qwen2.5-VL-7B-shaped vision QLoRA (bench/bench_vision.py): ours, t
   # shellcheck disable=SC2086  # two numbers, split on purpose
   set -- ${VISION_LAYERS:-8 8}
   timeout 200 python3 bench/bench_vision.py --impl make --text-layers "$1" --vision-layers "$2" 2>&1 | tail -1 | tee -a "$OUT/vision.jsonl"
-  timeout 150 python3 bench/bench_vision.py --impl ours --text-layers "$1" --vision-layers "$2" 2>&1 | tail -1 | tee -a "$OUT/vision.jsonl"
+  timeout 150 python3 bench/bench_vision.py --impl ours --text-layers "$1" --vision-layers "$2" 2>&1 | grep '^{' | tee -a "$OUT/vision.jsonl"
   PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 150 python3 bench/bench_vision.py --impl unsloth \
-    --text-layers "$1" --vision-layers "$2" 2>&1 | tail -1 | tee -a "$OUT/vision.jsonl"
+    --text-layers "$1" --vision-layers "$2" 2>&1 | grep '^{' | tee -a "$OUT/vision.jsonl"
 }
 
 moetune() {  # the MoE kernel's launch configurations swept at both shapes (about 4 minutes); prints the
@@ -209,9 +210,9 @@ tts() {  # an Orpheus-3B-shaped TTS SFT as the notebook runs it (bench/bench_tts
   # shellcheck disable=SC2086
   timeout 120 python3 bench/bench_tts.py --impl make ${TTS_ARGS:-} 2>&1 | tail -2
   # shellcheck disable=SC2086
-  timeout 200 python3 bench/bench_tts.py --impl ours ${TTS_ARGS:-} 2>&1 | tail -1 | tee -a "$OUT/tts.jsonl"
+  timeout 200 python3 bench/bench_tts.py --impl ours ${TTS_ARGS:-} 2>&1 | grep '^{' | tee -a "$OUT/tts.jsonl"
   # shellcheck disable=SC2086
-  PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 200 python3 bench/bench_tts.py --impl unsloth ${TTS_ARGS:-} 2>&1 | tail -1 | tee -a "$OUT/tts.jsonl"
+  PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 200 python3 bench/bench_tts.py --impl unsloth ${TTS_ARGS:-} 2>&1 | grep '^{' | tee -a "$OUT/tts.jsonl"
 }
 
 fullft() {  # full fine-tuning of a Llama-3.2-1B shape (bf16, 8 x 2048, adamw_8bit): ours, Unsloth, transformers.
@@ -224,7 +225,7 @@ fullft() {  # full fine-tuning of a Llama-3.2-1B shape (bf16, 8 x 2048, adamw_8b
       path=$PYTHONPATH  # ours: our source first; the public packages: the anchors' site alone
       [ "$impl" = ours ] || path="/tmp/site:$ROOT/.anchors/site"
       PYTHONPATH=$path timeout "${FULLFT_TIMEOUT:-150}" python3 bench/bench_fullft.py --impl "$impl" --mode "$mode" \
-        --batch "$batch" --optim "${FULLFT_OPTIM:-adamw_8bit}" 2>&1 | grep '^{' | tail -1 | tee -a "$OUT/fullft.jsonl"
+        --batch "$batch" --optim "${FULLFT_OPTIM:-adamw_8bit}" 2>&1 | grep '^{' | tee -a "$OUT/fullft.jsonl"
     done
   done
 }

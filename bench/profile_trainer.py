@@ -31,22 +31,8 @@ exec(compile(source, harness, "exec"))  # defines args, load()
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-CATEGORIES = (  # first match wins; what is left is Triton (ours, or Liger's / Unsloth's)
-    ("attention", ("flash", "fmha", "attention", "sdpa")),
-    ("matmul", ("gemm", "gemv", "cutlass", "sm90", "nvjet", "matmul")),
-    ("nf4 dequant", ("dequant", "4bit")),
-    ("copy/memset", ("memcpy", "memset")),
-    ("optimizer", ("adam",)),
-    ("elementwise (torch)", ("at::native", "elementwise", "reduce_kernel")),
-)
+from profiling import category  # noqa: E402
 
-
-def category(name: str) -> str:
-    low = name.lower()
-    for cat, keys in CATEGORIES:
-        if any(k in low for k in keys):
-            return cat
-    return "triton"
 
 
 model = load(args.impl)  # noqa: F821 - from the harness

@@ -2,13 +2,34 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import cProfile
 import io
+import json
+import os
 import pstats
 import statistics
 import time
 
 import torch
+
+CATEGORIES = (  # first match wins; what is left is Triton (ours, or Liger's / Unsloth's)
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "gemv", "cutlass", "sm90", "nvjet", "matmul")),
+    ("nf4 dequant", ("dequant", "4bit")),
+    ("copy/memset", ("memcpy", "memset")),
+    ("optimizer", ("adam",)),
+    ("elementwise (torch)", ("at::native", "elementwise", "reduce_kernel")),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "triton"
 
 
 def host_us(step, n=20, batches=7):
@@ -67,3 +88,55 @@ def step_timer(times: list[float], warmup: int):
             times.append(time.perf_counter() - self.start)
 
     return StepTimer()
+
+
+PROFILE = os.environ.get("BENCH_PROFILE") == "1"
+
+
+@contextlib.contextmanager
+def kernel_profile(label: str, enabled: bool = True, top: int = 15):
+    """With BENCH_PROFILE=1, profile what runs inside (one training step) and print one JSON line:
+    the wall time, the GPU kernels' summed time by category and the top kernels. Kernels summing far
+    below the wall time mean a host-paced step; otherwise the categories say where the GPU goes."""
+    if not (PROFILE and enabled and torch.cuda.is_available()):
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages()
+            if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    by_cat = collections.Counter()
+    for key, t, _ in rows:
+        by_cat[category(key)] += t
+    host = sorted((e for e in prof.key_averages() if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)
+    print(json.dumps({
+        "profile": label, "wall_ms_profiled": round(wall * 1e3, 1), "gpu_ms": round(sum(by_cat.values()) / 1e3, 1),
+        "kernels": sum(n for _, _, n in rows), "by_category_ms": {k: round(v / 1e3, 1) for k, v in by_cat.most_common()},
+        "top": [[round(t / 1e3, 2), n, key[:90]] for key, t, n in sorted(rows, key=lambda r: -r[1])[:top]],
+        # where the host's time goes (self time of each op), for steps whose kernels sum below their wall time
+        "host_top": [[round(e.self_cpu_time_total / 1e3, 1), e.count, e.key[:60]] for e in host[:top]],
+    }), flush=True)
+
+
+def profile_step_callback(at_step: int, label: str):
+    """A Trainer callback running optimizer step `at_step` under kernel_profile (BENCH_PROFILE=1)."""
+    from transformers import TrainerCallback
+
+    class ProfileStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == at_step and not hasattr(self, "ctx"):  # once, if called per micro-step
+                self.ctx = kernel_profile(label)
+                self.ctx.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == at_step + 1 and getattr(self, "ctx", None) is not None:
+                self.ctx.__exit__(None, None, None)
+                self.ctx = None
+
+    return ProfileStep()
