@@ -2,7 +2,8 @@
 # Everything measured on the lent H200, in one call per section, beside the anchors.
 # Usage (repo root on the GPU machine, with .anchors prepared by ../shared/anchors/prepare.sh
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
-# BENCH_PROFILE=1 adds a JSON line per tts / vision / fullft run: its last step's kernels by category.
+# BENCH_PROFILE=1 adds a JSON line per tts / vision / fullft run: its last step's kernels by category
+# (that step runs slower: take step times from a run without it).
 # sections: machine, tests, kernels, trainer, profile, ab, host, moe, moetune, notebook, families, families_call, generation,
 # nf4mm, grpo, tts, fullft, vision, dpo, multigpu; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.

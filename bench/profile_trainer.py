@@ -31,9 +31,7 @@ exec(compile(source, harness, "exec"))  # defines args, load()
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from profiling import category  # noqa: E402
-
-
+from profiling import gpu_time  # noqa: E402
 
 model = load(args.impl)  # noqa: F821 - from the harness
 base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -91,14 +89,10 @@ if HOST:
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
     step()
     torch.cuda.synchronize()
-rows = [(e.key, e.device_time_total) for e in prof.key_averages()
-        if e.device_time_total > 0 and e.device_type.name == "CUDA"]
-by_cat = collections.Counter()
-for key, t in rows:
-    by_cat[category(key)] += t
+rows, by_cat = gpu_time(prof)
 print(json.dumps({"impl": args.impl, "four_bit": args.four_bit, "gpu_ms": round(sum(by_cat.values()) / 1e3, 1),
                   "by_category_ms": {k: round(v / 1e3, 1) for k, v in by_cat.most_common()}}))
-for key, t in sorted(rows, key=lambda r: -r[1])[:25]:
+for key, t, _ in sorted(rows, key=lambda r: -r[1])[:25]:
     print(f"  {t / 1e3:8.1f} ms  {key[:120]}")
 
 

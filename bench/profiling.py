@@ -93,11 +93,23 @@ def step_timer(times: list[float], warmup: int):
 PROFILE = os.environ.get("BENCH_PROFILE") == "1"
 
 
+def gpu_time(prof):
+    """A torch.profiler run's kernels as (name, GPU us, calls) rows, and their GPU us summed by category."""
+    rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages()
+            if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    by_cat = collections.Counter()
+    for key, t, _ in rows:
+        by_cat[category(key)] += t
+    return rows, by_cat
+
+
 @contextlib.contextmanager
 def kernel_profile(label: str, enabled: bool = True, top: int = 15):
     """With BENCH_PROFILE=1, profile what runs inside (one training step) and print one JSON line:
     the wall time, the GPU kernels' summed time by category and the top kernels. Kernels summing far
-    below the wall time mean a host-paced step; otherwise the categories say where the GPU goes."""
+    below the wall time mean a host-paced step; otherwise the categories say where the GPU goes.
+    The profiled step is one of the benches' timed ones and runs slower: take step times from a
+    run without BENCH_PROFILE."""
     if not (PROFILE and enabled and torch.cuda.is_available()):
         yield
         return
@@ -109,11 +121,7 @@ def kernel_profile(label: str, enabled: bool = True, top: int = 15):
         yield
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages()
-            if e.device_time_total > 0 and e.device_type.name == "CUDA"]
-    by_cat = collections.Counter()
-    for key, t, _ in rows:
-        by_cat[category(key)] += t
+    rows, by_cat = gpu_time(prof)
     host = sorted((e for e in prof.key_averages() if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)
     print(json.dumps({
         "profile": label, "wall_ms_profiled": round(wall * 1e3, 1), "gpu_ms": round(sum(by_cat.values()) / 1e3, 1),
