@@ -5,7 +5,8 @@ by copying library source, so it holds across transformers releases: a module th
 matching simply stays unpatched.
 
 Any causal LM transformers loads gets the generic fast path first: the fused linear cross-entropy
-on its LM head (here) and the LoRA fast path on every adapted nn.Linear (`patch_peft_model`);
+on its LM head (here), windowed vision attention batched by window length in a vision tower
+(vision_attention.py) and the LoRA fast path on every adapted nn.Linear (`patch_peft_model`);
 the loader adds our offloaded gradient checkpointing on its decoder layers and the input-embedding
 offload. Families in FAMILIES (and MOE_FAMILIES) also get their norms, RoPE and gated MLP (and
 experts) through our kernels.
@@ -28,6 +29,7 @@ from unsloth.models.patches.moe import patch_moe_experts
 from unsloth.models.patches.norms import patch_rms_norms
 from unsloth.models.patches.probe import module_device_dtype
 from unsloth.models.patches.rope import patch_rope
+from unsloth.models.patches.vision_attention import patch_vision_attention
 
 log = logging.getLogger("unsloth")
 
@@ -73,7 +75,8 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "glm4": ALL,
     "glm": ALL,
     # Vision-language models: the patches go into their language model only (`text_part`); the vision
-    # tower runs stock. Qwen2.5-VL / Qwen3-VL build their 3-D (multimodal) cos/sin tables first and
+    # tower runs stock but for its windowed attention (the generic path's `patch_vision_attention`,
+    # any model). Qwen2.5-VL / Qwen3-VL build their 3-D (multimodal) cos/sin tables first and
     # rotate with the plain apply_rotary_pos_emb, which our RoPE kernel takes.
     "qwen2_5_vl": ALL,
     "qwen3_vl": ALL,
@@ -135,6 +138,7 @@ class PatchReport:
     mlp: int = 0
     moe: int = 0
     moe_4bit: int = 0  # packed expert stacks held in NF4 (QLoRA of the experts)
+    vision_attention: int = 0  # vision-tower attentions whose equal windows run as one batch
     loss: bool = False
     lora: dict[str, int] = field(default_factory=dict)
     lora_on_peft: int = 0  # LoRA layers whose base weight our kernels cannot read (8-bit): peft's forward
@@ -155,6 +159,8 @@ class PatchReport:
             parts.append(f"{self.mlp} MLP")
         if self.moe:
             parts.append(f"{self.moe} MoE experts" + (f" ({self.moe_4bit} stacks in NF4)" if self.moe_4bit else ""))
+        if self.vision_attention:
+            parts.append(f"{self.vision_attention} vision attention (windows batched)")
         if self.loss:
             parts.append("fused loss")
         parts += [f"{n} LoRA {kind}" for kind, n in self.lora.items() if n]
@@ -224,6 +230,7 @@ def patch_model(model: nn.Module) -> PatchReport:
         log.info(report.summary())
         return report
     report.loss = patch_loss(model, device)  # the generic path first
+    report.vision_attention = patch_vision_attention(model, device, dtype)
     if wanted is None:
         report.generic_only = f"no family patches for {family} yet"
     elif not family_patches_enabled():
