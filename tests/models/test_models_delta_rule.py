@@ -17,9 +17,10 @@ import torch
 
 from tiny_families import VOCAB, tiny_model
 from unsloth.models.patches import patch_model
-from unsloth.models.patches.delta_rule import FLA, OURS, route_delta_rule
+from unsloth.models.patches.delta_rule import FLA, OURS, hub_callee, route_delta_rule
 
 modeling = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+from transformers.integrations import hub_kernels  # noqa: E402
 from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback  # noqa: E402
 
 REFUSED = "Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results"
@@ -53,7 +54,10 @@ def _wrap_with_fla(monkeypatch, hopper_with_bad_triton: bool):
     """transformers' Qwen3.5 module as it is when fla was importable at its import: the same
     decorator over the same torch reference, now resolving to the stand-in fla."""
     _fake_fla(monkeypatch, hopper_with_bad_triton)
-    reference = inspect.unwrap(modeling.torch_chunk_gated_delta_rule)  # under our rule too, if it is in
+    if hasattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES"):  # transformers >= 5.25 runs fla on GPU inputs only
+        monkeypatch.setitem(hub_kernels._PACKAGE_SUPPORTED_DEVICES, "fla", ("cpu",))
+    # the torch reference, under our rule too if it is in, and under the `kernels` package's wrapper
+    reference = inspect.unwrap(hub_callee(modeling.torch_chunk_gated_delta_rule))
     wrapped = use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")(reference)
     monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", wrapped)
     return reference

@@ -55,9 +55,22 @@ def _rule_globals(model: nn.Module) -> Iterator[tuple[object, str, Callable]]:
                 yield module, name, value
 
 
+def hub_callee(function):
+    """What transformers' hub-kernels wrapper calls, where the `kernels` package is installed
+    (transformers >= 5.25 requires it): the module global is then its `Func` module, whose forward
+    calls the decorated function. Anything else is returned as it is."""
+    if not isinstance(function, nn.Module):
+        return function
+    try:
+        return inspect.getclosurevars(type(function).forward).nonlocals.get("func")
+    except TypeError:
+        return None
+
+
 def _fallback_of(function: Callable) -> dict | None:
     """The wrapper's closure (`package`, `implementation`, `torch_function`) when `function` is
     transformers' package-or-torch fallback for fla; None otherwise."""
+    function = hub_callee(function)
     while function is not None:
         try:
             closure = inspect.getclosurevars(function).nonlocals
