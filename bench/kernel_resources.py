@@ -1,0 +1,72 @@
+"""Registers, spilled bytes and shared memory of our Triton kernels compiled for a GPU this machine
+need not have: `triton.compile` for a CUDA target, then the cuobjdump bundled with Triton's NVIDIA
+backend. No device time: a launch configuration that spills (STACK > 0) or needs most of an SM's
+shared memory is a lead before a GPU is lent, and a sweep can skip it.
+
+    python bench/kernel_resources.py                 # nf4_matmul's sweep configurations, sm_90
+    python bench/kernel_resources.py --arch 100      # another target (Blackwell)
+
+One JSON line per configuration: the tuple as NF4_MATMUL_TUNING spells it (BLOCK_N, BLOCK_K, warps,
+programs per SM, dot), the rows it is for, registers per thread, stack bytes (spills), dynamic shared
+memory, and whether it is the configuration in use. Triton here may be newer than on the GPU
+machine: register counts move a little between releases; spills that large do not go away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+
+import triton
+from nf4_matmul import SWEEP, SWEEP_ROWS  # this folder: a script's own folder is on its path
+from triton.backends.compiler import GPUTarget
+
+from unsloth_kernels import nf4_matmul as nf4_matmul_module
+
+# _nf4_matmul_kernel's pointer and integer arguments, as a decode step calls it (bf16 x, nested
+# absmax, K split into fp32 partial sums)
+NF4_SIGNATURE = {
+    "x_ptr": "*bf16", "packed_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32", "absmax2_ptr": "*fp32",
+    "code2_ptr": "*fp32", "offset_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp32", "M": "i32",
+    "N": "i32", "K": "i32", "stride_xm": "i32", "k_chunk": "i32",
+}  # fmt: skip
+
+
+def resources(kernel, signature: dict, constants: dict, target: GPUTarget, warps: int) -> dict:
+    """Registers, stack (spill) bytes and dynamic shared memory of `kernel` compiled for `target`."""
+    source = triton.compiler.ASTSource(fn=kernel, signature={**signature, **dict.fromkeys(constants, "constexpr")},
+                                       constexprs=constants)  # fmt: skip
+    compiled = triton.compile(source, target=target, options={"num_warps": warps})
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+    fields = dict(item.split(":") for line in usage.splitlines() if "REG:" in line for item in line.split())
+    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]),
+            "shared_bytes": int(compiled.metadata.shared)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100 / H200)")
+    args = parser.parse_args()
+    target = GPUTarget("cuda", args.arch, 32)
+    for kind, configs in SWEEP.items():
+        rows = SWEEP_ROWS[kind]
+        for config in configs:
+            block_n, block_k, warps, _, dot = config
+            constants = dict(BLOCKSIZE=64, BLOCKSIZE2=256, NESTED=True, HAS_BIAS=False, PARTIAL=True,
+                             ROUND_BF16=False, FP32=False, BLOCK_M=1 if rows == 1 else 16 if dot else rows,
+                             BLOCK_N=block_n, BLOCK_K=block_k, GROUP=min(64, block_k), DOT=dot)  # fmt: skip
+            row = {"kernel": "nf4_matmul", "kind": kind, "rows": rows, "config": list(config),
+                   "in_use": tuple(config) == tuple(nf4_matmul_module.NF4_MATMUL_TUNING[kind]), "arch": args.arch}
+            row.update(resources(nf4_matmul_module._nf4_matmul_kernel, NF4_SIGNATURE, constants, target, warps))
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
