@@ -108,7 +108,8 @@ class _CausalWindows(nn.Module):
 def test_an_attention_it_does_not_reproduce_stays_stock(monkeypatch):
     module = _CausalWindows()
     # its "modeling file" offers a rotary function, as the real ones do
-    monkeypatch.setattr(vision_attention, "_candidate", lambda m: (lambda q, k, cos, sin: (q, k)) if m is module else None)
+    monkeypatch.setattr(vision_attention, "_rotary_if_windowed",
+                        lambda m: (lambda q, k, cos, sin: (q, k)) if m is module else None)
     original = module.forward
     assert patch_vision_attention(nn.Sequential(module), CPU, torch.float32) == 0
     assert module.forward == original and not hasattr(module, "_unsloth_original_forward")

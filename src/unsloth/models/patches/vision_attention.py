@@ -80,7 +80,7 @@ def _windowed_forward(self, hidden_states, cu_seqlens, rotary_pos_emb=None, posi
     return self.proj(out.reshape(rows, -1))
 
 
-def _candidate(module: nn.Module):
+def _rotary_if_windowed(module: nn.Module):
     """The rotary function of the module's modeling file, when the module looks like a windowed
     vision attention (qkv and proj Linears, num_heads, a forward taking cu_seqlens); else None."""
     if not (isinstance(getattr(module, "qkv", None), nn.Linear) and isinstance(getattr(module, "proj", None), nn.Linear)
@@ -114,7 +114,7 @@ def patch_vision_attention(model: nn.Module, device, dtype) -> int:
     for module in model.modules():
         if hasattr(module, "_unsloth_original_forward"):
             continue
-        rotate = _candidate(module)
+        rotate = _rotary_if_windowed(module)
         if rotate is None:
             continue
         module._unsloth_rotate = rotate
