@@ -123,6 +123,12 @@ vision() {  # Qwen2.5-VL-7B-shaped vision QLoRA (bench/bench_vision.py): ours, t
   timeout 150 python3 bench/bench_vision.py --impl ours --text-layers "$1" --vision-layers "$2" 2>&1 | grep '^{' | tee -a "$OUT/vision.jsonl"
   PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 150 python3 bench/bench_vision.py --impl unsloth \
     --text-layers "$1" --vision-layers "$2" 2>&1 | grep '^{' | tee -a "$OUT/vision.jsonl"
+  # VISION_AB=1: ours again with transformers' per-window vision attention (the windowed patch off)
+  if [ "${VISION_AB:-0}" = 1 ]; then
+    UNSLOTH_VISION_ATTENTION=0 timeout 150 python3 bench/bench_vision.py --impl ours --text-layers "$1" \
+      --vision-layers "$2" 2>&1 | grep '^{' | sed 's/"vision ours"/"vision ours-stock-vision"/; s/"impl": "ours"/"impl": "ours-stock-vision"/' \
+      | tee -a "$OUT/vision.jsonl"
+  fi
 }
 
 moetune() {  # the MoE kernel's launch configurations swept at both shapes (about 4 minutes); prints the

@@ -105,6 +105,13 @@ class _CausalWindows(nn.Module):
         return self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(rows, -1))
 
 
+def test_switched_off_it_patches_nothing(monkeypatch):
+    model, _ = tiny_vision_model("qwen2_5_vl")
+    monkeypatch.setenv("UNSLOTH_VISION_ATTENTION", "0")
+    assert patch_vision_attention(model, CPU, torch.float32) == 0
+    assert not any(hasattr(m, "_unsloth_original_forward") for m in model.modules())
+
+
 def test_an_attention_it_does_not_reproduce_stays_stock(monkeypatch):
     module = _CausalWindows()
     # its "modeling file" offers a rotary function, as the real ones do

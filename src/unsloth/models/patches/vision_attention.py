@@ -11,13 +11,14 @@ viewed as [windows, length, heads, dim], one call, the same numbers.
 The module keeps its projections (LoRA wrappers on them still apply) and its modeling file's own
 rotary function. The forward is adopted for a module only if it reproduces the module's own output
 on a probe with uneven windows; a call it does not cover (no position embeddings, dropout, tracing)
-goes to the module's original forward.
+goes to the module's original forward. UNSLOTH_VISION_ATTENTION=0 keeps transformers' (to compare).
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
+import os
 import sys
 import types
 import weakref
@@ -110,6 +111,8 @@ def _probe(module: nn.Module, device, dtype):
 
 def patch_vision_attention(model: nn.Module, device, dtype) -> int:
     """Give every windowed vision attention the batched-window forward (checked on a probe)."""
+    if os.environ.get("UNSLOTH_VISION_ATTENTION", "1") == "0":
+        return 0
     patched, adopted = 0, {}
     for module in model.modules():
         if hasattr(module, "_unsloth_original_forward"):
