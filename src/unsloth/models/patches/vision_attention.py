@@ -53,7 +53,7 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length
                        scale: float) -> torch.Tensor:  # fmt: skip
     """Attention of [rows, heads, dim] q, k, v within consecutive windows of `lengths` rows (no mask,
     not causal); each run of equal windows is one SDPA batch. Returns [rows, heads, dim]."""
-    heads, dim = q.shape[1], q.shape[2]
+    heads = q.shape[1]
     outputs, start = [], 0
     for length, run in itertools.groupby(lengths):
         count = len(list(run))
