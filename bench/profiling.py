@@ -10,6 +10,7 @@ import json
 import os
 import pstats
 import statistics
+import sys
 import time
 
 import torch
@@ -90,7 +91,7 @@ def step_timer(times: list[float], warmup: int):
     return StepTimer()
 
 
-PROFILE = os.environ.get("BENCH_PROFILE") == "1"
+PROFILE = os.environ.get("BENCH_PROFILE", "0")  # "1": kernels (torch.profiler); "python": the host's Python (cProfile)
 
 
 def gpu_time(prof):
@@ -110,7 +111,11 @@ def kernel_profile(label: str, enabled: bool = True, top: int = 15):
     below the wall time mean a host-paced step; otherwise the categories say where the GPU goes.
     The profiled step is one of the benches' timed ones and runs slower: take step times from a
     run without BENCH_PROFILE."""
-    if not (PROFILE and enabled and torch.cuda.is_available()):
+    if PROFILE == "python" and enabled:
+        with python_profile(label):
+            yield
+        return
+    if not (PROFILE == "1" and enabled and torch.cuda.is_available()):
         yield
         return
     from torch.profiler import ProfilerActivity, profile
@@ -130,6 +135,35 @@ def kernel_profile(label: str, enabled: bool = True, top: int = 15):
         # where the host's time goes (self time of each op), for steps whose kernels sum below their wall time
         "host_top": [[round(e.self_cpu_time_total / 1e3, 1), e.count, e.key[:60]] for e in host[:top]],
     }), flush=True)
+
+
+@contextlib.contextmanager
+def python_profile(label: str, lines: int = 45):
+    """cProfile over what runs inside (BENCH_PROFILE=python): the host's Python by function, for
+    host-paced steps. The report goes to $OUT/<label>.cprofile.txt (else stderr), a JSON line says so."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    try:
+        yield
+        sync()
+    finally:
+        profiler.disable()
+    wall = time.perf_counter() - t0
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    for order in ("tottime", "cumulative"):
+        stats.sort_stats(order).print_stats(lines)
+    out = os.environ.get("OUT")
+    path = os.path.join(out, label.replace(" ", "_") + ".cprofile.txt") if out else None
+    if path:
+        with open(path, "w") as f:
+            f.write(text.getvalue())
+    else:
+        print(text.getvalue(), file=sys.stderr)
+    print(json.dumps({"python_profile": label, "wall_ms_profiled": round(wall * 1e3, 1), "report": path}), flush=True)
 
 
 def profile_step_callback(at_step: int, label: str):

@@ -26,6 +26,7 @@ from math import prod
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 from ._launch import direct_launch
 from ._utils import INTERPRET, cdiv, check_device, round_to_bf16
@@ -88,6 +89,10 @@ def _dequantize_4bit_kernel(
     if NESTED:
         scale_q = tl.load(absmax_ptr + block, mask=row_live, other=0).to(tl.int32)
         scale = tl.load(code2_ptr + scale_q) * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=row_live, other=0.0)
+        # Rounded before the offset is added, as bitsandbytes does: the select (a no-op but for NaN)
+        # keeps the compiler from fusing the two into one multiply-add, also where the launch cannot
+        # turn fp fusion off (inside torch.compile).
+        scale = tl.where(scale == scale, scale, 0.0)
         # bitsandbytes keeps the offset as a device tensor: read it there rather than sync the host
         scale = scale + (tl.load(offset_ptr) if OFFSET_IN_MEMORY else offset)
     else:
@@ -210,6 +215,47 @@ def dequantize_prepared(p: Prepared4bit, dtype: torch.dtype = torch.bfloat16, ou
         num_warps=_WARPS, **_NO_FMA,
     )  # fmt: skip
     return out
+
+
+def _dequantize_launch(
+    data: torch.Tensor, scales: torch.Tensor, code: torch.Tensor, absmax2: torch.Tensor, code2: torch.Tensor,
+    offset: torch.Tensor, rows: int, cols: int, blocksize: int, blocksize2: int, nested: bool, dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    out = torch.empty((rows, cols), dtype=dtype, device=data.device)
+    n = rows * cols
+    if n == 0:
+        return out
+    kernel = getattr(_dequantize_4bit_kernel, "kernel", _dequantize_4bit_kernel)  # the JITFunction itself
+    wrap_triton(kernel)[(cdiv(data.numel(), _BYTES_PER_PROGRAM),)](
+        data, scales, code, out, absmax2, code2, offset, 0.0, n, data.numel(),
+        BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, OFFSET_IN_MEMORY=True,
+        OUT_BF16=dtype == torch.bfloat16, BYTES=_BYTES_PER_PROGRAM, ROW=_row_bytes(blocksize),
+        num_warps=_WARPS, **_NO_FMA,
+    )  # fmt: skip
+    return out
+
+
+def _dequantize_fake(data, scales, code, absmax2, code2, offset, rows, cols, blocksize, blocksize2, nested, dtype):
+    return data.new_empty((rows, cols), dtype=dtype)
+
+
+if INTERPRET:  # the interpreter's kernels cannot be traced into: an opaque op with a fake (as nf4_matmul)
+    _dequantize_op = torch.library.custom_op("unsloth::dequantize_4bit", mutates_args=())(_dequantize_launch)
+    _dequantize_op.register_fake(_dequantize_fake)
+else:
+    _dequantize_op = triton_op("unsloth::dequantize_4bit", mutates_args=())(_dequantize_launch)
+
+
+def dequantize_traceable(p: Prepared4bit, dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize_prepared` as a torch.library op of a 2-D weight: torch.compile traces into it (the
+    compiled decode step), where a plain launch would break the graph."""
+    if len(p.shape) != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {p.shape}")
+    offset = p.offset
+    if not isinstance(offset, torch.Tensor):  # the op takes tensors; a float offset goes to the device once
+        offset = torch.full((1,), float(offset), dtype=torch.float32, device=p.data.device)
+    return _dequantize_op(p.data, p.scales, p.code, p.absmax2, p.code2, offset, p.shape[0], p.shape[1],
+                          p.blocksize, p.blocksize2, p.nested, dtype)  # fmt: skip
 
 
 def dequantize_nf4(

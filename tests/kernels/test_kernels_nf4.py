@@ -11,7 +11,7 @@ import torch
 
 from reference import DEVICE, needs_kernels, real_shapes
 import unsloth_kernels.nf4 as nf4
-from unsloth_kernels.nf4 import NF4_CODE, dequantize_bnb_4bit, dequantize_nf4
+from unsloth_kernels.nf4 import NF4_CODE, dequantize_bnb_4bit, dequantize_nf4, dequantize_traceable, prepare_bnb_4bit
 
 try:  # the reference; the GPU bench machine may lack it, and then only the real-shape test runs
     import bitsandbytes.functional as bnb_functional
@@ -63,6 +63,31 @@ def test_bit_exact_with_bitsandbytes(shape, blocksize, nested, dtype):
     actual = dequantize_bnb_4bit(packed, state)
     assert actual.dtype == dtype and actual.shape == torch.Size(shape)
     assert torch.equal(actual, expected)
+
+
+@needs_bnb
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
+@pytest.mark.parametrize("shape", [(3, 256), (7, 130)], ids=str)
+def test_the_traceable_op_is_bit_exact_eager_and_compiled(shape, nested, dtype):
+    """The torch.library op (what a compiled decode step calls) gives bitsandbytes' weight, also traced
+    by torch.compile into one graph with the matmul after it."""
+    packed, state = quantize(shape, 64, nested, dtype)
+    expected = bnb_functional.dequantize_4bit(packed, state)
+    prepared = prepare_bnb_4bit(packed, state)
+    assert torch.equal(dequantize_traceable(prepared, dtype), expected)
+    x = torch.randn(2, shape[1], dtype=dtype, device=DEVICE)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x @ dequantize_traceable(prepared, dtype).T, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(x), x @ expected.T, rtol=0, atol=0)
+
+
+@needs_bnb
+def test_the_traceable_op_takes_2d_weights_only():
+    packed, state = quantize((4, 64), 64, False, torch.float32)
+    state.shape = torch.Size((2, 2, 64))
+    with pytest.raises(ValueError, match="2-D"):
+        dequantize_traceable(prepare_bnb_4bit(packed, state), torch.float32)
 
 
 @needs_bnb
@@ -170,3 +195,6 @@ def test_real_shape_on_gpu():
         nested=True,
     )  # fmt: skip
     assert torch.equal(dequantize_bnb_4bit(packed, state), flat_reference(packed, state))
+    prepared = prepare_bnb_4bit(packed, state)
+    compiled = torch.compile(lambda: dequantize_traceable(prepared, torch.bfloat16), fullgraph=True)
+    assert torch.equal(compiled(), flat_reference(packed, state))  # fp fusion is on there: still two roundings

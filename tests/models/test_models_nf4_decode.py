@@ -1,5 +1,6 @@
-"""UNSLOTH_NF4_DECODE=1: inside a compiled decode step a QLoRA model's 4-bit base projections run our
-nf4_matmul instead of bitsandbytes' dequantize-then-matmul, with the same greedy tokens."""
+"""Inside a compiled decode step a QLoRA model's 4-bit base projections dequantize with our kernel and
+multiply (several rows), or run our nf4_matmul (UNSLOTH_NF4_DECODE=1), instead of bitsandbytes'
+dequantize-then-matmul, with the same greedy tokens; UNSLOTH_NF4_DECODE=0 keeps bitsandbytes'."""
 
 from __future__ import annotations
 
@@ -29,15 +30,16 @@ def _qlora_llama(tmp_path):
     return model.eval()
 
 
-def _count_calls(monkeypatch):
-    import unsloth_kernels.nf4_matmul as module
+def _count_calls(monkeypatch, module_name="unsloth_kernels.nf4_matmul", name="nf4_matmul"):
+    import importlib
 
-    calls, original = [], module.nf4_matmul
-    monkeypatch.setattr(module, "nf4_matmul", lambda *a, **k: calls.append(1) or original(*a, **k))
+    module = importlib.import_module(module_name)
+    calls, original = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or original(*a, **k))
     return calls
 
 
-def test_greedy_tokens_are_the_same_with_nf4_decode_on_and_off(tmp_path, monkeypatch):
+def test_greedy_tokens_are_the_same_with_each_4bit_decode_path(tmp_path, monkeypatch):
     """On the CPU transformers does not compile the decode step, so the compiled step's branch is taken by
     saying we are compiling: the patched forwards then run as they do in the graph (peft's, on our base)."""
     import unsloth.models.kernels as kernels
@@ -45,19 +47,23 @@ def test_greedy_tokens_are_the_same_with_nf4_decode_on_and_off(tmp_path, monkeyp
     model = _qlora_llama(tmp_path)
     generation.enable(model)
     monkeypatch.setattr(kernels, "compiling", lambda: True)
-    calls = _count_calls(monkeypatch)
+    fused = _count_calls(monkeypatch)
+    dequantized = _count_calls(monkeypatch, "unsloth_kernels.nf4", "dequantize_traceable")
     ids = torch.randint(2, 100, (2, 7), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     tokens = {}
-    for flag in ("0", "1"):
+    for flag in ("0", "1", ""):
+        fused.clear(), dequantized.clear()
         monkeypatch.setenv("UNSLOTH_NF4_DECODE", flag)
         tokens[flag] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                                       pad_token_id=0, eos_token_id=None)  # fmt: skip
-        assert bool(calls) == (flag == "1")
-    # the prompt (14 rows) and each decode step (2 rows) take the kernel: 7 projections per layer
-    assert len(calls) % 7 == 0 and len(calls) > 0
+        # the prompt (14 rows) and each decode step (2 rows) take the kernel: 7 projections per layer
+        taken = {"0": [], "1": fused, "": dequantized}[flag]
+        assert (len(fused) + len(dequantized)) == len(taken)
+        assert len(taken) % 7 == 0 and (flag == "0" or len(taken) > 0)
     assert torch.equal(tokens["0"], tokens["1"])
+    assert torch.equal(tokens["0"], tokens[""])
 
 
 def _peft_over_4bit(out_features=72):
@@ -96,18 +102,21 @@ def test_a_weight_bitsandbytes_repacked_for_its_cpu_kernel_keeps_peft_s_path(mon
         prepare_bnb_4bit(base.weight, base.weight.quant_state)
 
 
-def test_a_4bit_lora_layer_compiles_into_one_graph_with_nf4_decode(tmp_path, monkeypatch):
-    """The real compiled branch: a peft LoRA layer over a 4-bit base, fullgraph, gives peft's output."""
+@pytest.mark.parametrize("flag,rows", [("1", 3), ("", 3), ("", 1)])
+def test_a_4bit_lora_layer_compiles_into_one_graph_on_each_decode_path(flag, rows, monkeypatch):
+    """The real compiled branch: a peft LoRA layer over a 4-bit base, fullgraph, gives peft's output.
+    One row keeps bitsandbytes' GEMV unless the fused kernel is asked for."""
     from unsloth.models.patches.lora import patch_lora
 
     peft = _peft_over_4bit()
-    x = torch.randn(3, 64)
+    x = torch.randn(rows, 64)
     with torch.no_grad():
         patch_lora(peft)  # first: it keeps bitsandbytes from repacking the weight for its CPU kernel
         expected = peft(x)  # peft over bitsandbytes' matmul_4bit (not compiling: our decode path is off)
-        monkeypatch.setenv("UNSLOTH_NF4_DECODE", "1")
-        calls = _count_calls(monkeypatch)
+        monkeypatch.setenv("UNSLOTH_NF4_DECODE", flag)
+        fused = _count_calls(monkeypatch)
+        dequantized = _count_calls(monkeypatch, "unsloth_kernels.nf4", "dequantize_traceable")
         torch._dynamo.reset()
         got = torch.compile(peft, fullgraph=True, dynamic=False)(x)
-    assert calls, "the compiled forward did not take nf4_matmul"
+    assert (bool(fused), bool(dequantized)) == (flag == "1", flag == "" and rows > 1)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

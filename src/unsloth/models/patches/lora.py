@@ -7,9 +7,12 @@ activation recomputed in backward, not stored), and every other LoRA linear as `
 x and x A^T saved). The check runs on every call, so disabling adapters (as TRL does for a
 reference model), merging or a mixed-adapter batch falls back to peft's own forward.
 
-Under torch.compile (the decode step) those forwards are peft's; with UNSLOTH_NF4_DECODE=1 a
-bitsandbytes 4-bit base layer then multiplies a few rows by its packed weight directly
-(`_nf4_decode_forward`), instead of bitsandbytes dequantizing the whole weight every step.
+Under torch.compile (the decode step) those forwards are peft's, over the bitsandbytes 4-bit base
+layer's forward (`_nf4_decode_forward`): for more than one row it dequantizes the weight with our
+kernel, which takes about 0.6 x bitsandbytes' time, and multiplies (bitsandbytes' multi-row path is
+the same dequantize-then-matmul); one row keeps bitsandbytes' own 4-bit GEMV. UNSLOTH_NF4_DECODE=1
+instead multiplies up to 16 rows by the packed weight directly (`nf4_matmul`, slower than both on the
+H200 at 8 rows so far); UNSLOTH_NF4_DECODE=0 keeps bitsandbytes' forward throughout.
 """
 
 from __future__ import annotations
@@ -121,32 +124,39 @@ def _lora_mlp_forward(self, x):
 
 
 def _nf4_decode_forward(self, x, *args, **kwargs):
-    """A bitsandbytes 4-bit base layer's forward (peft adds the LoRA delta after it): inside a compiled
-    step with UNSLOTH_NF4_DECODE=1, a few rows and no gradient, our fused nf4_matmul; else bitsandbytes'.
-    Off by default: on the H200 bitsandbytes is still faster on large projections (docs/benchmarks.md)."""
+    """A bitsandbytes 4-bit base layer's forward (peft adds the LoRA delta after it). Inside a compiled
+    step, without gradients: our dequantization then a matmul for several rows, or with
+    UNSLOTH_NF4_DECODE=1 our fused nf4_matmul for up to 16; else (and for one row) bitsandbytes'."""
     from unsloth.models.kernels import compiling
 
-    if (not args and not kwargs and compiling() and os.environ.get("UNSLOTH_NF4_DECODE") == "1"
-            and _nf4_decode_applies(self, x)):  # fmt: skip
-        from unsloth_kernels.nf4 import prepare_bnb_4bit
-        from unsloth_kernels.nf4_matmul import nf4_matmul
+    mode = os.environ.get("UNSLOTH_NF4_DECODE", "")
+    if args or kwargs or mode == "0" or not compiling() or not _nf4_decode_applies(self, x):
+        return type(self).forward(self, x, *args, **kwargs)
+    from unsloth_kernels.nf4 import dequantize_traceable, prepare_bnb_4bit
 
-        # Prepared per call: under compile it is traced once into views of the same tensors.
-        prepared = prepare_bnb_4bit(self.weight, self.weight.quant_state)
-        return nf4_matmul(x, prepared, None if self.bias is None else self.bias.to(x.dtype))
-    return type(self).forward(self, x, *args, **kwargs)
+    # Prepared per call: under compile it is traced once into views of the same tensors.
+    prepared = prepare_bnb_4bit(self.weight, self.weight.quant_state)
+    compute = self.compute_dtype or x.dtype  # as bitsandbytes' Linear4bit: compute dtype in, input dtype out
+    bias = None if self.bias is None else self.bias.to(compute)
+    if mode == "1":
+        from unsloth_kernels.nf4_matmul import MAX_ROWS, nf4_matmul
+
+        if x.numel() <= MAX_ROWS * x.shape[-1]:
+            return nf4_matmul(x.to(compute), prepared, bias).to(x.dtype)
+    if x.numel() == x.shape[-1]:
+        return type(self).forward(self, x)  # one row: bitsandbytes' 4-bit GEMV reads the packed weight once
+    weight = dequantize_traceable(prepared, self.weight.quant_state.dtype).to(compute)
+    return torch.nn.functional.linear(x.to(compute), weight, bias).to(x.dtype)
 
 
 def _nf4_decode_applies(base, x) -> bool:
     from unsloth_kernels._utils import INTERPRET
-    from unsloth_kernels.nf4_matmul import MAX_ROWS  # more rows keep bitsandbytes' path
 
     weight = base.weight
     state = getattr(weight, "quant_state", None)
-    return (state is not None and getattr(state, "quant_type", None) == "nf4" and len(state.shape) == 2
+    return (state is not None and getattr(state, "quant_type", None) in ("nf4", "fp4") and len(state.shape) == 2
             and not repacked_for_cpu(state)
             and x.shape[-1] == state.shape[1] and state.shape[1] % 2 == 0
-            and x.numel() <= MAX_ROWS * x.shape[-1]
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and (x.is_cuda or INTERPRET) and not (torch.is_grad_enabled() and x.requires_grad))  # fmt: skip
 
