@@ -49,6 +49,41 @@ def test_our_kernels_in_the_language_model_keep_the_loss_and_gradients(family, t
     assert vision and sum(reached) >= len(reached) / 2, reached
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma4"])
+def test_the_vision_tower_s_norms_and_mlps_run_ours_with_the_stock_gradients(family, tmp_path, one_thread):
+    """Qwen2.5-VL's and Gemma 4's vision towers have RMSNorms and gated MLPs: ours replace them (Qwen's
+    MLPs as LoRA MLP kernels), and the vision adapters get the stock model's gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    from unsloth import FastVisionModel, UnslothVisionDataCollator
+    from unsloth.models.vision import is_vision_module
+
+    model, processor = _load(family, tmp_path)
+    report = model._unsloth_patches
+    assert report.vision_rms_norm and report.vision_mlp, report.summary()
+    batch = UnslothVisionDataCollator(model, processor)([_chat(0), _chat(1, "t9 t10 t11")])
+    model = FastVisionModel.get_peft_model(model, r=4, lora_alpha=8, finetune_vision_layers=True)
+    FastVisionModel.for_training(model)
+    if family == "qwen2_5_vl":
+        assert report.lora["MLP"] == report.mlp + report.vision_mlp, report.summary()
+    targets = model.peft_config["default"].target_modules
+    stock = get_peft_model(tiny_vision_model(family)[0], LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    ours = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if "lora_" in name:
+                if "lora_B" in name:
+                    ours[name].normal_(0.0, 0.2)  # non-zero, so the A matrices get gradients too
+                p.copy_(ours[name])
+    stock.train()
+    for net in (model, stock):
+        net(**batch).loss.backward()
+    grads = {n: p.grad for n, p in stock.named_parameters() if "lora_" in n and is_vision_module(n)}
+    assert grads and all(g is not None for g in grads.values())
+    for name, grad in grads.items():
+        torch.testing.assert_close(ours[name].grad, grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("family", VISION_FAMILIES)
 def test_finetune_switches_pick_the_towers_and_module_kinds(family):
     from unsloth.models.vision import is_vision_module

@@ -74,10 +74,11 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     # kernel does not reproduce, so it stays stock (the probe says so)
     "glm4": ALL,
     "glm": ALL,
-    # Vision-language models: the patches go into their language model only (`text_part`); the vision
-    # tower runs stock but for its windowed attention (the generic path's `patch_vision_attention`,
-    # any model). Qwen2.5-VL / Qwen3-VL build their 3-D (multimodal) cos/sin tables first and
-    # rotate with the plain apply_rotary_pos_emb, which our RoPE kernel takes.
+    # Vision-language models: the patches go into their language model (`text_part`), and the norms
+    # and gated MLPs into the vision tower and projector (`vision_towers`: Qwen2.5-VL's and Gemma 4's
+    # towers have them, where the probes pass); the windowed attention is the generic path's
+    # (`patch_vision_attention`, any model). Qwen2.5-VL / Qwen3-VL build their 3-D (multimodal)
+    # cos/sin tables first and rotate with the plain apply_rotary_pos_emb, which our RoPE kernel takes.
     "qwen2_5_vl": ALL,
     "qwen3_vl": ALL,
     "gemma3": ALL,
@@ -139,6 +140,8 @@ class PatchReport:
     moe: int = 0
     moe_4bit: int = 0  # packed expert stacks held in NF4 (QLoRA of the experts)
     vision_attention: int = 0  # vision-tower attentions whose equal windows run as one batch
+    vision_rms_norm: int = 0  # the vision tower's and projector's norms and gated MLPs (Qwen2.5-VL's)
+    vision_mlp: int = 0
     loss: bool = False
     lora: dict[str, int] = field(default_factory=dict)
     lora_on_peft: int = 0  # LoRA layers whose base weight our kernels cannot read (8-bit): peft's forward
@@ -161,6 +164,10 @@ class PatchReport:
             parts.append(f"{self.moe} MoE experts" + (f" ({self.moe_4bit} stacks in NF4)" if self.moe_4bit else ""))
         if self.vision_attention:
             parts.append(f"{self.vision_attention} vision attention (windows batched)")
+        if self.vision_rms_norm:
+            parts.append(f"{self.vision_rms_norm} vision RMSNorm")
+        if self.vision_mlp:
+            parts.append(f"{self.vision_mlp} vision MLP")
         if self.loss:
             parts.append("fused loss")
         parts += [f"{n} LoRA {kind}" for kind, n in self.lora.items() if n]
@@ -216,6 +223,18 @@ def text_parts(model: nn.Module) -> list[nn.Module]:
     return outside_codec(model) if codec_of(model) is not None else [text_part(model)]
 
 
+def vision_towers(model: nn.Module) -> list[nn.Module]:
+    """A vision-language model's vision tower and projector (outermost modules so named), where its
+    norms and gated MLPs get the family's patches too: the probes decide, as in the language model."""
+    from unsloth.models.vision import is_vision_module
+
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if name and is_vision_module(name) and not any(name.startswith(outer + ".") for outer, _ in found):
+            found.append((name, module))
+    return [module for _, module in found]
+
+
 def patch_model(model: nn.Module) -> PatchReport:
     """Put our kernels into a loaded causal LM (before LoRA); returns what was done. The family
     patches go into its `text_parts`; the loss is the whole model's."""
@@ -245,6 +264,11 @@ def patch_model(model: nn.Module) -> PatchReport:
                 report.mlp += patch_mlps(text, device, dtype)
             if "moe" in wanted:
                 report.moe += patch_moe_experts(text, device, dtype)
+        for tower in vision_towers(model):
+            if "rms_norm" in wanted:
+                report.vision_rms_norm += patch_rms_norms(tower)
+            if "mlp" in wanted:
+                report.vision_mlp += patch_mlps(tower, device, dtype)
     model._unsloth_patches = report
     log.info(report.summary())
     return report

@@ -65,6 +65,13 @@ def _is_gated_mlp(module: nn.Module) -> bool:
     return all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
 
 
+def _in_features(projection: nn.Module) -> int | None:
+    """The input width of a projection: a Linear, or a wrapper around one (Gemma 4's vision tower clips
+    its Linear's inputs and outputs)."""
+    linear = next((m for m in projection.modules() if isinstance(m, nn.Linear)), None)
+    return None if linear is None else linear.in_features
+
+
 def _fused_layout(module: nn.Module) -> tuple[str, str] | None:
     """(gate_up, down) names when the module's only Linear children are one projection to twice the
     width the other projects back from: the fused gate/up layout."""
@@ -113,8 +120,11 @@ def patch_mlps(model: nn.Module, device, dtype) -> int:
             kind = activation_kind(module.act_fn, device, dtype)
             if kind is None:
                 continue
+            width = _in_features(module.gate_proj)
+            if width is None:
+                continue
             module._unsloth_act = kind
-            x = torch.randn(2, 3, module.gate_proj.in_features, device=device, dtype=dtype)
+            x = torch.randn(2, 3, width, device=device, dtype=dtype)
             if _keep_if_same(module, _gated_mlp_forward, x):
                 patched += 1
             else:
