@@ -226,3 +226,26 @@ def test_layers_that_share_kv_states_keep_their_gradients(mode, monkeypatch):
     torch.testing.assert_close(loss, ref_loss)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, msg=name)
+
+
+def test_an_adapter_added_after_checkpointing_gets_its_gradients(monkeypatch):
+    """The checkpoint keeps each layer's list of parameter dicts between calls: an adapter added later
+    (new modules and parameters) must still be among the Function's inputs and get its gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    monkeypatch.setenv("UNSLOTH_KERNELS", "0")
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    apply_gradient_checkpointing(model.get_base_model(), True)
+    model.train()
+    ids = torch.randint(0, VOCAB, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()  # the layers' parameter lists are now cached
+    model.add_adapter("late", LoraConfig(r=2, target_modules=["v_proj"]))
+    model.base_model.set_adapter(["default", "late"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    model.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    late = {n: p.grad for n, p in model.named_parameters() if ".late." in n}
+    assert late and all(g is not None and g.abs().sum() > 0 for g in late.values()), late.keys()
