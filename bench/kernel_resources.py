@@ -5,6 +5,7 @@ shared memory is a lead before a GPU is lent, and a sweep can skip it.
 
     python bench/kernel_resources.py                 # nf4_matmul's sweep configurations, sm_90
     python bench/kernel_resources.py --arch 100      # another target (Blackwell)
+    python bench/kernel_resources.py --gated         # the LoRA MLP's activation kernel at GATED_SWEEP's tiles
 
 One JSON line per configuration: the tuple as NF4_MATMUL_TUNING spells it (BLOCK_N, BLOCK_K, warps,
 programs per SM, dot), the rows it is for, registers per thread, stack bytes (spills), dynamic shared
@@ -24,6 +25,7 @@ import triton
 from nf4_matmul import SWEEP, SWEEP_ROWS  # this folder: a script's own folder is on its path
 from triton.backends.compiler import GPUTarget
 
+from unsloth_kernels import lora as lora_module
 from unsloth_kernels import nf4_matmul as nf4_matmul_module
 
 # _nf4_matmul_kernel's pointer and integer arguments, as a decode step calls it (bf16 x, nested
@@ -33,6 +35,31 @@ NF4_SIGNATURE = {
     "code2_ptr": "*fp32", "offset_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp32", "M": "i32",
     "N": "i32", "K": "i32", "stride_xm": "i32", "k_chunk": "i32",
 }  # fmt: skip
+
+
+# _gated_kernel's arguments in a bf16 step (LoRA parameters in bf16 too), and the tiles the sweeps try
+GATED_SIGNATURE = {
+    **dict.fromkeys(("E", "G", "DH", "XA", "BG", "BU", "DYB", "AD"), "*bf16"),
+    **dict.fromkeys(("n_rows", "n_cols", "stride", "stride_xa", "sbg_r", "sbg_col", "sbu_r", "sbu_col", "stride_dyb",
+                     "sad_r", "sad_col"), "i32"),
+    "scale_g": "fp32", "scale_u": "fp32",
+}  # fmt: skip
+GATED_SWEEP = ((32, 128, 4), (32, 128, 8), (32, 64, 4), (32, 64, 8), (64, 64, 8), (16, 128, 8), (16, 64, 4))
+
+
+def gated_rows(target: GPUTarget, arch: int):
+    """One row per (rank, direction, tile) of the gated activation kernel with every LoRA term folded in."""
+    kernel = getattr(lora_module._gated_kernel, "kernel", lora_module._gated_kernel)  # the JITFunction
+    for rank in (16, 32, 64):
+        in_use = next(lora_module.GATED_TUNING[r] for r in sorted(lora_module.GATED_TUNING) if rank <= r)
+        for backward in (False, True):
+            for block_m, block_n, warps in GATED_SWEEP:
+                constants = dict(ACT=0, BACKWARD=backward, LORA=True, LORA_DH=backward, RANK_G=rank, RANK_U=rank,
+                                 RANK_D=rank, BLOCK_R=rank, DOT_FP32=False, BLOCK_M=block_m, BLOCK_N=block_n)
+                row = {"kernel": "gated", "rank": rank, "backward": backward, "config": [block_m, block_n, warps],
+                       "in_use": (block_m, block_n, warps) == in_use, "arch": arch}
+                row.update(resources(kernel, GATED_SIGNATURE, constants, target, warps))
+                yield row
 
 
 def resources(kernel, signature: dict, constants: dict, target: GPUTarget, warps: int) -> dict:
@@ -53,8 +80,13 @@ def resources(kernel, signature: dict, constants: dict, target: GPUTarget, warps
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100 / H200)")
+    parser.add_argument("--gated", action="store_true", help="the LoRA MLP's activation kernel instead of nf4_matmul")
     args = parser.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
+    if args.gated:
+        for row in gated_rows(target, args.arch):
+            print(json.dumps(row), flush=True)
+        return
     for kind, configs in SWEEP.items():
         rows = SWEEP_ROWS[kind]
         for config in configs:

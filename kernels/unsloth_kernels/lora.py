@@ -122,8 +122,12 @@ class _DownLora(NamedTuple):
     a: torch.Tensor
 
 
-_GATED_BLOCK_M, _GATED_BLOCK_N, _GATED_WARPS = 32, 128, 4
-_MAX_FOLDED_RANK = 64  # larger ranks keep the separate addmm_ (a tile of B would not fit in registers)
+# (BLOCK_M, BLOCK_N, warps) of the activation kernels, by the largest LoRA rank folded into them (the
+# first entry whose rank is not below it). Compiled for sm_90 (bench/kernel_resources.py --gated), 32 x 128
+# with 4 warps spills 184 / 984 bytes a thread (forward / backward) at rank 64 and 424 at rank 16 in
+# backward; 32 x 64 with 8 warps spills nothing at any rank up to 64. bench/gated_tiles.py times them.
+GATED_TUNING: dict[int, tuple[int, int, int]] = {16: (32, 128, 4), 64: (32, 64, 8)}
+_MAX_FOLDED_RANK = max(GATED_TUNING)  # larger ranks keep the separate addmm_ (a tile of B would not fit in registers)
 
 
 @triton.jit
@@ -190,7 +194,8 @@ def _gated_launch(e, g, dh, activation, backward, gate_up: _GateUpLora | None, d
     ranks.append(down.a.shape[0] if down else 1)
     xa, bg, bu = gate_up[:3] if gate_up else (e, e, e)
     dyb, ad = down if down else (e, e)
-    _gated_kernel[(cdiv(n_rows, _GATED_BLOCK_M), cdiv(n_cols, _GATED_BLOCK_N))](
+    block_m, block_n, warps = next(GATED_TUNING[r] for r in sorted(GATED_TUNING) if max(ranks) <= r)
+    _gated_kernel[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
         e, g, dh, xa, bg, bu, dyb, ad,
         n_rows, n_cols, e.stride(0), xa.stride(0),
         bg.stride(1), bg.stride(0), bu.stride(1), bu.stride(0), dyb.stride(0), ad.stride(0), ad.stride(1),
@@ -198,7 +203,7 @@ def _gated_launch(e, g, dh, activation, backward, gate_up: _GateUpLora | None, d
         ACT=ACT_CODES[activation], BACKWARD=backward, LORA=gate_up is not None, LORA_DH=down is not None,
         RANK_G=ranks[0], RANK_U=ranks[1], RANK_D=ranks[2], BLOCK_R=max(16, block_size_for(max(ranks))),
         DOT_FP32=INTERPRET or e.dtype == torch.float32,
-        BLOCK_M=_GATED_BLOCK_M, BLOCK_N=_GATED_BLOCK_N, num_warps=_GATED_WARPS,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )  # fmt: skip
 
 

@@ -130,11 +130,13 @@ def mlp_ref(x, gate, up, down, activation):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", list(ACTIVATION_REF))
-def test_lora_mlp(activation, dtype):
+@pytest.mark.parametrize("rank", [4, 40, 80], ids=lambda r: f"r{r}")  # each folded tile size, then unfolded
+def test_lora_mlp(activation, dtype, rank):
     hidden, inter = 24, 40
     x = torch.randn(3, hidden, dtype=dtype, device=DEVICE).requires_grad_()
-    gate, up = make_lora(inter, hidden, dtype, seed=1), make_lora(inter, hidden, dtype, seed=2, bias=True)
-    down = make_lora(hidden, inter, dtype, seed=3)
+    gate, up = (make_lora(inter, hidden, dtype, seed=1, rank=rank),
+                make_lora(inter, hidden, dtype, seed=2, bias=True, rank=rank))
+    down = make_lora(hidden, inter, dtype, seed=3, rank=rank)
     out = lora_mlp(x, gate, up, down, activation)
     dout = torch.randn_like(out)
     out.backward(dout)
@@ -393,12 +395,13 @@ def _kernel_cases():
     gated_sig.update({name: "i32" for name in ("n_rows", "n_cols", "stride", "stride_xa", "sbg_r", "sbg_col",
                                                "sbu_r", "sbu_col", "stride_dyb", "sad_r", "sad_col")})
     gated_sig.update(scale_g="fp32", scale_u="fp32")
-    for activation in ("swiglu", "geglu", "geglu_tanh"):
-        for backward in (False, True):  # with every LoRA term folded in: the heaviest variant
-            constexprs = {"ACT": ACT_CODES[activation], "BACKWARD": backward, "LORA": True, "LORA_DH": backward,
-                          "RANK_G": 16, "RANK_U": 16, "RANK_D": 16, "BLOCK_R": 16, "DOT_FP32": False,
-                          "BLOCK_M": lora_module._GATED_BLOCK_M, "BLOCK_N": lora_module._GATED_BLOCK_N}
-            cases.append(("lora", "_gated_kernel", gated_sig, constexprs, {"num_warps": lora_module._GATED_WARPS}))
+    for rank, (block_m, block_n, warps) in lora_module.GATED_TUNING.items():  # each tile at its largest rank
+        for activation in ("swiglu", "geglu", "geglu_tanh"):
+            for backward in (False, True):  # with every LoRA term folded in: the heaviest variant
+                constexprs = {"ACT": ACT_CODES[activation], "BACKWARD": backward, "LORA": True, "LORA_DH": backward,
+                              "RANK_G": rank, "RANK_U": rank, "RANK_D": rank, "BLOCK_R": rank, "DOT_FP32": False,
+                              "BLOCK_M": block_m, "BLOCK_N": block_n}
+                cases.append(("lora", "_gated_kernel", gated_sig, constexprs, {"num_warps": warps}))
     return cases
 
 
