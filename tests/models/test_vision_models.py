@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tiny_vision import VISION_FAMILIES, images, save_tiny_vision, tiny_vision_model
+from unsloth.models.vision import is_vision_module
 
 pytest.importorskip("PIL")
 
@@ -49,23 +50,26 @@ def test_our_kernels_in_the_language_model_keep_the_loss_and_gradients(family, t
     assert vision and sum(reached) >= len(reached) / 2, reached
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma4"])
-def test_the_vision_tower_s_norms_and_mlps_run_ours_with_the_stock_gradients(family, tmp_path, one_thread):
-    """Qwen2.5-VL's and Gemma 4's vision towers have RMSNorms and gated MLPs: ours replace them (Qwen's
-    MLPs as LoRA MLP kernels), and the vision adapters get the stock model's gradients."""
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "gemma4"])
+def test_patched_towers_give_the_stock_gradients(family, tmp_path, one_thread):
+    """Every adapter (both towers) gets the stock model's gradient through our checkpointed, patched model:
+    the vision tower's norms and gated MLPs where it has them (Qwen2.5-VL's MLPs as LoRA MLP kernels,
+    Gemma 4's), and the recompute that skips an MLP's output where MLP_FEEDS_RESIDUAL says it is unread."""
     from peft import LoraConfig, get_peft_model
 
     from unsloth import FastVisionModel, UnslothVisionDataCollator
-    from unsloth.models.vision import is_vision_module
+    from unsloth.models.patches import MLP_FEEDS_RESIDUAL
 
     model, processor = _load(family, tmp_path)
     report = model._unsloth_patches
-    assert report.vision_rms_norm and report.vision_mlp, report.summary()
+    assert bool(report.vision_rms_norm and report.vision_mlp) == (family != "qwen3_vl"), report.summary()
     batch = UnslothVisionDataCollator(model, processor)([_chat(0), _chat(1, "t9 t10 t11")])
     model = FastVisionModel.get_peft_model(model, r=4, lora_alpha=8, finetune_vision_layers=True)
     FastVisionModel.for_training(model)
     if family == "qwen2_5_vl":
         assert report.lora["MLP"] == report.mlp + report.vision_mlp, report.summary()
+    skips = [m._unsloth_mlp_feeds_residual for m in model.modules() if hasattr(m, "_unsloth_mlp_feeds_residual")]
+    assert skips and all(skip == (family in MLP_FEEDS_RESIDUAL) for skip in skips)
     targets = model.peft_config["default"].target_modules
     stock = get_peft_model(tiny_vision_model(family)[0], LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     ours = dict(model.named_parameters())
@@ -78,10 +82,10 @@ def test_the_vision_tower_s_norms_and_mlps_run_ours_with_the_stock_gradients(fam
     stock.train()
     for net in (model, stock):
         net(**batch).loss.backward()
-    grads = {n: p.grad for n, p in stock.named_parameters() if "lora_" in n and is_vision_module(n)}
-    assert grads and all(g is not None for g in grads.values())
+    grads = {n: p.grad for n, p in stock.named_parameters() if "lora_" in n and p.grad is not None}
+    assert grads and any(is_vision_module(n) for n in grads) and not all(is_vision_module(n) for n in grads)
     for name, grad in grads.items():
-        torch.testing.assert_close(ours[name].grad, grad, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(ours[name].grad, grad, rtol=1e-3, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("family", VISION_FAMILIES)

@@ -116,7 +116,8 @@ MOE_FAMILIES: dict[str, tuple[str, ...]] = {
 # OLMo 2/3 and GLM-4 (a norm after the MLP); Phi-4, GLM and Granite 4 fuse gate and up in one
 # projection, so their MLP is not on the LoRA MLP kernel this flag tunes.
 MLP_FEEDS_RESIDUAL = {"llama", "mistral", "qwen2", "qwen3", "gemma", "qwen3_5_text", "qwen3_5",
-                      "mistral3", "ministral3", "ministral", "smollm3", "granite"}
+                      "mistral3", "ministral3", "ministral", "smollm3", "granite",
+                      "qwen2_5_vl", "qwen3_vl"}  # their language models, and Qwen2.5-VL's vision blocks
 
 
 def family_patches(family: str) -> tuple[str, ...] | None:
