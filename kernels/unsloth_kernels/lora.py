@@ -28,6 +28,7 @@ trained here; a trainable bias gets its gradient.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -126,7 +127,7 @@ class _DownLora(NamedTuple):
 # first entry whose rank is not below it). Compiled for sm_90 (bench/kernel_resources.py --gated), 32 x 128
 # with 4 warps spills 184 / 984 bytes a thread (forward / backward) at rank 64 and 424 at rank 16 in
 # backward; 32 x 64 with 8 warps spills nothing at any rank up to 64. bench/gated_tiles.py times them.
-GATED_TUNING: dict[int, tuple[int, int, int]] = {16: (32, 128, 4), 64: (32, 64, 8)}
+GATED_TUNING: dict[int, tuple[int, int, int]] = {16: (32, 128, 4), 64: (16, 128, 8)}
 _MAX_FOLDED_RANK = max(GATED_TUNING)  # larger ranks keep the separate addmm_ (a tile of B would not fit in registers)
 
 
@@ -233,10 +234,54 @@ def _gate_up_lora(xa, params, gate, up) -> _GateUpLora:
 # is one matmul: dX += [s_i dY_i B_i] @ [A_i] over the stacked rank.
 
 
+# --- parameters in the compute dtype ---------------------------------------------------------------
+#
+# LoRA parameters are often kept in fp32 while the model computes in bf16 (peft's default), and a step
+# uses each of them several times (forward, the checkpoint's recompute, backward; every micro-batch
+# of an accumulated step). Each use was a cast: a launch, which on a host-paced step (batch 1, or a
+# vision tower's small matmuls) costs as much as the GPU work. The cast is kept on the parameter
+# instead, while the parameter is unchanged: same version counter (an in-place write bumps it), same
+# storage, and no optimizer step since (`new_weights`: the models layer calls it after each one, for
+# optimizers that write through their own kernels).
+
+_weights_generation = 0
+_casts: dict[int, tuple] = {}  # id(first tensor) -> (weak reference to it, {slot: (state, cast)})
+
+
+def new_weights() -> None:
+    """Forget the casts kept for the LoRA parameters (an optimizer has just changed them)."""
+    global _weights_generation
+    _weights_generation += 1
+
+
+def _kept(tensors, dtype: torch.dtype, build):
+    """build(), kept on tensors[0] while none of `tensors` changed (see above)."""
+    state = (_weights_generation, *[(t._version, t.data_ptr()) for t in tensors])
+    slot = (dtype, *map(id, tensors[1:]))
+    first = tensors[0]
+    entry = _casts.get(id(first))
+    if entry is None or entry[0]() is not first:  # kept apart from the tensor: nothing extra is pickled with it
+        entry = (weakref.ref(first, lambda _, key=id(first): _casts.pop(key, None)), {})
+        _casts[id(first)] = entry
+    kept = entry[1]
+    hit = kept.get(slot)
+    if hit is not None and hit[0] == state:
+        return hit[1]
+    value = build()
+    kept[slot] = (state, value)
+    return value
+
+
+def _in(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A parameter in `dtype`: itself, or its kept cast."""
+    return t if t.dtype == dtype else _kept((t,), dtype, lambda: t.detach().to(dtype))
+
+
 def _stacked_a(params, count: int, dtype: torch.dtype) -> torch.Tensor:
     if count == 1:
-        return params[0].to(dtype)
-    return torch.cat([params[3 * i].to(dtype) for i in range(count)])
+        return _in(params[0], dtype)
+    a = [params[3 * i] for i in range(count)]
+    return _kept(a, dtype, lambda: torch.cat([t.detach().to(dtype) for t in a]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -261,10 +306,10 @@ def _project(x: torch.Tensor, projections, params, *, fold: bool = False):
     for i, p in enumerate(projections):
         _, B, bias = params[3 * i : 3 * i + 3]
         weight_t = p.base_weight(dtype).t()  # a dequantized copy lives only for this matmul
-        y = x @ weight_t if bias is None else torch.addmm(bias.to(dtype), x, weight_t)
+        y = x @ weight_t if bias is None else torch.addmm(_in(bias, dtype), x, weight_t)
         rank = B.shape[1]
         if not fold:
-            y.addmm_(xa[:, col : col + rank], B.to(dtype).t(), alpha=p.scaling)
+            y.addmm_(xa[:, col : col + rank], _in(B, dtype).t(), alpha=p.scaling)
         outputs.append(y)
         col += rank
     return outputs, xa
@@ -280,7 +325,7 @@ def _grad_projections(grad_outputs, x, xa, projections, params, needs, *, need_x
     dtype = grad_outputs[0].dtype
     count = len(projections)
     # s_i dY_i B_i side by side: the common factor of dA_i (with x) and of dX's LoRA part (with A_i).
-    dy_b = [_scaled_mm(dy, params[3 * i + 1].to(dtype), p.scaling)
+    dy_b = [_scaled_mm(dy, _in(params[3 * i + 1], dtype), p.scaling)
             for i, (p, dy) in enumerate(zip(projections, grad_outputs))]  # fmt: skip
     dy_b = dy_b[0] if count == 1 else torch.cat(dy_b, dim=1)
     want_a = x is not None and any(needs[3 * i] for i in range(count))
@@ -438,7 +483,7 @@ def _mlp_backward(x, e, g, xa_gate_up, ha_down, dy, ctx, params, needs):
     h, d_gate, d_up = dh, e, g
     grad_a_down = (dy_b.t() @ h).to(params[6].dtype) if needs[6] else None
     if needs[7] and ha_down is None:
-        ha_down = h @ params[6].to(h.dtype).t()
+        ha_down = h @ _in(params[6], h.dtype).t()
         grad_b_down = _scaled_mm(dy.t(), ha_down, down.scaling).to(params[7].dtype)
     del h, dh, dy_b, ha_down, folded
 

@@ -487,3 +487,38 @@ def test_lora_mlp_without_autograd_runs_in_chunks_with_the_output(monkeypatch):
     for out, name in ((whole, "one chunk"), (chunked, "chunks")):
         assert out.shape == (2, 11, hidden)
         assert_close_dtype(out, expected, dtype, n_reduce=inter, name=name, factor=CHAIN_FACTOR)
+
+
+def test_fp32_parameters_are_cast_once_while_unchanged():
+    """fp32 LoRA parameters of a bf16 layer: the cast each use needs is kept until the parameter
+    changes (an in-place write, or an optimizer step through `new_weights`), and results follow
+    every change."""
+    import unsloth_kernels.lora as lora_module
+
+    dtype = torch.bfloat16
+    p = make_lora(48, 32, dtype)
+    A, B = (t.detach().float().requires_grad_() for t in (p.A, p.B))
+    p32 = LoraWeights(p.weight, A, B, p.scaling)
+    x = torch.randn(5, 32, dtype=dtype, device=DEVICE)
+
+    def run():
+        return lora_o(x, p32)
+
+    first = run()
+    kept = lora_module._in(B, dtype)
+    assert kept is lora_module._in(B, dtype) and kept.dtype == dtype  # one cast, reused
+    torch.testing.assert_close(run(), first, rtol=0, atol=0)
+    with torch.no_grad():
+        B.add_(1.0)  # an in-place write bumps the version: a new cast
+    assert lora_module._in(B, dtype) is not kept
+    changed = run()
+    assert not torch.equal(changed, first)
+    torch.testing.assert_close(changed, lora_o(x, LoraWeights(p.weight, A.to(dtype), B.to(dtype), p.scaling)),
+                               rtol=0, atol=0)
+    kept = lora_module._in(B, dtype)
+    B.data.add_(1.0)  # a write the version counter does not see (an optimizer's own kernel)...
+    assert lora_module._in(B, dtype) is kept
+    lora_module.new_weights()  # ...is covered by the optimizer-step hook's call
+    assert lora_module._in(B, dtype) is not kept
+    torch.testing.assert_close(run(), lora_o(x, LoraWeights(p.weight, A.to(dtype), B.to(dtype), p.scaling)),
+                               rtol=0, atol=0)

@@ -165,6 +165,21 @@ def _is_4bit_linear(module) -> bool:
     return isinstance(module, nn.Linear) and getattr(getattr(module, "weight", None), "quant_state", None) is not None
 
 
+_optimizer_hook = None
+
+
+def _forget_casts_after_optimizer_steps() -> None:
+    """The kernels keep each LoRA parameter's cast to the compute dtype while it is unchanged; an
+    optimizer may write the parameters through its own kernels (bitsandbytes' 8-bit ones) without
+    bumping their version counters, so every optimizer step also says the weights are new."""
+    global _optimizer_hook
+    if _optimizer_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from unsloth_kernels.lora import new_weights
+
+        _optimizer_hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: new_weights())
+
+
 def patch_lora(model, mlp_feeds_residual: bool = False) -> dict[str, int]:
     """Route the LoRA layers of a PeftModel through the fused kernels; returns counts per kind.
 
@@ -189,6 +204,7 @@ def patch_lora(model, mlp_feeds_residual: bool = False) -> dict[str, int]:
             module.forward = types.MethodType(_lora_linear_forward, module)
             linears += 1
     keep_4bit_layout(model)
+    _forget_casts_after_optimizer_steps()
     for module in model.modules():  # the 4-bit bases of every LoRA layer, in an MLP or not
         base = module.get_base_layer() if isinstance(module, LoraLayer) else None
         if base is not None and _is_4bit_linear(base) and "forward" not in base.__dict__:
