@@ -273,35 +273,17 @@ def _passes_tensors_between_layers(layer, args, kwargs) -> bool:
         isinstance(a, MutableMapping) for a in (*args, *kwargs.values()))
 
 
-# Bumped whenever any module registers a submodule or a parameter (adding an adapter, replacing a
-# weight): a layer's cached list of parameter dicts is then rebuilt.
-_tree_version = 0
-
-
-def _bump_tree_version(*_):
-    global _tree_version
-    _tree_version += 1
-
-
-_tree_hooks = []
-
-
 def _trainable_parameters(layer: nn.Module) -> list[nn.Parameter]:
     """`[p for p in layer.parameters() if p.requires_grad]`, without walking the module tree on every
     call (a LoRA layer has dozens of modules: the walk was a few percent of a host-paced step). The
-    layer's modules' parameter dicts are kept and read per call: FSDP2 swaps its unsharded parameters
-    into those same dicts for the forward, and requires_grad may change between steps."""
-    if not _tree_hooks:
-        from torch.nn.modules import module
+    layer's modules' parameter dicts are kept per module-tree version and read per call: FSDP2 swaps
+    its unsharded parameters into those same dicts for the forward, and requires_grad may change
+    between steps."""
+    from unsloth.models.module_tree import kept_per_tree
 
-        _tree_hooks.append(module.register_module_module_registration_hook(_bump_tree_version))
-        _tree_hooks.append(module.register_module_parameter_registration_hook(_bump_tree_version))
-    cached = layer.__dict__.get("_unsloth_parameter_dicts")
-    if cached is None or cached[0] != _tree_version:
-        cached = (_tree_version, [m._parameters for m in layer.modules() if m._parameters])
-        layer.__dict__["_unsloth_parameter_dicts"] = cached
+    dicts = kept_per_tree(layer, "_unsloth_parameter_dicts", lambda l: [m._parameters for m in l.modules() if m._parameters])
     # dict.fromkeys: one entry per parameter, in parameters()' order, also where modules share one
-    return list(dict.fromkeys(p for d in cached[1] for p in d.values() if p is not None and p.requires_grad))
+    return list(dict.fromkeys(p for d in dicts for p in d.values() if p is not None and p.requires_grad))
 
 
 def _checkpointed_forward(self, hidden_states, *args, **kwargs):
