@@ -130,7 +130,7 @@ def mlp_ref(x, gate, up, down, activation):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", list(ACTIVATION_REF))
-@pytest.mark.parametrize("rank", [4, 40, 80], ids=lambda r: f"r{r}")  # each folded tile size, then unfolded
+@pytest.mark.parametrize("rank", [4, 40, 80], ids=lambda r: f"r{r}")  # folded into the kernels up to 64, then not
 def test_lora_mlp(activation, dtype, rank):
     hidden, inter = 24, 40
     x = torch.randn(3, hidden, dtype=dtype, device=DEVICE).requires_grad_()
