@@ -5,8 +5,7 @@ Llama-3.1-8B's (16384 tokens, 4096 -> 14336, r=16, the trainer bench). bf16, den
     python bench/gated_tiles.py [--only tts,llama8b]
 
 One JSON line per (shape, tile): do_bench median ms, and whether the tile is the one in use
-(unsloth_kernels.lora.GATED_TUNING). The tile is chosen by rank, so each shape times every tile by
-setting its rank's entry.
+(unsloth_kernels.lora.GATED_TILE, which each row sets).
 """
 
 from __future__ import annotations
@@ -43,18 +42,17 @@ def main() -> None:
         gate, up, down = projection(inter, hidden, rank, g), projection(inter, hidden, rank, g), projection(hidden, inter, rank, g)
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
         dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
-        key = next(r for r in sorted(lora_module.GATED_TUNING) if rank <= r)
-        in_use = lora_module.GATED_TUNING[key]
+        in_use = lora_module.GATED_TILE
 
         def step():
             lora_mlp(x, gate, up, down).backward(dy)
 
         for tile in GATED_SWEEP:
-            lora_module.GATED_TUNING[key] = tile
+            lora_module.GATED_TILE = tile
             ms = triton.testing.do_bench(step, warmup=10, rep=50, return_mode="median")
             print(json.dumps({"shape": name, "tokens": tokens, "rank": rank, "tile": list(tile),
                               "in_use": tile == in_use, "ms": round(ms, 4)}), flush=True)
-        lora_module.GATED_TUNING[key] = in_use
+        lora_module.GATED_TILE = in_use
 
 
 if __name__ == "__main__":

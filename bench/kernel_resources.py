@@ -51,13 +51,12 @@ def gated_rows(target: GPUTarget, arch: int):
     """One row per (rank, direction, tile) of the gated activation kernel with every LoRA term folded in."""
     kernel = getattr(lora_module._gated_kernel, "kernel", lora_module._gated_kernel)  # the JITFunction
     for rank in (16, 32, 64):
-        in_use = next(lora_module.GATED_TUNING[r] for r in sorted(lora_module.GATED_TUNING) if rank <= r)
         for backward in (False, True):
             for block_m, block_n, warps in GATED_SWEEP:
                 constants = dict(ACT=0, BACKWARD=backward, LORA=True, LORA_DH=backward, RANK_G=rank, RANK_U=rank,
                                  RANK_D=rank, BLOCK_R=rank, DOT_FP32=False, BLOCK_M=block_m, BLOCK_N=block_n)
                 row = {"kernel": "gated", "rank": rank, "backward": backward, "config": [block_m, block_n, warps],
-                       "in_use": (block_m, block_n, warps) == in_use, "arch": arch}
+                       "in_use": (block_m, block_n, warps) == lora_module.GATED_TILE, "arch": arch}
                 row.update(resources(kernel, GATED_SIGNATURE, constants, target, warps))
                 yield row
 

@@ -53,6 +53,17 @@ def num_sms(device_index: int = 0) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def traceable_op(name: str, launch, fake):
+    """`launch` (which calls its kernels through `wrap_triton`) as a torch.library op torch.compile traces
+    into. Under the interpreter a kernel is not a JITFunction and torch cannot trace into it (wrap_triton
+    hands it back as is), so the op is opaque there, with `fake` for compile: the CPU tests' form."""
+    if INTERPRET:
+        op = torch.library.custom_op(name, mutates_args=())(launch)
+        op.register_fake(fake)
+        return op
+    return torch.library.triton_op(name, mutates_args=())(launch)
+
+
 def check_device(*tensors: torch.Tensor) -> None:
     """Kernels need tensors on a GPU, or on the CPU under the Triton interpreter."""
     if INTERPRET:

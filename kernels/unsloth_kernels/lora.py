@@ -123,14 +123,14 @@ class _DownLora(NamedTuple):
     a: torch.Tensor
 
 
-# (BLOCK_M, BLOCK_N, warps) of the activation kernels, by the largest LoRA rank folded into them (the
-# first entry whose rank is not below it). One tile serves every rank now: bench/gated_tiles.py on an
+# (BLOCK_M, BLOCK_N, warps) of the activation kernels, read at each launch (bench/gated_tiles.py sets
+# it to time the others). One tile serves every rank up to the folding limit: gated_tiles.py on an
 # H100 (2026-12-06) timed the LoRA MLP's forward + backward at 1.23 ms with 16 x 128 / 8 warps against
 # 1.68 with the earlier 32 x 128 / 4 warps at the TTS shape (rank 64), and 19.45 against 19.80 ms at
 # Llama-8B's (rank 16). Compiled for sm_90 (bench/kernel_resources.py --gated), the earlier tile
 # spilled (984 bytes a thread in backward at rank 64, 424 at rank 16); this one spills nothing.
-GATED_TUNING: dict[int, tuple[int, int, int]] = {64: (16, 128, 8)}
-_MAX_FOLDED_RANK = max(GATED_TUNING)  # larger ranks keep the separate addmm_ (a tile of B would not fit in registers)
+GATED_TILE = (16, 128, 8)
+_MAX_FOLDED_RANK = 64  # larger ranks keep the separate addmm_ (a tile of B would not fit in registers)
 
 
 @triton.jit
@@ -197,7 +197,7 @@ def _gated_launch(e, g, dh, activation, backward, gate_up: _GateUpLora | None, d
     ranks.append(down.a.shape[0] if down else 1)
     xa, bg, bu = gate_up[:3] if gate_up else (e, e, e)
     dyb, ad = down if down else (e, e)
-    block_m, block_n, warps = next(GATED_TUNING[r] for r in sorted(GATED_TUNING) if max(ranks) <= r)
+    block_m, block_n, warps = GATED_TILE
     _gated_kernel[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
         e, g, dh, xa, bg, bu, dyb, ad,
         n_rows, n_cols, e.stride(0), xa.stride(0),
@@ -241,8 +241,9 @@ def _gate_up_lora(xa, params, gate, up) -> _GateUpLora:
 # LoRA parameters are often kept in fp32 while the model computes in bf16 (peft's default), and a step
 # uses each of them several times (forward, the checkpoint's recompute, backward; every micro-batch
 # of an accumulated step). Each use was a cast: a launch, which on a host-paced step (batch 1, or a
-# vision tower's small matmuls) costs as much as the GPU work. The cast is kept on the parameter
-# instead, while the parameter is unchanged: same version counter (an in-place write bumps it), same
+# vision tower's small matmuls) costs as much as the GPU work. The cast is kept
+# (in a side table keyed by the parameter, so nothing extra is pickled with it) while the parameter
+# is unchanged: same version counter (an in-place write bumps it), same
 # storage, and no optimizer step since (`new_weights`: the models layer calls it after each one, for
 # optimizers that write through their own kernels).
 
@@ -257,12 +258,12 @@ def new_weights() -> None:
 
 
 def _kept(tensors, dtype: torch.dtype, build):
-    """build(), kept on tensors[0] while none of `tensors` changed (see above)."""
+    """build(), kept for tensors[0] while none of `tensors` changed (see above)."""
     state = (_weights_generation, *[(t._version, t.data_ptr()) for t in tensors])
     slot = (dtype, *map(id, tensors[1:]))
     first = tensors[0]
     entry = _casts.get(id(first))
-    if entry is None or entry[0]() is not first:  # kept apart from the tensor: nothing extra is pickled with it
+    if entry is None or entry[0]() is not first:
         entry = (weakref.ref(first, lambda _, key=id(first): _casts.pop(key, None)), {})
         _casts[id(first)] = entry
     kept = entry[1]

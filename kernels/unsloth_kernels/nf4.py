@@ -26,10 +26,10 @@ from math import prod
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
 from ._launch import direct_launch
-from ._utils import INTERPRET, cdiv, check_device, round_to_bf16
+from ._utils import INTERPRET, cdiv, check_device, round_to_bf16, traceable_op
 
 # The 16 NF4 levels (quantiles of N(0, 1) scaled to [-1, 1]) as bitsandbytes defines them.
 NF4_CODE = (
@@ -239,11 +239,14 @@ def _dequantize_fake(data, scales, code, absmax2, code2, offset, rows, cols, blo
     return data.new_empty((rows, cols), dtype=dtype)
 
 
-if INTERPRET:  # the interpreter's kernels cannot be traced into: an opaque op with a fake (as nf4_matmul)
-    _dequantize_op = torch.library.custom_op("unsloth::dequantize_4bit", mutates_args=())(_dequantize_launch)
-    _dequantize_op.register_fake(_dequantize_fake)
-else:
-    _dequantize_op = triton_op("unsloth::dequantize_4bit", mutates_args=())(_dequantize_launch)
+_dequantize_op = traceable_op("unsloth::dequantize_4bit", _dequantize_launch, _dequantize_fake)
+
+
+def offset_tensor(p: Prepared4bit) -> torch.Tensor:
+    """The nested absmax's offset as a device tensor (the ops take tensors; a float goes there once a call)."""
+    if isinstance(p.offset, torch.Tensor):
+        return p.offset
+    return torch.full((1,), float(p.offset), dtype=torch.float32, device=p.data.device)
 
 
 def dequantize_traceable(p: Prepared4bit, dtype: torch.dtype) -> torch.Tensor:
@@ -251,10 +254,7 @@ def dequantize_traceable(p: Prepared4bit, dtype: torch.dtype) -> torch.Tensor:
     compiled decode step), where a plain launch would break the graph."""
     if len(p.shape) != 2:
         raise ValueError(f"expected a 2-D weight, got shape {p.shape}")
-    offset = p.offset
-    if not isinstance(offset, torch.Tensor):  # the op takes tensors; a float offset goes to the device once
-        offset = torch.full((1,), float(offset), dtype=torch.float32, device=p.data.device)
-    return _dequantize_op(p.data, p.scales, p.code, p.absmax2, p.code2, offset, p.shape[0], p.shape[1],
+    return _dequantize_op(p.data, p.scales, p.code, p.absmax2, p.code2, offset_tensor(p), p.shape[0], p.shape[1],
                           p.blocksize, p.blocksize2, p.nested, dtype)  # fmt: skip
 
 

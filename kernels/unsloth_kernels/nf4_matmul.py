@@ -12,7 +12,7 @@ so the result is deterministic), adds the bias and casts.
 
 `nf4_matmul` is a `torch.library.triton_op`, so torch.compile traces into it (the decode step is
 compiled and captured in CUDA graphs) instead of breaking the graph at an opaque call. Under
-TRITON_INTERPRET=1 it is an opaque custom op with a fake instead (see below).
+TRITON_INTERPRET=1 it is an opaque custom op with a fake instead (`_utils.traceable_op`).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from ._utils import INTERPRET, cdiv, num_sms, round_to_bf16
-from .nf4 import Prepared4bit
+from ._utils import INTERPRET, cdiv, num_sms, round_to_bf16, traceable_op
+from .nf4 import Prepared4bit, offset_tensor
 
 MAX_ROWS = 16  # rows of x one launch handles; tl.dot wants a 16-row tile anyway
 MAX_SPLIT = 16  # at most this many programs share one tile's K
@@ -212,13 +212,7 @@ def _nf4_matmul_fake(x, data, scales, code, absmax2, code2, offset, bias, n, blo
     return x.new_empty((x.shape[0], n))
 
 
-if INTERPRET:
-    # Under the interpreter a kernel is not a JITFunction and torch cannot trace into it (wrap_triton
-    # hands it back as is), so the op is opaque there, with a fake for compile: the CPU tests' form.
-    _nf4_matmul_op = torch.library.custom_op("unsloth::nf4_matmul", mutates_args=())(_nf4_matmul_launch)
-    _nf4_matmul_op.register_fake(_nf4_matmul_fake)
-else:
-    _nf4_matmul_op = triton_op("unsloth::nf4_matmul", mutates_args=())(_nf4_matmul_launch)
+_nf4_matmul_op = traceable_op("unsloth::nf4_matmul", _nf4_matmul_launch, _nf4_matmul_fake)
 
 
 def nf4_matmul(x: torch.Tensor, prepared: Prepared4bit, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -236,9 +230,7 @@ def nf4_matmul(x: torch.Tensor, prepared: Prepared4bit, bias: torch.Tensor | Non
         raise ValueError(f"nf4_matmul handles at most {MAX_ROWS} rows, got {rows.shape[0]}")
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    offset = prepared.offset
-    if not isinstance(offset, torch.Tensor):  # the op takes tensors; a float offset goes to the device once
-        offset = torch.full((1,), float(offset), dtype=torch.float32, device=x.device)
+    offset = offset_tensor(prepared)
     if bias is not None:
         bias = bias.contiguous()
     y = _nf4_matmul_op(rows, prepared.data, prepared.scales, prepared.code, prepared.absmax2, prepared.code2, offset,

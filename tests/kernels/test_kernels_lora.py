@@ -395,7 +395,8 @@ def _kernel_cases():
     gated_sig.update({name: "i32" for name in ("n_rows", "n_cols", "stride", "stride_xa", "sbg_r", "sbg_col",
                                                "sbu_r", "sbu_col", "stride_dyb", "sad_r", "sad_col")})
     gated_sig.update(scale_g="fp32", scale_u="fp32")
-    for rank, (block_m, block_n, warps) in lora_module.GATED_TUNING.items():  # each tile at its largest rank
+    block_m, block_n, warps = lora_module.GATED_TILE
+    for rank in (16, lora_module._MAX_FOLDED_RANK):
         for activation in ("swiglu", "geglu", "geglu_tanh"):
             for backward in (False, True):  # with every LoRA term folded in: the heaviest variant
                 constexprs = {"ACT": ACT_CODES[activation], "BACKWARD": backward, "LORA": True, "LORA_DH": backward,
