@@ -249,3 +249,48 @@ def test_an_adapter_added_after_checkpointing_gets_its_gradients(monkeypatch):
     model(input_ids=ids, labels=ids).loss.backward()
     late = {n: p.grad for n, p in model.named_parameters() if ".late." in n}
     assert late and all(g is not None and g.abs().sum() > 0 for g in late.values()), late.keys()
+
+
+def _trained_once(model):
+    """One checkpointed training step: every layer's parameter dicts are kept, the hooks registered."""
+    apply_gradient_checkpointing(model, True)
+    model.train()
+    ids = torch.randint(0, VOCAB, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    return model
+
+
+def test_the_kept_parameter_lists_survive_layer_slicing_and_follow_a_replaced_weight(monkeypatch):
+    from unsloth.models.checkpointing import _trainable_parameters
+
+    monkeypatch.setenv("UNSLOTH_KERNELS", "0")
+    model = _trained_once(tiny_llama())
+    layer = model.model.layers[0]
+    kept = layer.__dict__["_unsloth_parameter_dicts"]
+    assert kept, "nothing kept: the test would prove nothing"
+    model.model.layers[:1]  # what the decoders do at every forward: a fresh ModuleList registers the layers
+    model(input_ids=torch.randint(0, VOCAB, (1, 4)))
+    assert layer.__dict__["_unsloth_parameter_dicts"] is kept and kept  # not rebuilt
+    replaced = torch.nn.Parameter(torch.zeros_like(layer.mlp.up_proj.weight))
+    layer.mlp.up_proj.weight = replaced
+    assert not kept  # emptied by the registration: rebuilt at the next call
+    assert any(p is replaced for p in _trainable_parameters(layer))
+
+
+def test_a_compiled_forward_after_training_does_not_recompile_at_every_call(monkeypatch):
+    """The registration hook runs inside the traced forward (the decoder slices its layers there). If
+    what it touches moved with every forward, dynamo would recompile the step at every token and fall
+    back to eager: one graph for all calls of the same shape."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("UNSLOTH_KERNELS", "0")
+    model = _trained_once(tiny_llama()).eval()
+    ids = torch.randint(0, VOCAB, (1, 4))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="eager", dynamic=False)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        for _ in range(4):
+            torch.testing.assert_close(compiled(input_ids=ids).logits, expected)
+    assert counters["stats"]["unique_graphs"] == 1

@@ -19,7 +19,6 @@ from unsloth.errors import UnslothError
 from unsloth.models.bnb_layout import keep_4bit_layout
 from unsloth.models.distributed import bind_to_gpu_numa_node, rank_device, world_size
 from unsloth.models.embedding import offload_input_embedding
-from unsloth.models.module_tree import cheap_trainer_calls
 from unsloth.models.patches import patch_model, patch_peft_model
 from unsloth.models.speech import CODEC_MODULES, codec_of
 from unsloth.models.checkpointing import apply_gradient_checkpointing
@@ -338,7 +337,6 @@ def load_pretrained(
                  " with CUDA graphs" if torch.cuda.is_available() else "")
     keep_4bit_layout(model)
     patch_model(model)
-    cheap_trainer_calls(model)
     if full_finetuning:
         for p in model.parameters():
             p.requires_grad_(p.is_floating_point())
@@ -441,7 +439,6 @@ def add_lora(
         **kwargs,
     )
     peft_model = get_peft_model(model, config)
-    cheap_trainer_calls(peft_model)
     peft_model.max_seq_length = max_seq_length or getattr(model, "max_seq_length", None)
     peft_model._unsloth_checkpointing = use_gradient_checkpointing
     base = peft_model.get_base_model()
