@@ -356,13 +356,9 @@ def test_the_4bit_quantizer_is_hidden_from_transformers_compile_check_only_on_a_
     assert generation._hide_bitsandbytes_4bit(eight) is None
 
 
-@pytest.mark.slow
-def test_new_prompt_lengths_and_batches_reuse_the_compiled_decode_step(monkeypatch):
-    """The decode step compiled as on a GPU (shapes specialized), here with dynamo's eager backend on the
-    CPU: a new prompt length or max_new_tokens in the same bucket compiles nothing more, a new batch
-    size once, and going back to an earlier batch size nothing."""
-    from torch._dynamo.utils import counters
-
+def _compile_as_on_a_gpu(monkeypatch):
+    """fast_generate compiles the decode step as on a GPU (shapes specialized), with dynamo's eager
+    backend on the CPU."""
     gpu_config = generation._compile_config
 
     def as_on_a_gpu(backbone):
@@ -372,12 +368,22 @@ def test_new_prompt_lengths_and_batches_reuse_the_compiled_decode_step(monkeypat
         config._compile_all_devices = True  # transformers' own switch for compiling off a GPU
         return config
 
+    monkeypatch.setattr(generation, "_compile_config", as_on_a_gpu)
+
+
+@pytest.mark.slow
+def test_new_prompt_lengths_and_batches_reuse_the_compiled_decode_step(monkeypatch):
+    """The decode step compiled as on a GPU (shapes specialized), here with dynamo's eager backend on the
+    CPU: a new prompt length or max_new_tokens in the same bucket compiles nothing more, a new batch
+    size once, and going back to an earlier batch size nothing."""
+    from torch._dynamo.utils import counters
+
     model = _with_lora(tiny_model("llama"))
     patch_model(model.get_base_model())
     expected = {seq: _greedy(model, *_prompts(batch, seq, seed=seq), new=new)
                 for batch, seq, new in ((2, 5, 6), (2, 9, 3), (1, 12, 5), (1, 4, 7))}
     assert generation._compile_config(model.get_base_model()) is None  # on the CPU: no compiling by default
-    monkeypatch.setattr(generation, "_compile_config", as_on_a_gpu)
+    _compile_as_on_a_gpu(monkeypatch)
     generation.enable(model)
     torch._dynamo.reset()
     counters.clear()
@@ -393,6 +399,40 @@ def test_new_prompt_lengths_and_batches_reuse_the_compiled_decode_step(monkeypat
     assert first < batch_one <= 2 * first  # a new batch size: its own graphs, once
     assert graphs(1, 4, 7) == batch_one
     assert graphs(2, 5, 6) == batch_one  # back to batch 2: its graphs were kept
+
+
+@pytest.mark.slow
+def test_decoding_after_checkpointed_training_steps_compiles_once(monkeypatch):
+    """GRPO trains, then generates, then trains: what training leaves behind (the checkpoint's hooks
+    and kept lists) must not move a guard of the compiled decode step, or it recompiles at every token."""
+    from torch._dynamo.utils import counters
+
+    from unsloth.models.checkpointing import apply_gradient_checkpointing
+
+    monkeypatch.setenv("UNSLOTH_KERNELS", "0")
+    model = _with_lora(tiny_model("llama"))
+    apply_gradient_checkpointing(model.get_base_model(), True)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids, mask = _prompts(batch=2, seq=6)
+
+    def train_step():
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    train_step()
+    _compile_as_on_a_gpu(monkeypatch)
+    generation.enable(model)
+    torch._dynamo.reset()
+    counters.clear()
+    _greedy(model, ids, mask, new=5)
+    first = counters["stats"]["unique_graphs"]
+    assert 0 < first < 5
+    for _ in range(2):
+        train_step()
+        _greedy(model, ids, mask, new=5)
+    assert counters["stats"]["unique_graphs"] == first
 
 
 @pytest.mark.slow
