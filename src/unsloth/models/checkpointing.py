@@ -292,16 +292,24 @@ def _forget_kept_parameters(parent: nn.Module, *_) -> None:
 _hooks: list = []
 
 
-def _trainable_parameters(layer: nn.Module) -> list[nn.Parameter]:
-    """`[p for p in layer.parameters() if p.requires_grad]`, without walking the module tree on every
-    call (a LoRA layer has dozens of modules: the walk was a few percent of a host-paced step). The
-    layer's modules' parameter dicts are kept and read per call: FSDP2 swaps its unsharded parameters
-    into those same dicts for the forward, and requires_grad may change between steps."""
+def _watch_registrations() -> None:
+    """Install the hook (once), at the first checkpointed training step. Dynamo guards on the number of
+    global registration hooks, so a decode step compiled before it (GRPO's first rollouts) is compiled
+    once more after it. Installing it earlier would avoid that, but would put the hook in every
+    decode step, also where no training ever runs; that is left for when it can be timed on a GPU."""
     if not _hooks:
         from torch.nn.modules import module
 
         _hooks.append(module.register_module_module_registration_hook(_forget_kept_parameters))
         _hooks.append(module.register_module_parameter_registration_hook(_forget_kept_parameters))
+
+
+def _trainable_parameters(layer: nn.Module) -> list[nn.Parameter]:
+    """`[p for p in layer.parameters() if p.requires_grad]`, without walking the module tree on every
+    call (a LoRA layer has dozens of modules: the walk was a few percent of a host-paced step). The
+    layer's modules' parameter dicts are kept and read per call: FSDP2 swaps its unsharded parameters
+    into those same dicts for the forward, and requires_grad may change between steps."""
+    _watch_registrations()
     kept = layer.__dict__.get("_unsloth_parameter_dicts")
     if not kept:
         # one holder shared by every module of the layer, so the hook empties it from any of them
