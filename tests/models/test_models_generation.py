@@ -11,7 +11,7 @@ import torch
 
 from test_models_moe import _with_lora as _with_moe_lora
 from test_models_moe import moe_config
-from tiny_families import VOCAB, family_config, save_tiny, tiny_model, with_lora
+from tiny_families import VOCAB, compile_decode_as_on_a_gpu, family_config, save_tiny, tiny_model, with_lora
 from tiny_vision import VISION_FAMILIES, tiny_vision_model
 from unsloth.models import generation
 from unsloth.models.patches import FAMILIES, MOE_FAMILIES, patch_model, patch_peft_model
@@ -356,21 +356,6 @@ def test_the_4bit_quantizer_is_hidden_from_transformers_compile_check_only_on_a_
     assert generation._hide_bitsandbytes_4bit(eight) is None
 
 
-def _compile_as_on_a_gpu(monkeypatch):
-    """fast_generate compiles the decode step as on a GPU (shapes specialized), with dynamo's eager
-    backend on the CPU."""
-    gpu_config = generation._compile_config
-
-    def as_on_a_gpu(backbone):
-        config = gpu_config(types.SimpleNamespace(device=torch.device("cuda")))
-        assert config is not None and config.dynamic is False
-        config.backend, config.mode = "eager", None
-        config._compile_all_devices = True  # transformers' own switch for compiling off a GPU
-        return config
-
-    monkeypatch.setattr(generation, "_compile_config", as_on_a_gpu)
-
-
 @pytest.mark.slow
 def test_new_prompt_lengths_and_batches_reuse_the_compiled_decode_step(monkeypatch):
     """The decode step compiled as on a GPU (shapes specialized), here with dynamo's eager backend on the
@@ -383,7 +368,7 @@ def test_new_prompt_lengths_and_batches_reuse_the_compiled_decode_step(monkeypat
     expected = {seq: _greedy(model, *_prompts(batch, seq, seed=seq), new=new)
                 for batch, seq, new in ((2, 5, 6), (2, 9, 3), (1, 12, 5), (1, 4, 7))}
     assert generation._compile_config(model.get_base_model()) is None  # on the CPU: no compiling by default
-    _compile_as_on_a_gpu(monkeypatch)
+    compile_decode_as_on_a_gpu(monkeypatch)
     generation.enable(model)
     torch._dynamo.reset()
     counters.clear()
@@ -422,7 +407,7 @@ def test_decoding_after_checkpointed_training_steps_compiles_once(monkeypatch):
         optimizer.zero_grad()
 
     train_step()
-    _compile_as_on_a_gpu(monkeypatch)
+    compile_decode_as_on_a_gpu(monkeypatch)
     generation.enable(model)
     torch._dynamo.reset()
     counters.clear()

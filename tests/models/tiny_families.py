@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 VOCAB = 300
@@ -159,3 +161,20 @@ def with_lora(model, target_modules=DECODER_TARGETS, b_std: float = 0.1):
             if "lora_B" in name:
                 p.normal_(0.0, b_std)
     return peft_model
+
+
+def compile_decode_as_on_a_gpu(monkeypatch):
+    """fast_generate compiles the decode step as on a GPU (shapes specialized), with dynamo's eager
+    backend on the CPU."""
+    from unsloth.models import generation
+
+    gpu_config = generation._compile_config
+
+    def as_on_a_gpu(backbone):
+        config = gpu_config(types.SimpleNamespace(device=torch.device("cuda")))
+        assert config is not None and config.dynamic is False
+        config.backend, config.mode = "eager", None
+        config._compile_all_devices = True  # transformers' own switch for compiling off a GPU
+        return config
+
+    monkeypatch.setattr(generation, "_compile_config", as_on_a_gpu)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from tiny_setup import write_tiny_model
-from unsloth.training.grpo import completion_logprobs, grpo_trainer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # tiny_families
+
+from tiny_families import compile_decode_as_on_a_gpu  # noqa: E402
+from tiny_setup import write_tiny_model  # noqa: E402
+from unsloth.training.grpo import completion_logprobs, grpo_trainer  # noqa: E402
 
 
 @pytest.mark.slow
@@ -60,6 +66,32 @@ def test_grpo_trains_with_a_toy_reward(tmp_path, monkeypatch):
     fast = model.generate(**ids, **options)
     FastLanguageModel.for_training(model)
     assert torch.equal(fast, model.generate(**ids, **options))
+
+
+@pytest.mark.slow
+def test_grpo_steps_reuse_the_compiled_decode_step(tmp_path, monkeypatch):
+    """Rollouts, a training step, rollouts...: the decode step is compiled (dynamo's eager backend here, as
+    on a GPU otherwise) once, and once more when the first training step installs the checkpoint's
+    registration hook (dynamo guards on their number), not again at every step or token."""
+    from datasets import Dataset
+    from torch._dynamo.utils import counters
+
+    from unsloth import FastLanguageModel
+
+    compile_decode_as_on_a_gpu(monkeypatch)
+    monkeypatch.setenv("UNSLOTH_KERNELS", "0")
+    model, tokenizer = FastLanguageModel.from_pretrained(write_tiny_model(tmp_path / "model"), max_seq_length=64,
+                                                         dtype="float32", load_in_4bit=False)
+    model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=True)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is the capital of {c}?"}]}
+                                 for c in ("France", "Japan", "Peru", "Kenya")])
+    torch._dynamo.reset()
+    counters.clear()
+    trainer = grpo_trainer(model, tokenizer, dataset, reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+                           output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=4,
+                           num_generations=4, max_completion_length=8, save_strategy="no", seed=0)
+    trainer.train()
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2
 
 
 @pytest.mark.slow
