@@ -241,11 +241,11 @@ def _gate_up_lora(xa, params, gate, up) -> _GateUpLora:
 # LoRA parameters are often kept in fp32 while the model computes in bf16 (peft's default), and a step
 # uses each of them several times (forward, the checkpoint's recompute, backward; every micro-batch
 # of an accumulated step). Each use was a cast: a launch, which on a host-paced step (batch 1, or a
-# vision tower's small matmuls) costs as much as the GPU work. The cast is kept
-# (in a side table keyed by the parameter, so nothing extra is pickled with it) while the parameter
-# is unchanged: same version counter (an in-place write bumps it), same
-# storage, and no optimizer step since (`new_weights`: the models layer calls it after each one, for
-# optimizers that write through their own kernels).
+# vision tower's small matmuls) costs as much as the GPU work. The cast is kept (in a side table
+# keyed by the parameter, so nothing extra is pickled with it) while the parameter is unchanged: same
+# version counter (an in-place write bumps it), same storage, and no optimizer step since
+# (`new_weights`: the models layer calls it after each one, for optimizers that write through their
+# own kernels).
 
 _weights_generation = 0
 _casts: dict[int, tuple] = {}  # id(first tensor) -> (weak reference to it, {slot: (state, cast)})
