@@ -293,10 +293,9 @@ _hooks: list = []
 
 
 def _watch_registrations() -> None:
-    """Install the hook (once), at the first checkpointed training step. Dynamo guards on the number of
-    global registration hooks, so a decode step compiled before it (GRPO's first rollouts) is compiled
-    once more after it. Installing it earlier would avoid that, but would put the hook in every
-    decode step, also where no training ever runs; that is left for when it can be timed on a GPU."""
+    """Install the hook (once), when layers are first checkpointed, before anything is compiled. Dynamo
+    guards on the number of global registration hooks: installed at the first training step instead, it
+    made GRPO compile its decode step a second time after that step (27 s on an H100)."""
     if not _hooks:
         from torch.nn.modules import module
 
@@ -309,7 +308,6 @@ def _trainable_parameters(layer: nn.Module) -> list[nn.Parameter]:
     call (a LoRA layer has dozens of modules: the walk was a few percent of a host-paced step). The
     layer's modules' parameter dicts are kept and read per call: FSDP2 swaps its unsharded parameters
     into those same dicts for the forward, and requires_grad may change between steps."""
-    _watch_registrations()
     kept = layer.__dict__.get("_unsloth_parameter_dicts")
     if not kept:
         # one holder shared by every module of the layer, so the hook empties it from any of them
@@ -411,6 +409,7 @@ def apply_gradient_checkpointing(model: nn.Module, mode: bool | str) -> int:
         layer._unsloth_kv_sharing = sharing
         layer.forward = types.MethodType(_checkpointed_forward, layer)
     if mode is not False:
+        _watch_registrations()
         # With frozen embeddings nothing upstream requires grad, and the checkpoint would cut the graph.
         _inputs_require_grad(model)
     return 0 if mode is False else len(layers)
