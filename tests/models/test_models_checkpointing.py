@@ -266,11 +266,11 @@ def test_the_kept_parameter_lists_survive_layer_slicing_and_follow_a_replaced_we
     monkeypatch.setenv("UNSLOTH_KERNELS", "0")
     model = _trained_once(tiny_llama())
     layer = model.model.layers[0]
-    kept = layer.__dict__["_unsloth_parameter_dicts"]
+    kept = layer.__dict__["_unsloth_kept"]
     assert kept, "nothing kept: the test would prove nothing"
     model.model.layers[:1]  # what the decoders do at every forward: a fresh ModuleList registers the layers
     model(input_ids=torch.randint(0, VOCAB, (1, 4)))
-    assert layer.__dict__["_unsloth_parameter_dicts"] is kept and kept  # not rebuilt
+    assert layer.__dict__["_unsloth_kept"] is kept and kept  # not rebuilt
     replaced = torch.nn.Parameter(torch.zeros_like(layer.mlp.up_proj.weight))
     layer.mlp.up_proj.weight = replaced
     assert not kept  # emptied by the registration: rebuilt at the next call

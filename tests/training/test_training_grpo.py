@@ -72,16 +72,16 @@ def test_grpo_trains_with_a_toy_reward(tmp_path, monkeypatch):
 def test_grpo_steps_reuse_the_compiled_decode_step(tmp_path, monkeypatch):
     """Rollouts, a training step, rollouts...: the decode step is compiled (dynamo's eager backend here, as
     on a GPU otherwise) once, not again at every step or token, nor after the first training step (dynamo
-    guards on the number of global registration hooks: the checkpoint's is installed at get_peft_model)."""
+    guards on the number of global registration hooks: ours are installed at load)."""
     from datasets import Dataset
     from torch._dynamo.utils import counters
 
     from unsloth import FastLanguageModel
-    from unsloth.models import checkpointing
+    from unsloth.models import module_tree
 
-    for hook in checkpointing._hooks:  # as in a fresh process: none installed before this model's
+    for hook in module_tree._hooks:  # as in a fresh process: none installed before this model's
         hook.remove()
-    checkpointing._hooks.clear()
+    module_tree._hooks.clear()
     compile_decode_as_on_a_gpu(monkeypatch)
     monkeypatch.setenv("UNSLOTH_KERNELS", "0")
     model, tokenizer = FastLanguageModel.from_pretrained(write_tiny_model(tmp_path / "model"), max_seq_length=64,

@@ -19,6 +19,8 @@ from collections.abc import MutableMapping
 import torch
 from torch import nn
 
+from unsloth.models.module_tree import kept, watch_registrations
+
 
 _recompute = threading.local()
 
@@ -273,34 +275,8 @@ def _passes_tensors_between_layers(layer, args, kwargs) -> bool:
         isinstance(a, MutableMapping) for a in (*args, *kwargs.values()))
 
 
-def _forget_kept_parameters(parent: nn.Module, *_) -> None:
-    """Registration hook: a module of a layer whose parameter dicts are kept registered a submodule or
-    a parameter (an adapter added, a weight replaced): that layer's list is rebuilt at its next call.
-
-    Registrations into modules outside kept layers change nothing: transformers' decoders slice their
-    layer list at every forward (`self.layers[:n]` registers the layers into a fresh ModuleList). Nor
-    does anything happen while torch.compile traces that slicing in the compiled decode step: what the
-    hook touched there became a guard of the step, and a counter moving at every forward recompiled the
-    step at every token, after any training step, until dynamo gave up and decoded eagerly."""
-    if torch.compiler.is_compiling():
-        return
-    kept = parent.__dict__.get("_unsloth_parameter_dicts")
-    if kept:
-        kept.clear()
-
-
-_hooks: list = []
-
-
-def _watch_registrations() -> None:
-    """Install the hook (once), when layers are first checkpointed, before anything is compiled. Dynamo
-    guards on the number of global registration hooks: installed at the first training step instead, it
-    made GRPO compile its decode step a second time after that step (27 s on an H100)."""
-    if not _hooks:
-        from torch.nn.modules import module
-
-        _hooks.append(module.register_module_module_registration_hook(_forget_kept_parameters))
-        _hooks.append(module.register_module_parameter_registration_hook(_forget_kept_parameters))
+def _parameter_dicts(layer: nn.Module) -> list[dict]:
+    return [m._parameters for m in layer.modules() if m._parameters]
 
 
 def _trainable_parameters(layer: nn.Module) -> list[nn.Parameter]:
@@ -308,15 +284,9 @@ def _trainable_parameters(layer: nn.Module) -> list[nn.Parameter]:
     call (a LoRA layer has dozens of modules: the walk was a few percent of a host-paced step). The
     layer's modules' parameter dicts are kept and read per call: FSDP2 swaps its unsharded parameters
     into those same dicts for the forward, and requires_grad may change between steps."""
-    kept = layer.__dict__.get("_unsloth_parameter_dicts")
-    if not kept:
-        # one holder shared by every module of the layer, so the hook empties it from any of them
-        modules = list(layer.modules())
-        kept = [[m._parameters for m in modules if m._parameters]]
-        for m in modules:
-            m.__dict__["_unsloth_parameter_dicts"] = kept
+    dicts = kept(layer, "parameter dicts", _parameter_dicts)
     # dict.fromkeys: one entry per parameter, in parameters()' order, also where modules share one
-    return list(dict.fromkeys(p for d in kept[0] for p in d.values() if p is not None and p.requires_grad))
+    return list(dict.fromkeys(p for d in dicts for p in d.values() if p is not None and p.requires_grad))
 
 
 def _checkpointed_forward(self, hidden_states, *args, **kwargs):
@@ -409,7 +379,7 @@ def apply_gradient_checkpointing(model: nn.Module, mode: bool | str) -> int:
         layer._unsloth_kv_sharing = sharing
         layer.forward = types.MethodType(_checkpointed_forward, layer)
     if mode is not False:
-        _watch_registrations()
+        watch_registrations()  # before anything is compiled: module_tree says why
         # With frozen embeddings nothing upstream requires grad, and the checkpoint would cut the graph.
         _inputs_require_grad(model)
     return 0 if mode is False else len(layers)

@@ -19,6 +19,7 @@ from unsloth.errors import UnslothError
 from unsloth.models.bnb_layout import keep_4bit_layout
 from unsloth.models.distributed import bind_to_gpu_numa_node, rank_device, world_size
 from unsloth.models.embedding import offload_input_embedding
+from unsloth.models.module_tree import cheap_trainer_calls
 from unsloth.models.patches import patch_model, patch_peft_model
 from unsloth.models.speech import CODEC_MODULES, codec_of
 from unsloth.models.checkpointing import apply_gradient_checkpointing
@@ -337,6 +338,7 @@ def load_pretrained(
                  " with CUDA graphs" if torch.cuda.is_available() else "")
     keep_4bit_layout(model)
     patch_model(model)
+    cheap_trainer_calls(model)
     if full_finetuning:
         for p in model.parameters():
             p.requires_grad_(p.is_floating_point())
@@ -445,6 +447,7 @@ def add_lora(
     layers = apply_gradient_checkpointing(base, use_gradient_checkpointing)
     _record_checkpointing(base, layers, use_gradient_checkpointing)
     patch_peft_model(peft_model)
+    cheap_trainer_calls(peft_model)
     wanted = getattr(model, "_unsloth_offload_embedding", None)
     if wanted and world_size() > 1:
         log.warning("unsloth: offload_embedding: off in a job of several processes (DDP and FSDP keep "

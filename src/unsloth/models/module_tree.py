@@ -1,0 +1,115 @@
+"""Answers about a module tree, kept until the tree changes.
+
+A host-paced training step (batch 1, a LoRA model of a thousand modules) pays for walks of the whole
+tree that give the same answer every time: the checkpoint's per-layer parameter lists, and, in
+transformers' Trainer, `model.train()` (it sets every module's flag at every micro-batch) and the
+FLOPs estimate's `num_parameters()`. In the H100 profile of the TTS bench those two Trainer calls were
+a tenth of the step.
+
+What is kept for a tree lives in one dict shared by every module of that tree. A global registration
+hook empties it when any of those modules registers a submodule or a parameter (an adapter added, a
+weight replaced). Registrations elsewhere change nothing: transformers' decoders slice their layer
+list at every forward (`self.layers[:n]` registers the layers into a fresh ModuleList, which holds no
+dict). The hook does nothing while torch.compile traces: the compiled decode step traces that slicing,
+and whatever the hook touched would become a guard of the step.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+_KEPT = "_unsloth_kept"
+_hooks: list = []
+
+
+def _forget(parent: nn.Module, *_) -> None:
+    if torch.compiler.is_compiling():
+        return
+    kept = parent.__dict__.get(_KEPT)
+    if kept:
+        kept.clear()
+
+
+def watch_registrations() -> None:
+    """Install the hook (once). Dynamo guards on the number of global registration hooks, so this runs
+    before anything is compiled (at load and when layers are checkpointed): installed later, it made a
+    decode step compiled before it (GRPO's first rollouts) compile a second time."""
+    if not _hooks:
+        from torch.nn.modules import module
+
+        _hooks.append(module.register_module_module_registration_hook(_forget))
+        _hooks.append(module.register_module_parameter_registration_hook(_forget))
+
+
+def kept(root: nn.Module, name: str, build):
+    """build(root), kept until a module of root's tree registers a submodule or a parameter."""
+    watch_registrations()
+    shared = root.__dict__.get(_KEPT)
+    key = (id(root), name)
+    if shared is None or key not in shared:
+        value = build(root)
+        if shared is None or any(m.__dict__.get(_KEPT) is not shared for m in root.modules()):
+            # a tree seen for the first time, or one that grew a part through a wider tree: one dict for
+            # all its modules (a wider tree's entries are then rebuilt once, into this dict)
+            shared = {}
+            for m in root.modules():
+                m.__dict__[_KEPT] = shared
+        shared[key] = value
+        return value
+    return shared[key]
+
+
+def _modules_and_train_kinds(model: nn.Module) -> tuple[list[nn.Module], bool, list[nn.Module]]:
+    """(every module, whether each one's train() is torch's or transformers', the transformers models among
+    them that use hub kernels: their train() also switches the kernels' mode)."""
+    from transformers import PreTrainedModel
+    from transformers.utils import is_kernels_available
+
+    modules = list(model.modules())
+    plain = all(type(m).train in (nn.Module.train, PreTrainedModel.train) for m in modules)
+    kernelized = [m for m in modules if isinstance(m, PreTrainedModel) and m.use_kernels] if is_kernels_available() else []
+    return modules, plain, kernelized
+
+
+def _kernels_in(models: list[nn.Module], mode: bool) -> bool:
+    if not models:
+        return True
+    from kernels import Mode
+
+    wanted = Mode.TRAINING if mode else Mode.INFERENCE
+    return all(getattr(m, "kernels_mode", None) == wanted for m in models)
+
+
+def _train(self, mode: bool = True):
+    """nn.Module.train, skipped where it would change nothing: every module already in `mode`, every
+    train() in the tree torch's or transformers' own, and transformers' hub kernels in that mode too."""
+    modules, plain, kernelized = kept(self, "train", _modules_and_train_kinds)
+    if plain and isinstance(mode, bool) and all(m.training is mode for m in modules) and _kernels_in(kernelized, mode):
+        return self
+    return type(self).train(self, mode)
+
+
+def _num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+    """transformers' count, kept per tree for all parameters; trainable ones depend on requires_grad
+    flags, not on the tree, and are counted every time."""
+    count = type(self).num_parameters
+    if only_trainable:
+        return count(self, only_trainable=True, exclude_embeddings=exclude_embeddings)
+    return kept(self, f"num_parameters {exclude_embeddings}",
+                lambda model: count(model, exclude_embeddings=exclude_embeddings))
+
+
+def cheap_trainer_calls(model: nn.Module) -> None:
+    """Give `model` (as the Trainer holds it: a loaded model or a PeftModel) the kept train(), and it and the
+    transformers models inside it the kept num_parameters (the Trainer asks the one it holds, or, in older
+    transformers, the model inside, for its FLOPs estimate)."""
+    from transformers import PreTrainedModel
+
+    watch_registrations()
+    model.train = types.MethodType(_train, model)
+    for m in (model, *(m for m in model.modules() if isinstance(m, PreTrainedModel))):
+        if hasattr(type(m), "num_parameters"):
+            m.num_parameters = types.MethodType(_num_parameters, m)

@@ -1,0 +1,111 @@
+"""What the Trainer asks of the model at every micro-batch (train(), num_parameters()) is kept per module
+tree, and rebuilt when the tree changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tiny_families import VOCAB, tiny_llama, with_lora
+from unsloth.models.module_tree import cheap_trainer_calls
+
+
+@pytest.fixture
+def torch_train_calls(monkeypatch):
+    """How often torch's own Module.train runs (once per module it visits)."""
+    calls = []
+    plain = nn.Module.train
+
+    def counted(self, mode=True):
+        calls.append(self)
+        return plain(self, mode)
+
+    monkeypatch.setattr(nn.Module, "train", counted)
+    return calls
+
+
+def _lora_model():
+    model = with_lora(tiny_llama())
+    cheap_trainer_calls(model)
+    return model
+
+
+def test_train_that_would_change_nothing_walks_nothing(torch_train_calls):
+    model = _lora_model()
+    model.train()
+    assert torch_train_calls, "the first train() must set the flags"
+    torch_train_calls.clear()
+    model.train()
+    assert torch_train_calls == []
+    model.eval()
+    assert torch_train_calls and not any(m.training for m in model.modules())
+
+
+def test_train_still_reaches_a_module_whose_flag_was_set_by_hand():
+    model = _lora_model()
+    model.train()
+    deep = model.get_base_model().model.layers[1].mlp.up_proj
+    deep.training = False
+    model.train()
+    assert deep.training
+
+
+def test_train_reaches_modules_added_after_it_was_kept():
+    model = _lora_model()
+    model.eval()
+    added = nn.Linear(2, 2)  # a fresh module is in training mode
+    model.get_base_model().model.layers[0].mlp.extra = added
+    model.eval()
+    assert not added.training
+
+
+def test_train_is_not_skipped_where_a_module_overrides_it():
+    class Switch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.switched = 0
+
+        def train(self, mode=True):
+            self.switched += 1
+            return super().train(mode)
+
+    model = _lora_model()
+    model.get_base_model().model.layers[0].switch = switch = Switch()
+    model.train()
+    model.train()
+    assert switch.switched == 2
+
+
+def test_num_parameters_is_counted_once_per_tree_and_follows_a_new_weight(monkeypatch):
+    model = _lora_model()
+    inner = model.get_base_model()
+    counts = []
+    walk = type(inner).num_parameters
+
+    def counted(self, *args, **kwargs):
+        counts.append(kwargs)
+        return walk(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(inner), "num_parameters", counted)
+    first = model.num_parameters(exclude_embeddings=True)
+    assert first == walk(inner, exclude_embeddings=True)
+    assert model.num_parameters(exclude_embeddings=True) == first and len(counts) == 1
+    assert model.num_parameters() == walk(inner)  # its own entry
+    inner.model.layers[0].mlp.extra = nn.Linear(4, 4)
+    assert model.num_parameters(exclude_embeddings=True) == first + 20
+    # trainable counts follow requires_grad, which no registration announces
+    trainable = model.num_parameters(only_trainable=True)
+    inner.model.layers[0].self_attn.q_proj.lora_A["default"].weight.requires_grad_(False)
+    assert model.num_parameters(only_trainable=True) < trainable
+
+
+def test_slicing_the_layer_list_keeps_what_is_kept(torch_train_calls):
+    """transformers' decoders slice their layer list at every forward, registering the layers into a fresh
+    ModuleList: that is no change of the tree."""
+    model = _lora_model()
+    model.train()
+    model(input_ids=torch.randint(0, VOCAB, (1, 4)))
+    torch_train_calls.clear()
+    model.train()
+    assert torch_train_calls == []
