@@ -187,9 +187,14 @@ def test_ctrl_c_while_the_child_works_stops_it_and_the_next_check_gets_a_new_one
             time.sleep(0.02)
         os.kill(os.getpid(), signal.SIGINT)
 
-    threading.Thread(target=interrupt_once_asked, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        validate(reference, tokenizer, f16, "f16")
+    # Ctrl-C's handler, also where the suite runs as a `&` job (which inherits SIGINT as ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt_once_asked, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            validate(reference, tokenizer, f16, "f16")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert validate_child._child is None  # the busy child was stopped, not kept to answer late
     assert not [p for p in psutil.Process().children() if str(marker) in p.cmdline()]
     monkeypatch.undo()
