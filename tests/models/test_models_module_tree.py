@@ -109,3 +109,18 @@ def test_slicing_the_layer_list_keeps_what_is_kept(torch_train_calls):
     torch_train_calls.clear()
     model.train()
     assert torch_train_calls == []
+
+
+def test_train_switches_transformers_hub_kernels_even_where_every_flag_is_set():
+    kernels = pytest.importorskip("kernels")
+    from transformers.utils import is_kernels_available
+
+    if not is_kernels_available():
+        pytest.skip("transformers does not see the kernels package")
+    model = _lora_model()
+    model.train()
+    inner = model.get_base_model()
+    inner._use_kernels = True  # as from_pretrained(use_kernels=True) leaves it, without fetching kernels
+    inner.kernels_mode = kernels.Mode.INFERENCE
+    model.train()
+    assert inner.kernels_mode == kernels.Mode.TRAINING

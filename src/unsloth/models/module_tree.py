@@ -64,30 +64,34 @@ def kept(root: nn.Module, name: str, build):
 
 def _modules_and_train_kinds(model: nn.Module) -> tuple[list[nn.Module], bool, list[nn.Module]]:
     """(every module, whether each one's train() is torch's or transformers', the transformers models among
-    them that use hub kernels: their train() also switches the kernels' mode)."""
+    them: where one uses hub kernels, its train() also switches their mode)."""
     from transformers import PreTrainedModel
-    from transformers.utils import is_kernels_available
 
     modules = list(model.modules())
     plain = all(type(m).train in (nn.Module.train, PreTrainedModel.train) for m in modules)
-    kernelized = [m for m in modules if isinstance(m, PreTrainedModel) and m.use_kernels] if is_kernels_available() else []
-    return modules, plain, kernelized
+    return modules, plain, [m for m in modules if isinstance(m, PreTrainedModel)]
 
 
 def _kernels_in(models: list[nn.Module], mode: bool) -> bool:
-    if not models:
+    """Every one of `models` that uses hub kernels has them in `mode` (asked per call: use_kernels is a
+    setting, which no registration announces)."""
+    from transformers.utils import import_utils
+
+    kernelized = [m for m in models if getattr(m, "use_kernels", False)]
+    # transformers releases before hub kernels have neither the check nor the attribute
+    if not kernelized or not getattr(import_utils, "is_kernels_available", lambda: False)():
         return True
     from kernels import Mode
 
     wanted = Mode.TRAINING if mode else Mode.INFERENCE
-    return all(getattr(m, "kernels_mode", None) == wanted for m in models)
+    return all(getattr(m, "kernels_mode", None) == wanted for m in kernelized)
 
 
 def _train(self, mode: bool = True):
     """nn.Module.train, skipped where it would change nothing: every module already in `mode`, every
     train() in the tree torch's or transformers' own, and transformers' hub kernels in that mode too."""
-    modules, plain, kernelized = kept(self, "train", _modules_and_train_kinds)
-    if plain and isinstance(mode, bool) and all(m.training is mode for m in modules) and _kernels_in(kernelized, mode):
+    modules, plain, models = kept(self, "train", _modules_and_train_kinds)
+    if plain and isinstance(mode, bool) and all(m.training is mode for m in modules) and _kernels_in(models, mode):
         return self
     return type(self).train(self, mode)
 
