@@ -124,3 +124,17 @@ def test_train_switches_transformers_hub_kernels_even_where_every_flag_is_set():
     inner.kernels_mode = kernels.Mode.INFERENCE
     model.train()
     assert inner.kernels_mode == kernels.Mode.TRAINING
+
+
+def test_a_deep_copy_keeps_its_own_answers():
+    """TRL copies a model for its reference: the copy's kept answers are about the copy's modules."""
+    import copy
+
+    model = _lora_model()
+    model.eval()
+    before = model.num_parameters()
+    twin = copy.deepcopy(model)
+    twin.train()
+    assert all(m.training for m in twin.modules()) and not any(m.training for m in model.modules())
+    twin.get_base_model().model.layers[0].mlp.extra = nn.Linear(4, 4)
+    assert twin.num_parameters() == before + 20 and model.num_parameters() == before

@@ -6,12 +6,13 @@ transformers' Trainer, `model.train()` (it sets every module's flag at every mic
 FLOPs estimate's `num_parameters()`. In the H100 profile of the TTS bench those two Trainer calls were
 a tenth of the step.
 
-What is kept for a tree lives in one dict shared by every module of that tree. A global registration
-hook empties it when any of those modules registers a submodule or a parameter (an adapter added, a
-weight replaced). Registrations elsewhere change nothing: transformers' decoders slice their layer
-list at every forward (`self.layers[:n]` registers the layers into a fresh ModuleList, which holds no
-dict). The hook does nothing while torch.compile traces: the compiled decode step traces that slicing,
-and whatever the hook touched would become a guard of the step.
+What is kept lives on the module it was asked of, stamped with its tree's current token. Every module of
+a tree holds the same one-slot holder of that token, and a global registration hook puts a new token in
+the holder when any of those modules registers a submodule or a parameter (an adapter added, a weight
+replaced): what was kept is then rebuilt at its next use. Registrations elsewhere change nothing:
+transformers' decoders slice their layer list at every forward (`self.layers[:n]` registers the layers
+into a fresh ModuleList, which holds no token). The hook does nothing while torch.compile traces: the
+compiled decode step traces that slicing, and whatever the hook touched would become a guard of the step.
 """
 
 from __future__ import annotations
@@ -21,16 +22,16 @@ import types
 import torch
 from torch import nn
 
-_KEPT = "_unsloth_kept"
+_TOKEN, _KEPT = "_unsloth_tree_token", "_unsloth_kept"
 _hooks: list = []
 
 
 def _forget(parent: nn.Module, *_) -> None:
     if torch.compiler.is_compiling():
         return
-    kept = parent.__dict__.get(_KEPT)
-    if kept:
-        kept.clear()
+    holder = parent.__dict__.get(_TOKEN)
+    if holder is not None:
+        holder[0] = object()
 
 
 def watch_registrations() -> None:
@@ -47,19 +48,20 @@ def watch_registrations() -> None:
 def kept(root: nn.Module, name: str, build):
     """build(root), kept until a module of root's tree registers a submodule or a parameter."""
     watch_registrations()
-    shared = root.__dict__.get(_KEPT)
-    key = (id(root), name)
-    if shared is None or key not in shared:
-        value = build(root)
-        if shared is None or any(m.__dict__.get(_KEPT) is not shared for m in root.modules()):
-            # a tree seen for the first time, or one that grew a part through a wider tree: one dict for
-            # all its modules (a wider tree's entries are then rebuilt once, into this dict)
-            shared = {}
-            for m in root.modules():
-                m.__dict__[_KEPT] = shared
-        shared[key] = value
-        return value
-    return shared[key]
+    holder = root.__dict__.get(_TOKEN)
+    entry = root.__dict__.setdefault(_KEPT, {}).get(name)
+    if holder is not None and entry is not None and entry[0] is holder[0]:
+        return entry[1]
+    value = build(root)
+    modules = list(root.modules())
+    if holder is None or any(m.__dict__.get(_TOKEN) is not holder for m in modules):
+        # a tree seen for the first time, or one with a part new to it: one holder for all its modules
+        # (whatever a tree around it kept is rebuilt once, under this holder)
+        holder = [object()]
+        for m in modules:
+            m.__dict__[_TOKEN] = holder
+    root.__dict__[_KEPT][name] = (holder[0], value)
+    return value
 
 
 def _modules_and_train_kinds(model: nn.Module) -> tuple[list[nn.Module], bool, list[nn.Module]]:
