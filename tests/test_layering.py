@@ -20,6 +20,7 @@ KERNELS = ROOT / "kernels" / "unsloth_kernels"
 FORBIDDEN = {
     "unsloth_kernels": ["unsloth"],
     "unsloth.errors": ["unsloth"],
+    "unsloth.logs": ["unsloth"],
     "unsloth.models": ["unsloth.training", "unsloth.export", "unsloth.notebook", "unsloth.commands", "unsloth.cli"],
     "unsloth.training": ["unsloth.notebook", "unsloth.commands", "unsloth.cli"],
     "unsloth.export": ["unsloth.training", "unsloth.notebook", "unsloth.commands", "unsloth.cli"],

@@ -38,8 +38,7 @@ def run(args: argparse.Namespace) -> Exported:
     from unsloth.export.checkpoint import check_checkpoint, checkpoint_parameters, resolve_checkpoint
     from unsloth.export.files import ensure_free_space
     from unsloth.export.methods import export_bytes, resolve_all
-
-    from unsloth.commands.render import log_handler
+    from unsloth.logs import log_handler
 
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, handlers=[log_handler()])
     methods = [m for value in args.gguf for m in value.split(",") if m.strip()]

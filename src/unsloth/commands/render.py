@@ -10,7 +10,6 @@ pipe gets only the data. Errors are not shown here: ``unsloth.cli.report_error``
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from functools import singledispatch
 from typing import Any
@@ -346,23 +345,3 @@ def _(result: r.PlanReport) -> None:
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 1000)
     console.print(table)
     advice(console, result.plan.warnings)
-
-
-class _CurrentStderr(logging.StreamHandler):
-    """A log handler that writes to whatever sys.stderr is when a record comes, not the stream of the
-    moment it was made: one command's handler must not outlive a replaced stream (a closed capture)."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value):
-        pass
-
-
-def log_handler() -> logging.Handler:
-    """Log lines as plain messages on the current standard error (the commands' one log format)."""
-    handler = _CurrentStderr()
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    return handler

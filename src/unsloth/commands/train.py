@@ -68,9 +68,9 @@ def _quiet_libraries() -> None:
             transformers_logging.disable_progress_bar()
         except ImportError:
             pass
-    if not log.handlers and not logging.getLogger().handlers:
-        from unsloth.commands.render import log_handler
+    from unsloth.logs import log_handler, own_handlers
 
+    if not own_handlers(log) and not logging.getLogger().handlers:
         log.addHandler(log_handler())
     warnings.filterwarnings("ignore", category=FutureWarning)
     # bitsandbytes' CPU backend suggests an optional package on import; irrelevant to training here.

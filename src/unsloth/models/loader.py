@@ -477,7 +477,7 @@ def _say_what_is_fast(model) -> None:
     """The load message: which parts of this model run through our code and which do not."""
     report = getattr(model, "_unsloth_patches", None)
     if report is not None:
-        log.info(report.summary())
+        report.say()
 
 
 def model_config(model):

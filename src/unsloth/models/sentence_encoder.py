@@ -10,16 +10,12 @@ and our gradient checkpointing.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
 from unsloth.errors import UnslothError
 from unsloth.models.checkpointing import apply_gradient_checkpointing
 from unsloth.models.patches import patch_model, patch_peft_model
-
-log = logging.getLogger("unsloth")
 
 POOLING_MODES = ("mean", "cls", "max", "lasttoken", "mean_sqrt_len_tokens", "weightedmean")
 
@@ -118,6 +114,6 @@ def add_encoder_lora(st_model, r: int = 16, target_modules=None, lora_alpha: int
     report = patch_peft_model(peft_model)
     if report is not None:
         report.checkpointed = layers
-        log.info(report.summary())
+        report.say()
     _set_encoder(st_model, peft_model)
     return st_model

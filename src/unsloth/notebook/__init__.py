@@ -6,3 +6,7 @@
     model.save_pretrained("lora")                        # adapters (peft)
     model.save_pretrained_merged("merged", tokenizer)    # 16-bit merged weights
 """
+
+from unsloth.logs import show_by_default
+
+show_by_default()  # what the loader says once reaches a notebook that set up no logging

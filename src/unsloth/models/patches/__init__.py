@@ -152,6 +152,15 @@ class PatchReport:
     delta_rule: tuple[str, bool] | None = None  # Gated DeltaNet layers: what runs them, and if it is fast
     skipped: str | None = None  # why nothing at all is patched (kernels unavailable)
     generic_only: str | None = None  # why the family patches were not applied
+    said: str | None = field(default=None, repr=False, compare=False)  # the summary logged last
+
+    def say(self) -> None:
+        """Log the summary (the load message), unless it is the one logged last: loading and then adding
+        LoRA each say it, and where LoRA changes nothing it would be the same line twice."""
+        summary = self.summary()
+        if summary != self.said:
+            self.said = summary
+            log.info(summary)
 
     def fast(self) -> list[str]:
         parts = []
@@ -247,7 +256,7 @@ def patch_model(model: nn.Module) -> PatchReport:
     if unavailable_reason(device) is not None:
         report.skipped = f"kernels off: {unavailable_reason(device)}"
         model._unsloth_patches = report
-        log.info(report.summary())
+        report.say()
         return report
     report.loss = patch_loss(model, device)  # the generic path first
     report.vision_attention = patch_vision_attention(model, device, dtype)
@@ -271,7 +280,7 @@ def patch_model(model: nn.Module) -> PatchReport:
             if "mlp" in wanted:
                 report.vision_mlp += patch_mlps(tower, device, dtype)
     model._unsloth_patches = report
-    log.info(report.summary())
+    report.say()
     return report
 
 
