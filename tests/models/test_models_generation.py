@@ -357,12 +357,15 @@ def test_the_4bit_quantizer_is_hidden_from_transformers_compile_check_only_on_a_
 
 
 @pytest.mark.slow
-def test_new_prompt_lengths_and_batches_reuse_the_compiled_decode_step(monkeypatch):
+def test_new_prompt_lengths_and_batches_reuse_the_compiled_decode_step(monkeypatch, caplog):
     """The decode step compiled as on a GPU (shapes specialized), here with dynamo's eager backend on the
     CPU: a new prompt length or max_new_tokens in the same bucket compiles nothing more, a new batch
-    size once, and going back to an earlier batch size nothing."""
+    size once, and going back to an earlier batch size nothing. Each compile is announced, once."""
+    import logging
+
     from torch._dynamo.utils import counters
 
+    caplog.set_level(logging.INFO, logger="unsloth")
     model = _with_lora(tiny_model("llama"))
     patch_model(model.get_base_model())
     expected = {seq: _greedy(model, *_prompts(batch, seq, seed=seq), new=new)
@@ -384,6 +387,8 @@ def test_new_prompt_lengths_and_batches_reuse_the_compiled_decode_step(monkeypat
     assert first < batch_one <= 2 * first  # a new batch size: its own graphs, once
     assert graphs(1, 4, 7) == batch_one
     assert graphs(2, 5, 6) == batch_one  # back to batch 2: its graphs were kept
+    said = [r.getMessage() for r in caplog.records if "compiling the decode step" in r.getMessage()]
+    assert [m.split(" and ")[0].rsplit(" ", 2)[-2:] for m in said] == [["2", "rows"], ["1", "row"]], said
 
 
 @pytest.mark.slow

@@ -97,6 +97,7 @@ def disable(model):
             backbone.generate = plain
     # compiled decode steps hold graphs sized for inference; training never uses them
     backbone.__dict__.pop("_compiled_call", None)
+    backbone.__dict__.pop("_unsloth_said_compiling", None)
     return model
 
 
@@ -139,7 +140,8 @@ def fast_generate(backbone, plain, *args, **kwargs):
     rows = batch * (config.num_return_sequences or 1)
     length = cache_length(prompt + max(new, 1))
     cache = caches.pop((rows, length), None)
-    if cache is None:
+    new_shape = cache is None
+    if new_shape:
         cache = _new_cache(backbone, length)
     caches[(rows, length)] = cache  # most recently used last
     while len(caches) > _MAX_CACHES:
@@ -150,6 +152,8 @@ def fast_generate(backbone, plain, *args, **kwargs):
     config.disable_compile = backbone.__dict__.get("_unsloth_eager_decode", False)
     if config.compile_config is None:
         config.compile_config = _compile_config(backbone)
+    if new_shape and config.compile_config is not None and not config.disable_compile:
+        _say_compiling(backbone, rows, length)
     was_training = backbone.training
     backbone.eval()  # no dropout in rollouts, as with vLLM; the caller's mode comes back after
     quantizer = _hide_bitsandbytes_4bit(backbone) if not config.disable_compile else None
@@ -171,6 +175,16 @@ def fast_generate(backbone, plain, *args, **kwargs):
         if quantizer is not None:
             backbone.hf_quantizer = quantizer
         backbone.train(was_training)
+
+
+def _say_compiling(backbone, rows: int, length: int) -> None:
+    """The first call for a (batch, cache length) compiles its decode step, for a minute or more on an
+    8B model; without a word that looks like a hang. Said once per shape (its graphs are kept)."""
+    said = backbone.__dict__.setdefault("_unsloth_said_compiling", set())
+    if (rows, length) not in said:
+        said.add((rows, length))
+        log.info("unsloth: compiling the decode step for %d row%s and a %d-token cache (once for this shape, "
+                 "about a minute for an 8B model; later calls reuse it)", rows, "" if rows == 1 else "s", length)
 
 
 def _compile_config(backbone):
