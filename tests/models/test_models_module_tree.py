@@ -138,3 +138,18 @@ def test_a_deep_copy_keeps_its_own_answers():
     assert all(m.training for m in twin.modules()) and not any(m.training for m in model.modules())
     twin.get_base_model().model.layers[0].mlp.extra = nn.Linear(4, 4)
     assert twin.num_parameters() == before + 20 and model.num_parameters() == before
+
+
+def test_a_pickled_model_loads_and_trains():
+    """torch.save(model) pickles the bound methods by name (getattr(model, name) when loading)."""
+    import io
+
+    model = _lora_model()
+    model.train()
+    count = model.num_parameters()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    loaded.eval()
+    assert not any(m.training for m in loaded.modules()) and loaded.num_parameters() == count

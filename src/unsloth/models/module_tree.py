@@ -89,7 +89,7 @@ def _kernels_in(models: list[nn.Module], mode: bool) -> bool:
     return all(getattr(m, "kernels_mode", None) == wanted for m in kernelized)
 
 
-def _train(self, mode: bool = True):
+def train(self, mode: bool = True):
     """nn.Module.train, skipped where it would change nothing: every module already in `mode`, every
     train() in the tree torch's or transformers' own, and transformers' hub kernels in that mode too."""
     modules, plain, models = kept(self, "train", _modules_and_train_kinds)
@@ -98,7 +98,7 @@ def _train(self, mode: bool = True):
     return type(self).train(self, mode)
 
 
-def _num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
     """transformers' count, kept per tree for all parameters; trainable ones depend on requires_grad
     flags, not on the tree, and are counted every time."""
     count = type(self).num_parameters
@@ -111,11 +111,12 @@ def _num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool
 def cheap_trainer_calls(model: nn.Module) -> None:
     """Give `model` (as the Trainer holds it: a loaded model or a PeftModel) the kept train(), and it and the
     transformers models inside it the kept num_parameters (the Trainer asks the one it holds, or, in older
-    transformers, the model inside, for its FLOPs estimate)."""
+    transformers, the model inside, for its FLOPs estimate). The functions bear the methods' names: pickle
+    stores a bound method as `getattr(obj, name)`, so a saved model (`torch.save(model)`) loads."""
     from transformers import PreTrainedModel
 
     watch_registrations()
-    model.train = types.MethodType(_train, model)
+    model.train = types.MethodType(train, model)
     for m in (model, *(m for m in model.modules() if isinstance(m, PreTrainedModel))):
         if hasattr(type(m), "num_parameters"):
-            m.num_parameters = types.MethodType(_num_parameters, m)
+            m.num_parameters = types.MethodType(num_parameters, m)
