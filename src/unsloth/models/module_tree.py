@@ -112,7 +112,7 @@ def cheap_trainer_calls(model: nn.Module) -> None:
     """Give `model` (as the Trainer holds it: a loaded model or a PeftModel) the kept train(), and it and the
     transformers models inside it the kept num_parameters (the Trainer asks the one it holds, or, in older
     transformers, the model inside, for its FLOPs estimate). The functions bear the methods' names: pickle
-    stores a bound method as `getattr(obj, name)`, so a saved model (`torch.save(model)`) loads."""
+    stores a bound method as `getattr(obj, name)`, which loading a saved model asks again."""
     from transformers import PreTrainedModel
 
     watch_registrations()
