@@ -271,8 +271,10 @@ def test_the_kept_parameter_lists_survive_layer_slicing_and_follow_a_replaced_we
     model(input_ids=torch.randint(0, VOCAB, (1, 4)))
     assert layer.__dict__["_unsloth_kept"]["parameter dicts"] is kept  # not rebuilt
     replaced = torch.nn.Parameter(torch.zeros_like(layer.mlp.up_proj.weight))
-    layer.mlp.up_proj.weight = replaced  # a registration: the list is rebuilt at the next call
+    layer.mlp.up_proj.weight = replaced  # the same parameter dict, read per call
     assert any(p is replaced for p in _trainable_parameters(layer))
+    layer.mlp.extra = torch.nn.Linear(2, 2)  # a new module's dict: the registration has the list rebuilt
+    assert any(p is layer.mlp.extra.weight for p in _trainable_parameters(layer))
 
 
 def test_a_compiled_forward_after_training_does_not_recompile_at_every_call(monkeypatch):

@@ -388,7 +388,7 @@ def test_new_prompt_lengths_and_batches_reuse_the_compiled_decode_step(monkeypat
     assert graphs(1, 4, 7) == batch_one
     assert graphs(2, 5, 6) == batch_one  # back to batch 2: its graphs were kept
     said = [r.getMessage() for r in caplog.records if "compiling the decode step" in r.getMessage()]
-    assert [m.split(" and ")[0].rsplit(" ", 2)[-2:] for m in said] == [["2", "rows"], ["1", "row"]], said
+    assert len(said) == 2 and "for 2 rows and" in said[0] and "for 1 row and" in said[1], said
 
 
 @pytest.mark.slow

@@ -140,8 +140,7 @@ def fast_generate(backbone, plain, *args, **kwargs):
     rows = batch * (config.num_return_sequences or 1)
     length = cache_length(prompt + max(new, 1))
     cache = caches.pop((rows, length), None)
-    new_shape = cache is None
-    if new_shape:
+    if cache is None:
         cache = _new_cache(backbone, length)
     caches[(rows, length)] = cache  # most recently used last
     while len(caches) > _MAX_CACHES:
@@ -152,7 +151,7 @@ def fast_generate(backbone, plain, *args, **kwargs):
     config.disable_compile = backbone.__dict__.get("_unsloth_eager_decode", False)
     if config.compile_config is None:
         config.compile_config = _compile_config(backbone)
-    if new_shape and config.compile_config is not None and not config.disable_compile:
+    if config.compile_config is not None and not config.disable_compile:
         _say_compiling(backbone, rows, length)
     was_training = backbone.training
     backbone.eval()  # no dropout in rollouts, as with vLLM; the caller's mode comes back after

@@ -47,11 +47,11 @@ def watch_registrations() -> None:
 
 def kept(root: nn.Module, name: str, build):
     """build(root), kept until a module of root's tree registers a submodule or a parameter."""
-    watch_registrations()
-    holder = root.__dict__.get(_TOKEN)
-    entry = root.__dict__.setdefault(_KEPT, {}).get(name)
+    holder, values = root.__dict__.get(_TOKEN), root.__dict__.get(_KEPT)
+    entry = values.get(name) if values else None
     if holder is not None and entry is not None and entry[0] is holder[0]:
         return entry[1]
+    watch_registrations()  # nothing is kept without the hook that forgets it
     value = build(root)
     modules = list(root.modules())
     if holder is None or any(m.__dict__.get(_TOKEN) is not holder for m in modules):
@@ -60,7 +60,7 @@ def kept(root: nn.Module, name: str, build):
         holder = [object()]
         for m in modules:
             m.__dict__[_TOKEN] = holder
-    root.__dict__[_KEPT][name] = (holder[0], value)
+    root.__dict__.setdefault(_KEPT, {})[name] = (holder[0], value)
     return value
 
 
