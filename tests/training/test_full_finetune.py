@@ -24,9 +24,15 @@ from unsloth.training.sft import train  # noqa: E402
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, "unsloth"], ids=["plain", "offloaded"])
 @pytest.mark.parametrize("family", ["llama", "gemma"])  # gemma: (1 + w) norms, GELU gate, a tied LM head
-def test_every_weight_gets_the_unpatched_gradient(family, checkpointing):
+def test_every_weight_gets_the_unpatched_gradient(family, checkpointing, monkeypatch):
     """The fused norms, RoPE, MLP and loss (and our checkpoint's recompute) give the base weights, the
-    embedding and the LM head the same gradients as transformers' own modules."""
+    embedding and the LM head the same gradients as transformers' own modules. The MLPs run our
+    trained-weights MLP; inside the checkpoint's recompute it skips their output."""
+    import unsloth_kernels.gated_mlp as gated_mlp
+
+    calls = []
+    real = gated_mlp.dense_gated_mlp
+    monkeypatch.setattr(gated_mlp, "dense_gated_mlp", lambda *a, **k: calls.append(k["output_needed"]) or real(*a, **k))
     reference = tiny_model(family)
     patched = copy.deepcopy(reference)
     report = patch_model(patched)
@@ -45,6 +51,9 @@ def test_every_weight_gets_the_unpatched_gradient(family, checkpointing):
         loss.backward()
         losses.append(loss.detach())
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    layers = reference.config.num_hidden_layers
+    # without checkpointing, each MLP once with its output; with it, once more in the recompute, without
+    assert calls == ([True] * layers if not checkpointing else [False] * layers)
     fast = dict(patched.named_parameters())
     names = [name for name, _ in reference.named_parameters()]
     assert names == list(fast) and any("norm" in n for n in names) and any("embed" in n for n in names)

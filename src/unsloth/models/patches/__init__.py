@@ -265,20 +265,21 @@ def patch_model(model: nn.Module) -> PatchReport:
     elif not family_patches_enabled():
         report.generic_only = "family patches off: UNSLOTH_FAMILY_PATCHES=0"
     else:
+        feeds_residual = family in MLP_FEEDS_RESIDUAL
         for text in text_parts(model):
             if "rms_norm" in wanted:
                 report.rms_norm += patch_rms_norms(text)
             if "rope" in wanted:
                 report.rope += patch_rope(text, device, dtype)
             if "mlp" in wanted:
-                report.mlp += patch_mlps(text, device, dtype)
+                report.mlp += patch_mlps(text, device, dtype, feeds_residual)
             if "moe" in wanted:
                 report.moe += patch_moe_experts(text, device, dtype)
         for tower in vision_towers(model):
             if "rms_norm" in wanted:
                 report.vision_rms_norm += patch_rms_norms(tower)
             if "mlp" in wanted:
-                report.vision_mlp += patch_mlps(tower, device, dtype)
+                report.vision_mlp += patch_mlps(tower, device, dtype, feeds_residual)
     model._unsloth_patches = report
     report.say()
     return report

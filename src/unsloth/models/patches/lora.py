@@ -24,9 +24,7 @@ import torch
 from torch import nn
 
 from unsloth.models.bnb_layout import keep_4bit_layout, repacked_for_cpu
-
-# our activation kind (patches/mlp.py) -> the LoRA MLP kernel's name for it
-_MLP_ACTIVATION = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}
+from unsloth.models.patches.mlp import KERNEL_ACTIVATION
 
 
 def lora_weights(layer):
@@ -120,7 +118,7 @@ def _lora_mlp_forward(self, x):
     from unsloth.models.checkpointing import recomputing  # our checkpoint's rerun: the output goes unread
 
     output_needed = not (self._unsloth_mlp_feeds_residual and recomputing())
-    return lora_mlp(x, *weights, activation=_MLP_ACTIVATION[self._unsloth_act], output_needed=output_needed)
+    return lora_mlp(x, *weights, activation=KERNEL_ACTIVATION[self._unsloth_act], output_needed=output_needed)
 
 
 def _nf4_decode_forward(self, x, *args, **kwargs):
@@ -193,7 +191,7 @@ def patch_lora(model, mlp_feeds_residual: bool = False) -> dict[str, int]:
     for module in model.modules():
         act = getattr(module, "_unsloth_act", None)  # a gated MLP our MLP patch verified
         projections = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if act in _MLP_ACTIVATION and all(isinstance(p, LoraLayer) and kernel_reads_base(p) for p in projections):
+        if act in KERNEL_ACTIVATION and all(isinstance(p, LoraLayer) and kernel_reads_base(p) for p in projections):
             module.forward = types.MethodType(_lora_mlp_forward, module)
             module._unsloth_mlp_feeds_residual = mlp_feeds_residual
             in_mlp.update(id(getattr(module, n)) for n in ("gate_proj", "up_proj", "down_proj"))

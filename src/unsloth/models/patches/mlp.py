@@ -24,6 +24,7 @@ _ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
+KERNEL_ACTIVATION = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}  # kind -> the MLP kernels' name
 
 
 def gated(kind: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -51,7 +52,28 @@ def activation_kind(act_fn, device, dtype) -> str | None:
 
 
 def _gated_mlp_forward(self, x):
+    weights = _trained_dense_weights(self)
+    if weights is not None:
+        from unsloth_kernels.gated_mlp import dense_gated_mlp
+
+        from unsloth.models.checkpointing import recomputing  # our checkpoint's rerun: the output goes unread
+
+        output_needed = not (getattr(self, "_unsloth_mlp_feeds_residual", False) and recomputing())
+        return dense_gated_mlp(x, *weights, KERNEL_ACTIVATION[self._unsloth_act], output_needed=output_needed)
     return self.down_proj(gated(self._unsloth_act, self.gate_proj(x), self.up_proj(x)))
+
+
+def _trained_dense_weights(module) -> tuple[torch.Tensor, ...] | None:
+    """(gate, up, down) weights when a backward will train them (full fine-tuning): three plain
+    bias-free nn.Linear, at least one weight trainable, gradients on and nothing compiling."""
+    from unsloth.models.kernels import compiling
+
+    projections = (module.gate_proj, module.up_proj, module.down_proj)
+    if not torch.is_grad_enabled() or compiling() or any(type(p) is not nn.Linear or p.bias is not None
+                                                         for p in projections):  # fmt: skip
+        return None
+    weights = tuple(p.weight for p in projections)
+    return weights if any(w.requires_grad for w in weights) and all(w.is_floating_point() for w in weights) else None
 
 
 def _fused_gated_mlp_forward(self, x):
@@ -110,8 +132,12 @@ def _keep_if_same(module: nn.Module, forward, x: torch.Tensor) -> bool:
     return ok
 
 
-def patch_mlps(model: nn.Module, device, dtype) -> int:
-    """Give every gated MLP whose activation we recognise the fused forward (checked on a probe)."""
+def patch_mlps(model: nn.Module, device, dtype, feeds_residual: bool = False) -> int:
+    """Give every gated MLP whose activation we recognise the fused forward (checked on a probe).
+
+    `feeds_residual`: the family's decoder layers add the MLP output straight to the residual stream,
+    so a checkpoint's recompute pass may skip computing it when the MLP's weights are trained.
+    """
     patched = 0
     for module in model.modules():
         if hasattr(module, "_unsloth_act"):
@@ -126,6 +152,7 @@ def patch_mlps(model: nn.Module, device, dtype) -> int:
             module._unsloth_act = kind
             x = torch.randn(2, 3, width, device=device, dtype=dtype)
             if _keep_if_same(module, _gated_mlp_forward, x):
+                module._unsloth_mlp_feeds_residual = feeds_residual
                 patched += 1
             else:
                 del module._unsloth_act
