@@ -27,6 +27,7 @@ trained here; a trainable bias gets its gradient.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from dataclasses import dataclass
@@ -362,12 +363,20 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
+def _autocast_off(device_type: str):
+    """torch.autocast(enabled=False), or no context where autocast is off already (backward, most
+    inference): entering one costs host time, which a host-paced step pays at every projection."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _no_autocast(method):
     """Run a forward/backward with autocast off: the dtypes are chosen explicitly inside."""
 
     @functools.wraps(method)
     def wrapper(ctx, first, *args):
-        with torch.autocast(first.device.type, enabled=False):
+        with _autocast_off(first.device.type):
             return method(ctx, first, *args)
 
     return wrapper
@@ -535,7 +544,7 @@ def lora_o_forward(x: torch.Tensor, o: LoraWeights) -> tuple[torch.Tensor, torch
     """The gradient-free forward of `lora_o`, with the rank-r product x A^T a later `replay` needs."""
     o.validate("lora_o")
     rows = _flat(x)  # in the autocast dtype, as lora_o computes
-    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+    with torch.no_grad(), _autocast_off(x.device.type):
         (y,), xa = _project(rows, (o,), _params((o,)))
     return y.reshape(*x.shape[:-1], o.out_features), xa
 
@@ -571,7 +580,7 @@ def lora_mlp(
     if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in params)):
         out = _LoraMLP.apply(_flat(x), projections, activation, output_needed, *params)
     else:  # nothing to save for a backward (inference, a checkpointed layer's first pass): in token chunks
-        with torch.autocast(x.device.type, enabled=False):
+        with _autocast_off(x.device.type):
             out = _mlp_forward_in_chunks(_flat(x), projections, activation, params)
     return out.reshape(*x.shape[:-1], down.out_features)
 

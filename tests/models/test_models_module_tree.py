@@ -1,5 +1,5 @@
-"""What the Trainer asks of the model at every micro-batch (train(), num_parameters()) is kept per module
-tree, and rebuilt when the tree changes."""
+"""What the Trainer asks of the model at every micro-batch (train(), num_parameters(), parameters()) is kept
+per module tree, and rebuilt when the tree changes."""
 
 from __future__ import annotations
 
@@ -145,6 +145,26 @@ def test_the_kept_methods_pickle_by_their_names():
     model for that name again, which must exist."""
     model = _lora_model()
     inner = model.get_base_model()
-    for method in (model.train, inner.num_parameters):
+    for method in (model.train, model.parameters, inner.num_parameters):
         rebuild, (obj, name) = method.__reduce__()
         assert rebuild(obj, name) == method
+
+
+def test_parameters_are_torchs_without_a_walk_and_follow_the_tree(monkeypatch):
+    model = _lora_model()
+    plain = list(nn.Module.parameters(model))
+    assert list(model.parameters()) == plain  # same objects, same order, tied ones once
+    walks = []
+    walk = nn.Module.modules
+    monkeypatch.setattr(nn.Module, "modules", lambda self: walks.append(self) or walk(self))
+    assert list(model.parameters()) == plain and walks == []
+    assert list(model.parameters(recurse=False)) == list(nn.Module.parameters(model, recurse=False))
+    monkeypatch.undo()
+    mlp = model.get_base_model().model.layers[0].mlp
+    mlp.extra = nn.Linear(4, 4)  # a new module: its parameters are found
+    assert [p for p in model.parameters() if p is mlp.extra.weight]
+    # a parameter swapped into its module's dict without a registration (FSDP2 does this) is read there
+    swapped = nn.Parameter(mlp.extra.weight.detach().clone())
+    mlp.extra._parameters["weight"] = swapped
+    assert [p for p in model.parameters() if p is swapped]
+    model.zero_grad()  # torch's zero_grad reads them through parameters()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from peft.tuners.lora import LoraLayer
 
-from tiny_families import VOCAB, decoder_linears, has_tiny_config, target_names, tiny_model, with_lora
+from tiny_families import DECODER_TARGETS, VOCAB, decoder_linears, has_tiny_config, target_names, tiny_model, with_lora
 from unsloth.models.patches import FAMILIES, MLP_FEEDS_RESIDUAL, patch_model, patch_peft_model
 from unsloth.models.checkpointing import apply_gradient_checkpointing
 
@@ -255,6 +255,17 @@ def test_the_kernels_view_of_a_lora_layer_is_kept_until_the_layer_changes():
     kept = lora_weights(layer)
     base.weight.data = base.weight.data.clone()  # what moving a model does: same parameter, new storage
     assert lora_weights(layer) is not kept
+    # FSDP2 swaps its gathered parameters into the modules' dicts, registering nothing: they are read there
+    gathered = torch.nn.Parameter(layer.lora_B["default"].weight.detach().clone())
+    layer.lora_B["default"]._parameters["weight"] = gathered
+    assert lora_weights(layer).B is gathered
+    from peft import LoraConfig
+
+    model.add_adapter("second", LoraConfig(r=2, lora_alpha=2, lora_dropout=0.0, target_modules=DECODER_TARGETS))
+    model.set_adapter("second")  # another adapter, registered after the first view was kept
+    assert lora_weights(layer).A is layer.lora_A["second"].weight
+    model.set_adapter("default")
+    assert lora_weights(layer).A is layer.lora_A["default"].weight
     layer.lora_dropout["default"] = torch.nn.Dropout(0.1)
     assert lora_weights(layer) is None  # dropout: the fast path does not apply
     with model.disable_adapter():

@@ -19,7 +19,7 @@ from collections.abc import MutableMapping
 import torch
 from torch import nn
 
-from unsloth.models.module_tree import kept, watch_registrations
+from unsloth.models.module_tree import kept, parameter_dicts, unique_parameters, watch_registrations
 
 
 _recompute = threading.local()
@@ -275,18 +275,12 @@ def _passes_tensors_between_layers(layer, args, kwargs) -> bool:
         isinstance(a, MutableMapping) for a in (*args, *kwargs.values()))
 
 
-def _parameter_dicts(layer: nn.Module) -> list[dict]:
-    return [m._parameters for m in layer.modules() if m._parameters]
-
-
 def _trainable_parameters(layer: nn.Module) -> list[nn.Parameter]:
     """`[p for p in layer.parameters() if p.requires_grad]`, without walking the module tree on every
     call (a LoRA layer has dozens of modules: the walk was a few percent of a host-paced step). The
     layer's modules' parameter dicts are kept and read per call: FSDP2 swaps its unsharded parameters
     into those same dicts for the forward, and requires_grad may change between steps."""
-    dicts = kept(layer, "parameter dicts", _parameter_dicts)
-    # dict.fromkeys: one entry per parameter, in parameters()' order, also where modules share one
-    return list(dict.fromkeys(p for d in dicts for p in d.values() if p is not None and p.requires_grad))
+    return [p for p in unique_parameters(kept(layer, "parameter dicts", parameter_dicts)) if p.requires_grad]
 
 
 def _checkpointed_forward(self, hidden_states, *args, **kwargs):

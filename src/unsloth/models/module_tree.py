@@ -64,6 +64,13 @@ def kept(root: nn.Module, name: str, build):
     return value
 
 
+def parameter_dicts(module: nn.Module) -> list[dict]:
+    """The `_parameters` dicts of the module's tree that hold any, in `modules()` order. Kept (`kept`),
+    they give the tree's parameters without a walk; read per call, they give the current ones: FSDP2
+    swaps its gathered parameters into those same dicts for the forward."""
+    return [m._parameters for m in module.modules() if m._parameters]
+
+
 def _modules_and_train_kinds(model: nn.Module) -> tuple[list[nn.Module], bool, list[nn.Module]]:
     """(every module, whether each one's train() is torch's or transformers', the transformers models among
     them: where one uses hub kernels, its train() also switches their mode)."""
@@ -108,8 +115,22 @@ def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool 
                 lambda model: count(model, exclude_embeddings=exclude_embeddings))
 
 
+def parameters(self, recurse: bool = True):
+    """nn.Module.parameters, from the tree's kept parameter dicts (the Trainer's zero_grad and gradient
+    clipping ask for them at every step): the same parameters in the same order, each once."""
+    if not recurse:
+        return type(self).parameters(self, recurse)
+    return iter(unique_parameters(kept(self, "parameter dicts", parameter_dicts)))
+
+
+def unique_parameters(dicts: list[dict]) -> list[nn.Parameter]:
+    """The parameters in `dicts`, in order, each once (modules may share one: tied weights)."""
+    return list(dict.fromkeys(p for d in dicts for p in d.values() if p is not None))
+
+
 def cheap_trainer_calls(model: nn.Module) -> None:
-    """Give `model` (as the Trainer holds it: a loaded model or a PeftModel) the kept train(), and it and the
+    """Give `model` (as the Trainer holds it: a loaded model or a PeftModel) the kept train() and parameters(),
+    and it and the
     transformers models inside it the kept num_parameters (the Trainer asks the one it holds, or, in older
     transformers, the model inside, for its FLOPs estimate). The functions bear the methods' names: pickle
     stores a bound method as `getattr(obj, name)`, which loading a saved model asks again."""
@@ -117,6 +138,7 @@ def cheap_trainer_calls(model: nn.Module) -> None:
 
     watch_registrations()
     model.train = types.MethodType(train, model)
+    model.parameters = types.MethodType(parameters, model)
     for m in (model, *(m for m in model.modules() if isinstance(m, PreTrainedModel))):
         if hasattr(type(m), "num_parameters"):
             m.num_parameters = types.MethodType(num_parameters, m)

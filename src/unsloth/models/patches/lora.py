@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from unsloth.models.bnb_layout import keep_4bit_layout, repacked_for_cpu
+from unsloth.models.module_tree import kept
 from unsloth.models.patches.mlp import KERNEL_ACTIVATION
 
 
@@ -31,23 +32,28 @@ def lora_weights(layer):
     """The kernel's view of a peft LoRA layer, or None when the fast path does not apply right now.
 
     The view is kept on the layer while everything it was made from is unchanged, so the kernels'
-    one-time work on it (checks, the 4-bit weight's preparation) is not redone on every call.
+    one-time work on it (checks, the 4-bit weight's preparation) is not redone on every call. This
+    runs for every projection of every forward: the modules it reads are found once per module tree
+    (module_tree.kept), and each call reads the parameters out of their modules' dicts (FSDP2 swaps
+    its gathered ones in there) and the adapter's settings.
     """
     from peft.tuners.lora import LoraLayer
 
     if not isinstance(layer, LoraLayer) or layer.merged or layer.disable_adapters:
         return None
     adapters = layer.active_adapters
-    if len(adapters) != 1 or adapters[0] not in layer.lora_A:
+    if len(adapters) != 1:
         return None
     name = adapters[0]
-    base = layer.get_base_layer()
-    weight = getattr(base, "weight", None)
-    A, B = layer.lora_A[name].weight, layer.lora_B[name].weight
-    dropout, bias = layer.lora_dropout[name], getattr(base, "bias", None)
+    modules = kept(layer, f"lora modules {name}", lambda _: _lora_modules(layer, name))
+    if modules is None:
+        return None
+    base, a_module, b_module, dropout = modules
+    weight, bias = base._parameters.get("weight"), base._parameters.get("bias")
+    A, B = a_module._parameters["weight"], b_module._parameters["weight"]
     # FSDP's gathered copy of a 4-bit weight is a plain tensor of the packed bytes; bitsandbytes keeps
     # the weight's quant state on the layer too.
-    quant_state = getattr(weight, "quant_state", None) or getattr(base, "quant_state", None)
+    quant_state = getattr(weight, "quant_state", None) or base.__dict__.get("quant_state")
     scaling, dora = layer.scaling[name], layer.use_dora.get(name, False)
     fan_in_fan_out = getattr(layer, "fan_in_fan_out", False)
     # Compared by identity; moving a model keeps the parameter objects but swaps their data (and a
@@ -69,6 +75,13 @@ def lora_weights(layer):
             weights = LoraWeights(weight, A, B, float(scaling), quant_state, bias)
     layer.__dict__["_unsloth_lora_weights"] = (objects, values, weights)
     return weights
+
+
+def _lora_modules(layer, name: str):
+    """(base layer, lora_A, lora_B, dropout) of adapter `name`, or None where the layer has no such adapter."""
+    if name not in layer.lora_A:
+        return None
+    return layer.get_base_layer(), layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
 
 
 def kernel_reads_base(layer) -> bool:
