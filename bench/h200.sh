@@ -4,6 +4,7 @@
 # and carried, and pytest wheels carried in .whl):  sh bench/h200.sh SECTION...  (in that order;
 # BENCH_PROFILE=1 adds a JSON line per tts / vision / fullft run: its last step's kernels by category
 # BENCH_PROFILE=python instead: cProfile of that step (the host's Python by function) in $OUT/<label>.cprofile.txt
+# BENCH_PROFILE=memory instead: a JSON line of what is allocated at that step's peak, by where it was allocated
 # (that step runs slower: take step times from a run without it).
 # sections: machine, tests, kernels, trainer, profile, ab, host, moe, moetune, notebook, families, families_call, generation,
 # nf4mm, grpo, tts, fullft, vision, dpo, multigpu; all = machine tests kernels trainer)

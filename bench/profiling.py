@@ -91,7 +91,8 @@ def step_timer(times: list[float], warmup: int):
     return StepTimer()
 
 
-PROFILE = os.environ.get("BENCH_PROFILE", "0")  # "1": kernels (torch.profiler); "python": the host's Python (cProfile)
+PROFILE = os.environ.get("BENCH_PROFILE", "0")  # "1": kernels (torch.profiler); "python": the host's Python
+# (cProfile); "memory": what is allocated at the step's peak, by where
 
 
 def gpu_time(prof):
@@ -115,6 +116,10 @@ def kernel_profile(label: str, enabled: bool = True, top: int = 15):
         with python_profile(label):
             yield
         return
+    if PROFILE == "memory" and enabled and torch.cuda.is_available():
+        with memory_at_peak(label, top):
+            yield
+        return
     if not (PROFILE == "1" and enabled and torch.cuda.is_available()):
         yield
         return
@@ -135,6 +140,48 @@ def kernel_profile(label: str, enabled: bool = True, top: int = 15):
         # where the host's time goes (self time of each op), for steps whose kernels sum below their wall time
         "host_top": [[round(e.self_cpu_time_total / 1e3, 1), e.count, e.key[:60]] for e in host[:top]],
     }), flush=True)
+
+
+@contextlib.contextmanager
+def memory_at_peak(label: str, top: int = 15):
+    """BENCH_PROFILE=memory: what is allocated when the step inside reaches its peak, by where it was
+    allocated (the innermost frames of ours, transformers' or the bench's code), in one JSON line.
+    What was allocated before the step (weights, optimizer states, gradients kept) is one sum."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        yield
+        torch.cuda.synchronize()
+        events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    live, total, peak, at_peak = {}, 0, 0, {}
+    for event in events:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+        # allocated bytes (max_memory_allocated's count) drop when a free is asked for; the block may
+        # wait for other streams' work before it can be reused
+        elif event["action"] == "free_requested" and live.pop(event["addr"], None) is not None:
+            total -= event["size"]
+        if total > peak:
+            peak, at_peak = total, dict(live)
+    by_site = collections.Counter()
+    for event in at_peak.values():
+        by_site[_site(event.get("frames", []))] += event["size"]
+    print(json.dumps({
+        "memory": label, "before_gib": round(before / 2**30, 3), "peak_gib": round((before + peak) / 2**30, 3),
+        "step_peak_gib": round(peak / 2**30, 3), "alive_at_peak": len(at_peak),
+        "by_site_mib": [[round(n / 2**20, 1), site] for site, n in by_site.most_common(top)],
+    }), flush=True)
+
+
+def _site(frames) -> str:
+    """The innermost two frames in our code, transformers' or the bench's; else the innermost frame."""
+    mine = [f for f in frames if any(k in f.get("filename", "") for k in ("unsloth", "transformers", "bench", "peft"))]
+    chosen = (mine or frames)[:2]
+    return " < ".join(f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']}:{f['name']}" for f in chosen) or "(no Python frame)"
 
 
 @contextlib.contextmanager

@@ -472,9 +472,9 @@ def _mlp_forward(x, projections, activation, params, fold: bool):
     return out, (e, g, xa_gate_up, ha_down)
 
 
-def _mlp_chunk_rows(n_rows: int, intermediate: int, element_size: int) -> int:
-    """Rows per chunk: even chunks, each (rows x intermediate) buffer within _MLP_CHUNK_BYTES."""
-    most = max(1, _MLP_CHUNK_BYTES // (intermediate * element_size))
+def _mlp_chunk_rows(n_rows: int, intermediate: int, element_size: int, chunk_bytes: int | None = None) -> int:
+    """Rows per chunk: even chunks, each (rows x intermediate) buffer within `chunk_bytes` (_MLP_CHUNK_BYTES)."""
+    most = max(1, (chunk_bytes or _MLP_CHUNK_BYTES) // (intermediate * element_size))
     return cdiv(n_rows, cdiv(n_rows, most))
 
 

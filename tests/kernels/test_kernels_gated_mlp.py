@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from reference import DEVICE, assert_close_dtype, f64, needs_kernels
 
-import unsloth_kernels.lora as lora_module
+import unsloth_kernels.gated_mlp as gated_mlp
 from unsloth_kernels.gated_mlp import dense_gated_mlp
 
 pytestmark = needs_kernels
@@ -67,7 +67,7 @@ def test_output_and_gradients(activation, dtype):
 def test_without_output_gives_the_gradients(chunk_rows, dtype, monkeypatch):
     """The recompute pass of a checkpointed layer: no output, every gradient as float64 gives it."""
     if chunk_rows:
-        monkeypatch.setattr(lora_module, "_MLP_CHUNK_BYTES", INTER * torch.finfo(dtype).bits // 8 * chunk_rows)
+        monkeypatch.setattr(gated_mlp, "_CHUNK_BYTES", INTER * torch.finfo(dtype).bits // 8 * chunk_rows)
     ws = weights(dtype, seed=2)
     x = torch.randn(ROWS, HIDDEN, dtype=dtype, device=DEVICE).requires_grad_()
     out = dense_gated_mlp(x, *ws, output_needed=False)
