@@ -72,7 +72,7 @@ class LoraWeights:
         """The dense base weight in `dtype`; a fresh dequantized copy when the base is 4-bit."""
         if self.quant_state is not None:
             return dequantize_prepared(self._prepared_4bit, dtype)
-        return self.weight.to(dtype)
+        return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)  # a no-op .to still costs a call
 
     @functools.cached_property
     def _prepared_4bit(self) -> Prepared4bit:

@@ -279,7 +279,7 @@ def patch_model(model: nn.Module) -> PatchReport:
             if "rms_norm" in wanted:
                 report.vision_rms_norm += patch_rms_norms(tower)
             if "mlp" in wanted:
-                report.vision_mlp += patch_mlps(tower, device, dtype, feeds_residual)
+                report.vision_mlp += patch_mlps(tower, device, dtype)  # the registry speaks for language models
     model._unsloth_patches = report
     report.say()
     return report

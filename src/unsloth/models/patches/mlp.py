@@ -152,7 +152,8 @@ def patch_mlps(model: nn.Module, device, dtype, feeds_residual: bool = False) ->
             module._unsloth_act = kind
             x = torch.randn(2, 3, width, device=device, dtype=dtype)
             if _keep_if_same(module, _gated_mlp_forward, x):
-                module._unsloth_mlp_feeds_residual = feeds_residual
+                if feeds_residual:
+                    module._unsloth_mlp_feeds_residual = True
                 patched += 1
             else:
                 del module._unsloth_act
