@@ -137,6 +137,26 @@ def _facts(**change):
     return memory.replace(facts, **change)
 
 
+def test_an_mlp_that_skips_its_recompute_output_counts_chunks():
+    from unsloth.models.patches import patch_model, patch_peft_model
+
+    run = memory.RunSettings(batch=8, seq=2048, checkpointing="unsloth")
+    whole, chunked = (memory.activation_parts(_facts(mlp_chunk_bytes=n), run)[1] for n in (0, 64 * 2**20))
+    assert whole - chunked == 3 * (8 * 2048 * 8192 * 2 - 64 * 2**20)  # gate, up, h: whole against chunks
+    plain = memory.RunSettings(batch=8, seq=2048, checkpointing=False)
+    assert memory.activation_parts(_facts(mlp_chunk_bytes=64 * 2**20), plain) == memory.activation_parts(_facts(), plain)
+    model = tiny_model("llama")
+    assert memory.model_facts(model).mlp_chunk_bytes == 0  # transformers' MLP
+    patch_model(model)
+    full = memory.model_facts(model.requires_grad_(True)).mlp_chunk_bytes
+    lora = with_lora(model)
+    patch_peft_model(lora)
+    assert (full, memory.model_facts(lora).mlp_chunk_bytes) == (64 * 2**20, 128 * 2**20)
+    gemma = tiny_model("gemma2")  # a norm after the MLP: nothing is skipped
+    patch_model(gemma)
+    assert memory.model_facts(gemma).mlp_chunk_bytes == 0
+
+
 def test_checkpointing_and_8bit_states_shrink_the_estimate():
     facts = _facts()
     run = memory.RunSettings(batch=8, seq=2048, optim="adamw_torch", checkpointing=False)

@@ -7,7 +7,8 @@
                  4096 elements keep float32 states), as bitsandbytes allocates them
     activations  what the backward pass keeps for the chosen batch x sequence length: every layer's
                  saved tensors without checkpointing; each layer's input plus one layer's recompute
-                 with it; only the layers in flight when the inputs are offloaded ("unsloth"); plus
+                 with it (its MLP buffers as chunks where our MLP skips its output there); only the
+                 layers in flight when the inputs are offloaded ("unsloth"); plus
                  the loss (our fused loss keeps no logits, but computes the LM head's gradient early)
 
 The weights, gradients and optimizer states are counted exactly from the loaded model (the tests
@@ -27,6 +28,10 @@ GIB = 2**30
 _BNB_BLOCK = 256  # bitsandbytes' blockwise 8-bit optimizer states: one float32 absmax per block
 _BNB_MIN_8BIT = 4096  # smaller tensors keep float32 states (bitsandbytes' min_8bit_size default)
 _LOSS_CHUNK_BYTES = 256 * 2**20  # the fused loss's logits chunk (unsloth_kernels.cross_entropy)
+# Where our MLP skips its output in a checkpoint's recompute, its (tokens x intermediate) buffers in the
+# layer's backward are chunks of at most this many bytes (unsloth_kernels.gated_mlp with trained
+# weights, unsloth_kernels.lora for LoRA)
+_DENSE_MLP_CHUNK_BYTES, _LORA_MLP_CHUNK_BYTES = 64 * 2**20, 128 * 2**20
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,8 @@ class ModelFacts:
     activation_bytes: int  # bytes per activation element (the compute dtype)
     fused_loss: bool
     head_trainable: bool
+    mlp_kept: int = 3  # (tokens x intermediate) tensors a layer's MLP keeps for backward (ours: gate, up)
+    mlp_chunk_bytes: int = 0  # our MLP's chunk in a recompute's backward (0: it holds whole buffers)
 
 
 @dataclass(frozen=True)
@@ -150,25 +157,30 @@ def optimizer_bytes(trainable, optim: str) -> tuple[int, str]:
 
 # --- activations ---------------------------------------------------------------------------------
 
-def layer_activation_bytes(facts: ModelFacts, tokens: int) -> int:
+def layer_activation_bytes(facts: ModelFacts, tokens: int, recompute: bool = False) -> int:
     """What one decoder layer's backward keeps: its input and normed input (twice: attention and MLP),
-    q, k, v after RoPE, the attention output (and the copy o_proj reads), gate, up and their product."""
+    q, k, v after RoPE, the attention output (and the copy o_proj reads), gate, up and (but in our MLP)
+    their product; in a checkpoint's recompute where our MLP skips its output, the three chunks its
+    backward works in instead."""
     h, q, kv, i = facts.hidden, facts.q_width, facts.kv_width, facts.intermediate
-    return tokens * (4 * h + 3 * q + 2 * kv + 3 * i) * facts.activation_bytes
+    mlp = tokens * facts.mlp_kept * i * facts.activation_bytes
+    if recompute and facts.mlp_chunk_bytes:
+        mlp = min(tokens * 3 * i * facts.activation_bytes, 3 * facts.mlp_chunk_bytes)
+    return tokens * (4 * h + 3 * q + 2 * kv) * facts.activation_bytes + mlp
 
 
 def activation_parts(facts: ModelFacts, settings: RunSettings) -> tuple[int, int]:
     """(kept, working): the bytes the forward pass keeps for backward, and the largest short-lived
     buffers on top of them (a checkpointed layer's recompute, the fused loss's logits chunk)."""
     tokens = settings.batch * settings.seq
-    layer = layer_activation_bytes(facts, tokens)
+    recompute = layer_activation_bytes(facts, tokens, recompute=True)
     layer_input = tokens * facts.hidden * facts.activation_bytes
     if settings.checkpointing is False:
-        kept, working = facts.layers * layer, 0
+        kept, working = facts.layers * layer_activation_bytes(facts, tokens), 0
     elif settings.checkpointing == "unsloth" and settings.offload:
-        kept, working = 2 * layer_input, layer  # inputs in host memory but the ones in flight
+        kept, working = 2 * layer_input, recompute  # inputs in host memory but the ones in flight
     else:
-        kept, working = facts.layers * layer_input, layer
+        kept, working = facts.layers * layer_input, recompute
     kept += layer_input  # the final norm's input
     if facts.fused_loss:
         kept += layer_input  # d(loss)/d(hidden), computed in the forward pass
@@ -221,7 +233,19 @@ def model_facts(model) -> ModelFacts:
         trainable=trainable_tensors(model),
         activation_bytes=activation, fused_loss=bool(getattr(base, "_unsloth_fused_loss", False)),
         head_trainable=head is not None and head.weight.requires_grad,
+        mlp_kept=2 if any(hasattr(m, "_unsloth_act") for m in base.modules()) else 3,
+        mlp_chunk_bytes=_mlp_chunk_bytes(base),
     )
+
+
+def _mlp_chunk_bytes(model) -> int:
+    """The chunk our MLPs' recompute backward works in, where they skip their output (0 elsewhere):
+    the trained-weights MLP's where its projections train (full fine-tuning), else the LoRA MLP's."""
+    skipping = [m for m in model.modules() if getattr(m, "_unsloth_mlp_feeds_residual", False)]
+    if not skipping:
+        return 0
+    trained = getattr(getattr(skipping[0].gate_proj, "weight", None), "requires_grad", False)
+    return _DENSE_MLP_CHUNK_BYTES if trained else _LORA_MLP_CHUNK_BYTES
 
 
 # --- the check before training -------------------------------------------------------------------
