@@ -1,10 +1,11 @@
 """Answers about a module tree, kept until the tree changes.
 
 A host-paced training step (batch 1, a LoRA model of a thousand modules) pays for walks of the whole
-tree that give the same answer every time: the checkpoint's per-layer parameter lists, and, in
-transformers' Trainer, `model.train()` (it sets every module's flag at every micro-batch) and the
-FLOPs estimate's `num_parameters()`. In the H100 profile of the TTS bench those two Trainer calls were
-a tenth of the step.
+tree that give the same answer every time: the checkpoint's per-layer parameter lists, the LoRA
+kernels' view of each adapted layer, and, in transformers' Trainer, `model.train()` (it sets every
+module's flag at every micro-batch), the FLOPs estimate's `num_parameters()` and the `parameters()`
+of zero_grad and gradient clipping. In the H100 profile of the TTS bench the first two Trainer calls
+were a tenth of the step.
 
 What is kept lives on the module it was asked of, stamped with its tree's current token. Every module of
 a tree holds the same one-slot holder of that token, and a global registration hook puts a new token in
@@ -129,11 +130,11 @@ def unique_parameters(dicts: list[dict]) -> list[nn.Parameter]:
 
 
 def cheap_trainer_calls(model: nn.Module) -> None:
-    """Give `model` (as the Trainer holds it: a loaded model or a PeftModel) the kept train() and parameters(),
-    and it and the
-    transformers models inside it the kept num_parameters (the Trainer asks the one it holds, or, in older
-    transformers, the model inside, for its FLOPs estimate). The functions bear the methods' names: pickle
-    stores a bound method as `getattr(obj, name)`, which loading a saved model asks again."""
+    """Give `model` (as the Trainer holds it: a loaded model or a PeftModel) the kept train() and
+    parameters(), and it and the transformers models inside it the kept num_parameters (the Trainer asks
+    the one it holds, or, in older transformers, the model inside, for its FLOPs estimate). The functions
+    bear the methods' names: pickle stores a bound method as `getattr(obj, name)`, which loading a saved
+    model asks again."""
     from transformers import PreTrainedModel
 
     watch_registrations()
