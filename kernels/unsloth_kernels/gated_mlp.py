@@ -8,7 +8,7 @@ in the activation kernel over dh, as the LoRA MLP does (lora.py).
 Inside our checkpoint's recompute, where the MLP's output only joins the residual stream and is
 never read (`output_needed=False`), forward computes nothing and keeps x. Backward then recomputes
 gate(x) and up(x) a chunk of tokens at a time: the down projection's forward, a third of the MLP's
-matmuls, never runs again, and each (tokens x intermediate) buffer stays within `_CHUNK_BYTES`.
+matmuls, never runs again, and each (tokens x intermediate) buffer stays within `CHUNK_BYTES`.
 Weight gradients are summed over the chunks in the compute dtype (each chunk's matmul accumulates
 in fp32), then returned in the weights' dtype.
 """
@@ -24,7 +24,7 @@ from .lora import _flat, _gated_backward_, _gated_forward, _mlp_chunk_rows, _no_
 # Per (rows x intermediate) buffer of the chunked backward, where three of them (gate, up, dh) are the
 # largest tensors alive at a full fine-tuning step's peak: half the LoRA MLP's, whose step keeps no
 # weight gradients beside them.
-_CHUNK_BYTES = 64 * 1024 * 1024
+CHUNK_BYTES = 64 * 1024 * 1024
 
 
 class _DenseGatedMLP(torch.autograd.Function):
@@ -54,7 +54,7 @@ class _DenseGatedMLP(torch.autograd.Function):
         dy = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
         need_x, *need_w = ctx.needs_input_grad[:4]
         wg, wu, wd = (w.to(dtype) for w in (w_gate, w_up, w_down))
-        rows = x.shape[0] if saved else _mlp_chunk_rows(x.shape[0], wg.shape[0], x.element_size(), _CHUNK_BYTES)
+        rows = x.shape[0] if saved else _mlp_chunk_rows(x.shape[0], wg.shape[0], x.element_size(), CHUNK_BYTES)
         grad_x = torch.empty_like(x) if need_x else None
         grads = [None, None, None]  # gate, up, down
         for start in range(0, x.shape[0], rows):

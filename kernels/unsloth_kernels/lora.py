@@ -416,7 +416,7 @@ class _LoraMLP(torch.autograd.Function):
     joins the residual stream and is never read) forward computes nothing and saves x; backward
     then does the work in token chunks: gate and up are recomputed, and the down projection's
     forward, a third of the MLP's matmuls, is never run again. The chunks bound the (rows x
-    intermediate) buffers to `_MLP_CHUNK_BYTES` each.
+    intermediate) buffers to `MLP_CHUNK_BYTES` each.
     """
 
     @staticmethod
@@ -460,7 +460,7 @@ class _LoraMLP(torch.autograd.Function):
         return (grad_x, None, None, None, *total)
 
 
-_MLP_CHUNK_BYTES = 128 * 1024 * 1024  # per (rows x intermediate) buffer in the chunked backward
+MLP_CHUNK_BYTES = 128 * 1024 * 1024  # per (rows x intermediate) buffer in the chunked backward
 
 
 def _mlp_forward(x, projections, activation, params, fold: bool):
@@ -473,8 +473,8 @@ def _mlp_forward(x, projections, activation, params, fold: bool):
 
 
 def _mlp_chunk_rows(n_rows: int, intermediate: int, element_size: int, chunk_bytes: int | None = None) -> int:
-    """Rows per chunk: even chunks, each (rows x intermediate) buffer within `chunk_bytes` (_MLP_CHUNK_BYTES)."""
-    most = max(1, (chunk_bytes or _MLP_CHUNK_BYTES) // (intermediate * element_size))
+    """Rows per chunk: even chunks, each (rows x intermediate) buffer within `chunk_bytes` (MLP_CHUNK_BYTES)."""
+    most = max(1, (chunk_bytes or MLP_CHUNK_BYTES) // (intermediate * element_size))
     return cdiv(n_rows, cdiv(n_rows, most))
 
 
@@ -587,7 +587,7 @@ def lora_mlp(
 
 def _mlp_forward_in_chunks(x, projections, activation, params):
     """The MLP's output alone, a chunk of tokens at a time: each (rows x intermediate) buffer stays
-    within _MLP_CHUNK_BYTES, and the down projection runs on chunks, where cuBLAS is faster than on
+    within MLP_CHUNK_BYTES, and the down projection runs on chunks, where cuBLAS is faster than on
     all tokens at once (docs/benchmarks.md, "Tuned constants")."""
     fold = _folds(projections)
     rows = _mlp_chunk_rows(x.shape[0], projections[0].out_features, x.element_size())

@@ -67,7 +67,7 @@ def test_output_and_gradients(activation, dtype):
 def test_without_output_gives_the_gradients(chunk_rows, dtype, monkeypatch):
     """The recompute pass of a checkpointed layer: no output, every gradient as float64 gives it."""
     if chunk_rows:
-        monkeypatch.setattr(gated_mlp, "_CHUNK_BYTES", INTER * torch.finfo(dtype).bits // 8 * chunk_rows)
+        monkeypatch.setattr(gated_mlp, "CHUNK_BYTES", INTER * torch.finfo(dtype).bits // 8 * chunk_rows)
     ws = weights(dtype, seed=2)
     x = torch.randn(ROWS, HIDDEN, dtype=dtype, device=DEVICE).requires_grad_()
     out = dense_gated_mlp(x, *ws, output_needed=False)
@@ -77,7 +77,7 @@ def test_without_output_gives_the_gradients(chunk_rows, dtype, monkeypatch):
     (out * 0 + out).backward(dout)  # the output only feeds a sum, as in a residual stream
     x64, ws64, expected = reference(x, ws, "swiglu")
     expected.backward(dout.double())
-    check(x, ws, x64, ws64, torch.float32 if dtype == torch.float32 else dtype)
+    check(x, ws, x64, ws64, dtype)
 
 
 def test_frozen_weights_get_no_gradient_and_fp32_weights_compute_in_the_autocast_dtype():

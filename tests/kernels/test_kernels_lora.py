@@ -434,7 +434,7 @@ def test_lora_mlp_without_output_gives_the_gradients(chunk_rows, dtype, monkeypa
 
     hidden, inter, rows = 24, 40, 11
     if chunk_rows:
-        monkeypatch.setattr(lora_module, "_MLP_CHUNK_BYTES", inter * torch.finfo(dtype).bits // 8 * chunk_rows)
+        monkeypatch.setattr(lora_module, "MLP_CHUNK_BYTES", inter * torch.finfo(dtype).bits // 8 * chunk_rows)
     gate, up = make_lora(inter, hidden, dtype, seed=1), make_lora(inter, hidden, dtype, seed=2, bias=True)
     down = make_lora(hidden, inter, dtype, seed=3, bias=True)
     x = torch.randn(rows, hidden, dtype=dtype, device=DEVICE).requires_grad_()
@@ -483,7 +483,7 @@ def test_lora_mlp_without_autograd_runs_in_chunks_with_the_output(monkeypatch):
     expected = mlp_ref(f64(x), *[as_f64(p) for p in (gate, up, down)], "swiglu").detach()
     with torch.no_grad():
         whole = lora_mlp(x, gate, up, down)
-        monkeypatch.setattr(lora_module, "_MLP_CHUNK_BYTES", 40 * 4 * 5)  # the 22 tokens in chunks of at most 5
+        monkeypatch.setattr(lora_module, "MLP_CHUNK_BYTES", 40 * 4 * 5)  # the 22 tokens in chunks of at most 5
         chunked = lora_mlp(x, gate, up, down)
     for out, name in ((whole, "one chunk"), (chunked, "chunks")):
         assert out.shape == (2, 11, hidden)

@@ -151,7 +151,10 @@ def test_an_mlp_that_skips_its_recompute_output_counts_chunks():
     full = memory.model_facts(model.requires_grad_(True)).mlp_chunk_bytes
     lora = with_lora(model)
     patch_peft_model(lora)
-    assert (full, memory.model_facts(lora).mlp_chunk_bytes) == (64 * 2**20, 128 * 2**20)
+    from unsloth_kernels import gated_mlp, lora as lora_kernels
+
+    assert gated_mlp.CHUNK_BYTES != lora_kernels.MLP_CHUNK_BYTES  # so the two cases below are told apart
+    assert (full, memory.model_facts(lora).mlp_chunk_bytes) == (gated_mlp.CHUNK_BYTES, lora_kernels.MLP_CHUNK_BYTES)
     gemma = tiny_model("gemma2")  # a norm after the MLP: nothing is skipped
     patch_model(gemma)
     assert memory.model_facts(gemma).mlp_chunk_bytes == 0

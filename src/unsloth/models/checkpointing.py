@@ -19,7 +19,7 @@ from collections.abc import MutableMapping
 import torch
 from torch import nn
 
-from unsloth.models.module_tree import kept, parameter_dicts, unique_parameters, watch_registrations
+from unsloth.models.module_tree import current_parameters, watch_registrations
 
 
 _recompute = threading.local()
@@ -280,7 +280,7 @@ def _trainable_parameters(layer: nn.Module) -> list[nn.Parameter]:
     call (a LoRA layer has dozens of modules: the walk was a few percent of a host-paced step). The
     layer's modules' parameter dicts are kept and read per call: FSDP2 swaps its unsharded parameters
     into those same dicts for the forward, and requires_grad may change between steps."""
-    return [p for p in unique_parameters(kept(layer, "parameter dicts", parameter_dicts)) if p.requires_grad]
+    return [p for p in current_parameters(layer) if p.requires_grad]
 
 
 def _checkpointed_forward(self, hidden_states, *args, **kwargs):

@@ -65,7 +65,7 @@ def kept(root: nn.Module, name: str, build):
     return value
 
 
-def parameter_dicts(module: nn.Module) -> list[dict]:
+def _parameter_dicts(module: nn.Module) -> list[dict]:
     """The `_parameters` dicts of the module's tree that hold any, in `modules()` order. Kept (`kept`),
     they give the tree's parameters without a walk; read per call, they give the current ones: FSDP2
     swaps its gathered parameters into those same dicts for the forward."""
@@ -121,11 +121,13 @@ def parameters(self, recurse: bool = True):
     clipping ask for them at every step): the same parameters in the same order, each once."""
     if not recurse:
         return type(self).parameters(self, recurse)
-    return iter(unique_parameters(kept(self, "parameter dicts", parameter_dicts)))
+    return iter(current_parameters(self))
 
 
-def unique_parameters(dicts: list[dict]) -> list[nn.Parameter]:
-    """The parameters in `dicts`, in order, each once (modules may share one: tied weights)."""
+def current_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """`list(module.parameters())` without the walk: read from the tree's kept parameter dicts, so the
+    ones FSDP2 swapped in are found; each once, in order (modules may share one: tied weights)."""
+    dicts = kept(module, "parameter dicts", _parameter_dicts)
     return list(dict.fromkeys(p for d in dicts for p in d.values() if p is not None))
 
 

@@ -28,10 +28,6 @@ GIB = 2**30
 _BNB_BLOCK = 256  # bitsandbytes' blockwise 8-bit optimizer states: one float32 absmax per block
 _BNB_MIN_8BIT = 4096  # smaller tensors keep float32 states (bitsandbytes' min_8bit_size default)
 _LOSS_CHUNK_BYTES = 256 * 2**20  # the fused loss's logits chunk (unsloth_kernels.cross_entropy)
-# Where our MLP skips its output in a checkpoint's recompute, its (tokens x intermediate) buffers in the
-# layer's backward are chunks of at most this many bytes (unsloth_kernels.gated_mlp with trained
-# weights, unsloth_kernels.lora for LoRA)
-_DENSE_MLP_CHUNK_BYTES, _LORA_MLP_CHUNK_BYTES = 64 * 2**20, 128 * 2**20
 
 
 @dataclass(frozen=True)
@@ -244,8 +240,10 @@ def _mlp_chunk_bytes(model) -> int:
     skipping = [m for m in model.modules() if getattr(m, "_unsloth_mlp_feeds_residual", False)]
     if not skipping:
         return 0
+    from unsloth_kernels import gated_mlp, lora  # patched MLPs: our kernels are there
+
     trained = getattr(getattr(skipping[0].gate_proj, "weight", None), "requires_grad", False)
-    return _DENSE_MLP_CHUNK_BYTES if trained else _LORA_MLP_CHUNK_BYTES
+    return gated_mlp.CHUNK_BYTES if trained else lora.MLP_CHUNK_BYTES
 
 
 # --- the check before training -------------------------------------------------------------------

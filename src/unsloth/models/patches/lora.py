@@ -45,7 +45,7 @@ def lora_weights(layer):
     if len(adapters) != 1:
         return None
     name = adapters[0]
-    modules = kept(layer, f"lora modules {name}", lambda _: _lora_modules(layer, name))
+    modules = kept(layer, f"lora modules {name}", lambda root: _lora_modules(root, name))
     if modules is None:
         return None
     base, a_module, b_module, dropout = modules
