@@ -8,7 +8,7 @@ shared memory is a lead before a GPU is lent, and a sweep can skip it.
     python bench/kernel_resources.py --gated         # the LoRA MLP's activation kernel at GATED_SWEEP's tiles
 
 One JSON line per configuration: the tuple as NF4_MATMUL_TUNING spells it (BLOCK_N, BLOCK_K, warps,
-programs per SM, dot), the rows it is for, registers per thread, stack bytes (spills), dynamic shared
+programs per SM, form), the rows it is for, registers per thread, stack bytes (spills), dynamic shared
 memory, and whether it is the configuration in use. Triton here may be newer than on the GPU
 machine: register counts move a little between releases; spills that large do not go away.
 """
@@ -21,12 +21,14 @@ import os
 import subprocess
 import tempfile
 
+import torch
 import triton
 from nf4_matmul import SWEEP, SWEEP_ROWS  # this folder: a script's own folder is on its path
 from triton.backends.compiler import GPUTarget
 
 from unsloth_kernels import lora as lora_module
 from unsloth_kernels import nf4_matmul as nf4_matmul_module
+from unsloth_kernels.nf4 import NF4_CODE
 
 # _nf4_matmul_kernel's pointer and integer arguments, as a decode step calls it (bf16 x, nested
 # absmax, K split into fp32 partial sums)
@@ -62,9 +64,13 @@ def gated_rows(target: GPUTarget, arch: int):
 
 
 def resources(kernel, signature: dict, constants: dict, target: GPUTarget, warps: int) -> dict:
-    """Registers, stack (spill) bytes and dynamic shared memory of `kernel` compiled for `target`."""
+    """Registers, stack (spill) bytes and dynamic shared memory of `kernel` compiled for `target`. The
+    pointers and the integers but M are taken as multiples of 16, as a launch specializes them: without
+    that the compiler cannot vectorize the loads, and the kernel compiled is not the one that runs."""
+    names = list(signature)
+    aligned = {(names.index(name),): [["tt.divisibility", 16]] for name in names if name != "M"}
     source = triton.compiler.ASTSource(fn=kernel, signature={**signature, **dict.fromkeys(constants, "constexpr")},
-                                       constexprs=constants)  # fmt: skip
+                                       constexprs=constants, attrs=aligned)  # fmt: skip
     compiled = triton.compile(source, target=target, options={"num_warps": warps})
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -89,13 +95,20 @@ def main() -> None:
     for kind, configs in SWEEP.items():
         rows = SWEEP_ROWS[kind]
         for config in configs:
-            block_n, block_k, warps, _, dot = config
+            block_n, block_k, warps, _, form = config
             constants = dict(BLOCKSIZE=64, BLOCKSIZE2=256, NESTED=True, HAS_BIAS=False, PARTIAL=True,
-                             ROUND_BF16=False, FP32=False, BLOCK_M=1 if rows == 1 else 16 if dot else rows,
-                             BLOCK_N=block_n, BLOCK_K=block_k, GROUP=min(64, block_k), DOT=dot)  # fmt: skip
+                             ROUND_BF16=False, BLOCK_N=block_n)  # fmt: skip
+            if form != "reduce":
+                kernel = nf4_matmul_module._nf4_dot_kernel
+                constants.update(FP32=False, BLOCK_M=16, STEP_BLOCKS=max(block_k // 64, 1), PRECISION=None,
+                                 LEVELS_ASM=nf4_matmul_module.levels_asm(NF4_CODE, torch.bfloat16),
+                                 W_AS_B=form == "dot_w_b")  # fmt: skip
+            else:
+                kernel = nf4_matmul_module._nf4_matmul_kernel
+                constants.update(BLOCK_M=rows, BLOCK_K=block_k, GROUP=min(64, block_k))
             row = {"kernel": "nf4_matmul", "kind": kind, "rows": rows, "config": list(config),
                    "in_use": tuple(config) == tuple(nf4_matmul_module.NF4_MATMUL_TUNING[kind]), "arch": args.arch}
-            row.update(resources(nf4_matmul_module._nf4_matmul_kernel, NF4_SIGNATURE, constants, target, warps))
+            row.update(resources(kernel, NF4_SIGNATURE, constants, target, warps))
             print(json.dumps(row), flush=True)
 
 

@@ -16,7 +16,7 @@ over the packed weight's bytes (packed + absmax), the bytes it must read.
     TRITON_INTERPRET=1 python bench/nf4_matmul.py --tiny   # a smoke test on the CPU, tiny shapes
 
 --sweep times every configuration of SWEEP (nf4_matmul.NF4_MATMUL_TUNING's tuple: BLOCK_N, BLOCK_K,
-warps, programs per SM, tl.dot or a reduction) for one row ("one", M = 1) and a few ("few", M = 8),
+warps, programs per SM, form) for a few rows ("few", M = 8) and one ("one", M = 1),
 from a CUDA graph, summed over a decode step's projections (WEIGHTS: how many of each shape a layer
 has), keeps the fastest of each for the table, and with --tuning-out writes them as JSON for
 bench_generation.py --nf4-tuning.
@@ -48,12 +48,14 @@ TINY_SHAPES = [("tiny", 72, 320), ("tiny split", 200, 576)]
 ROWS = (1, 8, 16)
 WEIGHTS = {"q_proj / o_proj": 2, "k_proj / v_proj": 2, "gate_proj / up_proj": 2, "down_proj": 1, "tiny": 1,
            "tiny split": 1}  # fmt: skip
-# (BLOCK_N, BLOCK_K, warps, programs per SM, dot) tried by --sweep; tiles over 16K weights would spill
-_REDUCE = [(bn, bk, w, p, False) for bn in (16, 32, 64) for bk in (128, 256, 512) for w in (2, 4) for p in (2, 4)
-           if bn * bk <= 16384]  # fmt: skip
-_DOT = [(bn, bk, w, p, True) for bn in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8) for p in (2, 4)
-        if bn * bk <= 16384]  # fmt: skip
-SWEEP = {"one": _REDUCE, "few": _REDUCE + _DOT}
+# (BLOCK_N, BLOCK_K, warps, programs per SM, form) tried by --sweep: both tl.dot forms, and the few rows'
+# reduction in use before them. "one" tries its configuration in use and the few rows' best dot
+# configurations (a dot costs the same for 1 row as for 16).
+_DOT = [(bn, bk, w, p, form) for form in ("dot_w_a", "dot_w_b") for bn in (64, 128, 256) for bk in (64, 128, 256)
+        for w in (4, 8) for p in (2, 4) if bn * bk <= 32768]  # fmt: skip
+SWEEP = {"few": _DOT + [nf4_matmul_module.NF4_MATMUL_TUNING["few"]],
+         "one": [nf4_matmul_module.NF4_MATMUL_TUNING["one"]]}
+ONE_FROM_FEW = 4  # how many of the few rows' best configurations "one" tries too
 SWEEP_ROWS = {"one": 1, "few": 8}
 
 
@@ -86,9 +88,11 @@ def quantized(shapes, device, dtype):
 def sweep(weights, device, dtype, tiny=False) -> dict[str, list]:
     """The fastest configuration of SWEEP per kind, by a decode step's weighted graph time (with --tiny,
     the first and last only: the interpreter's smoke test of this code)."""
-    best = {}
-    for kind, configs in SWEEP.items():
+    best, ranked = {}, []
+    for kind, configs in SWEEP.items():  # "few" first: "one" also tries its best dot configurations
         configs = configs[:1] + configs[-1:] if tiny else configs
+        if kind == "one":
+            configs = configs + [config for _, config in ranked if config[-1] != "reduce"][:ONE_FROM_FEW]
         xs = [torch.randn(SWEEP_ROWS[kind], k, device=device, dtype=dtype) for _, _, k, *_ in weights]
         scores = []
         for config in configs:
@@ -100,7 +104,8 @@ def sweep(weights, device, dtype, tiny=False) -> dict[str, list]:
                 total = float("inf") if ms is None else total + WEIGHTS[name] * ms
             scores.append((total, config))
             print(json.dumps({"sweep": kind, "config": config, "weighted ms": round(total, 4)}), file=sys.stderr)
-        best[kind] = list(min(scores)[1])
+        ranked = sorted(scores)
+        best[kind] = list(ranked[0][1])
         nf4_matmul_module.NF4_MATMUL_TUNING[kind] = tuple(best[kind])
         print(json.dumps({"sweep best": kind, "config": best[kind], "weighted ms": round(min(scores)[0], 4)}),
               file=sys.stderr)  # fmt: skip

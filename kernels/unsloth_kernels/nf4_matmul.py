@@ -2,9 +2,13 @@
 
 For 2-16 rows (batch-8 decoding, GRPO rollouts) bitsandbytes dequantizes the whole weight to 16 bits
 and then runs a matmul: it writes and reads ~4x the bytes of the packed weight on every step. Here
-each program reads a [BLOCK_N, BLOCK_K] tile of the packed bytes and their absmax once, dequantizes
-it in registers (the layout is described in nf4.py), rounds it to x's dtype (as bitsandbytes'
-dense weight would be) and multiplies it into an fp32 accumulator.
+each program reads tiles of the packed bytes and their absmax once and dequantizes them in registers
+(the layout is described in nf4.py), in one of two forms:
+- the reduction (`_nf4_matmul_kernel`): level * absmax rounded to x's dtype, as bitsandbytes' dense
+  weight is, multiplied into an fp32 accumulator per row of x;
+- tl.dot (`_nf4_dot_kernel`): one absmax block at a time on the tensor cores, 16 rows of x against
+  the block's levels in x's dtype, the product scaled by the block's absmax in fp32. On NVIDIA the
+  NF4 levels are looked up in registers (`levels_asm`, `prmt`), not loaded per weight.
 
 Where the N tiles alone are too few programs to fill the GPU, K is split across programs too: each
 writes an fp32 partial sum and a second small pass adds the partials in a fixed order (no atomics,
@@ -17,29 +21,34 @@ TRITON_INTERPRET=1 it is an opaque custom op with a fake instead (`_utils.tracea
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._utils import INTERPRET, cdiv, num_sms, round_to_bf16, traceable_op
-from .nf4 import Prepared4bit, offset_tensor
+from ._utils import INTERPRET, cdiv, is_hip, num_sms, round_to_bf16, traceable_op
+from .nf4 import NF4_CODE, Prepared4bit, offset_tensor
 
 MAX_ROWS = 16  # rows of x one launch handles; tl.dot wants a 16-row tile anyway
 MAX_SPLIT = 16  # at most this many programs share one tile's K
 
-# Launch configurations, (BLOCK_N, BLOCK_K, warps, programs per SM, dot), by the number of rows:
-# "one" (batch-1 decoding: a multiply-add reduction) and "few" (2 to MAX_ROWS rows: a 16-row tl.dot
-# per step where dot is on, else a reduction per row). K is split across programs until about
-# "programs per SM" programs run on each SM. Read at each launch, so bench/nf4_matmul.py --sweep can
-# try others. The GPU's are that sweep's best on the H200 (docs/benchmarks.md, "Few-row NF4
-# matmul"): the reduction beat tl.dot at 8 rows. The interpreter gets small tiles (its cost grows
-# with tile size).
-NF4_MATMUL_TUNING: dict[str, tuple[int, int, int, int, bool]] = (
-    {"one": (32, 64, 4, 2, False), "few": (32, 64, 4, 2, False)}
+# Launch configurations, (BLOCK_N, BLOCK_K, warps, programs per SM, form), by the number of rows:
+# "one" (batch-1 decoding) and "few" (2 to MAX_ROWS rows). The forms: "reduce", multiply-adds and a
+# sum over K per row of x; "dot_w_a" and "dot_w_b", tl.dot over 16 rows of x with W's tile as the A
+# operand (Hopper's warpgroup MMA takes it from registers) or the B operand (through shared memory).
+# K is split across programs until about "programs per SM" programs run on each SM. Read at each
+# launch, so bench/nf4_matmul.py --sweep can try others. The interpreter gets small tiles (its cost
+# grows with tile size).
+FORMS = ("reduce", "dot_w_a", "dot_w_b")
+NF4_MATMUL_TUNING: dict[str, tuple[int, int, int, int, str]] = (
+    {"one": (32, 64, 4, 2, "reduce"), "few": (32, 64, 4, 2, "reduce")}
     if INTERPRET else
-    {"one": (16, 512, 4, 2, False), "few": (64, 256, 4, 4, False)}
+    {"one": (16, 512, 4, 2, "reduce"), "few": (64, 256, 4, 4, "reduce")}
 )  # fmt: skip
+# The reduction's configuration where a dot form is set but does not apply (see _dot_applies)
+REDUCE_FALLBACK = (32, 64, 4, 2, "reduce") if INTERPRET else (64, 256, 4, 4, "reduce")
 
 
 @triton.jit
@@ -47,8 +56,8 @@ def _nf4_matmul_kernel(
     x_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr,
     bias_ptr, out_ptr, M, N, K, stride_xm, k_chunk,
     BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, ROUND_BF16: tl.constexpr, FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     # A step covers [BLOCK_N, BLOCK_K] weights, BLOCK_K // 2 bytes a row. Byte j holds element 2j in
     # its high nibble and 2j + 1 in its low one, so the step is two [BLOCK_N, BLOCK_K // 2] halves,
@@ -99,19 +108,6 @@ def _nf4_matmul_kernel(
             x_odd = tl.load(x_ptr + even + 1, mask=even < k_end, other=0.0)
             acc += tl.sum(high.to(x_even.dtype).to(tl.float32) * x_even.to(tl.float32)[None, :]
                           + low.to(x_even.dtype).to(tl.float32) * x_odd.to(tl.float32)[None, :], axis=1)
-        elif DOT:  # a 16-row tile on the tensor cores
-            x_rows = x_ptr + rows[:, None] * stride_xm + even[None, :]
-            x_live = (rows[:, None] < M) & (even[None, :] < k_end)
-            x_even = tl.load(x_rows, mask=x_live, other=0.0)
-            x_odd = tl.load(x_rows + 1, mask=x_live, other=0.0)
-            high = high.to(x_even.dtype)
-            low = low.to(x_even.dtype)
-            if FP32:  # no TF32 for fp32 inputs; the interpreter's dot takes fp32 only (exact for 16-bit values)
-                acc += tl.dot(x_even.to(tl.float32), tl.trans(high.to(tl.float32)), input_precision="ieee")
-                acc += tl.dot(x_odd.to(tl.float32), tl.trans(low.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(x_even, tl.trans(high))
-                acc += tl.dot(x_odd, tl.trans(low))
         else:  # a multiply-add reduction per row, each row's sums put in its row of the accumulator
             high = high.to(x_ptr.dtype.element_ty).to(tl.float32)
             low = low.to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -136,6 +132,120 @@ def _nf4_matmul_kernel(
                 acc += bias
             else:
                 acc += bias[None, :]
+        if ROUND_BF16:
+            acc = round_to_bf16(acc)
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def levels_asm(levels: tuple[float, ...], dtype: torch.dtype) -> str:
+    """PTX that looks up the 16 levels, rounded to `dtype` (bf16 or fp16), for four packed bytes
+    ($4): the high nibbles' values to $0 and $1, the low nibbles' to $2 and $3, two to a register.
+
+    After llama.cpp's lookup of a 16-entry table: `prmt` picks a byte by a selector's low three bits,
+    so one call reads levels 0-7 and another 8-15 for four nibbles at once, and a third keeps one of
+    the two by the nibble's top bit; done for the levels' low bytes and high bytes apart, then two
+    more `prmt`s pair them into 16-bit values. No memory is read. Nibbles of $4, lowest first: byte
+    0's low (element 1), byte 0's high (element 0), byte 1's low (3), ...
+    """
+    bits = torch.tensor(levels, dtype=torch.float32).to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
+    low, high = (bits & 0xFF).tolist(), (bits >> 8).tolist()
+    words = [sum(b[4 * w + i] << (8 * i) for i in range(4)) for b in (low, high) for w in range(4)]
+    tables = " ".join(f"mov.b32 t{i}, {word};" for i, word in enumerate(words))  # t0-t3 low bytes, t4-t7 high
+    half = """prmt.b32 a, t0, t1, sel; prmt.b32 b, t2, t3, sel; prmt.b32 l{0}, a, b, pick;
+        prmt.b32 a, t4, t5, sel; prmt.b32 b, t6, t7, sel; prmt.b32 h{0}, a, b, pick;"""
+    return f"""{{
+        .reg .b32 t<8>, sel, pick, a, b, l<2>, h<2>;
+        {tables}
+        and.b32 sel, $4, 0x77777777;
+        and.b32 pick, $4, 0x88888888;
+        shr.u32 pick, pick, 1;
+        or.b32 pick, pick, 0x32103210;
+        {half.format(0)}
+        shr.u32 sel, sel, 16;
+        shr.u32 pick, pick, 16;
+        {half.format(1)}
+        prmt.b32 $0, l0, h0, 0x7351;
+        prmt.b32 $1, l1, h1, 0x7351;
+        prmt.b32 $2, l0, h0, 0x6240;
+        prmt.b32 $3, l1, h1, 0x6240;
+        }}"""
+
+
+@triton.jit
+def _nf4_dot_kernel(
+    x_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+    bias_ptr, out_ptr, M, N, K, stride_xm, k_chunk,
+    BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, ROUND_BF16: tl.constexpr, FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_BLOCKS: tl.constexpr, LEVELS_ASM: tl.constexpr,
+    W_AS_B: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # out^T [BLOCK_N, BLOCK_M] += levels [BLOCK_N, BLOCKSIZE] @ x^T [BLOCKSIZE, BLOCK_M] * absmax, one
+    # absmax block at a time: W's tile is the tensor cores' A operand (from registers on Hopper), the
+    # levels are 16-bit (bitsandbytes rounds level * absmax instead: both round once, as finely) and
+    # each block's product is scaled in fp32, so no weight is multiplied on its own. Byte j of a
+    # block holds element 2j in its high nibble and 2j + 1 in its low one: the high nibbles meet x's
+    # even columns, the low ones its odd columns. LEVELS_ASM (levels_asm) looks the levels up in
+    # registers; without it (FP4's code, fp32 inputs, AMD, the interpreter) they are loaded from code.
+    HALF: tl.constexpr = BLOCKSIZE // 2
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_live = n < N
+    pairs = tl.arange(0, HALF)
+    rows = tl.arange(0, BLOCK_M)
+    blocks_per_row = K // BLOCKSIZE
+    # rows past N read row N - 1 (never stored): no mask, so the packed bytes load 16 at a time
+    first_block = tl.minimum(n, N - 1).to(tl.int64) * blocks_per_row  # int64: weights can pass 2**31 elements
+    row_bytes = packed_ptr + first_block[:, None] * HALF + pairs[None, :]  # [BLOCK_N, HALF], block 0
+    x_cols = x_ptr + 2 * pairs[:, None] + rows[None, :] * stride_xm  # [HALF, BLOCK_M]: x^T's even rows of block 0
+    x_live = rows[None, :] < M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    b_begin = split * (k_chunk // BLOCKSIZE)
+    b_end = tl.minimum(b_begin + k_chunk // BLOCKSIZE, blocks_per_row)
+    for b0 in range(b_begin, b_end, STEP_BLOCKS):
+        for i in tl.static_range(STEP_BLOCKS):
+            b = tl.minimum(b0 + i, b_end - 1)  # a step past the split's end rereads its last block, scaled by 0
+            block = first_block + b
+            if NESTED:
+                scale_q = tl.load(absmax_ptr + block).to(tl.int32)
+                scale = tl.load(code2_ptr + scale_q) * tl.load(absmax2_ptr + block // BLOCKSIZE2)
+                scale = scale + tl.load(offset_ptr)
+            else:
+                scale = tl.load(absmax_ptr + block)
+            scale = tl.where(b0 + i < b_end, scale, 0.0)
+            packed = tl.load(row_bytes + b * HALF)
+            x_even = tl.load(x_cols + b * BLOCKSIZE, mask=x_live, other=0.0)
+            x_odd = tl.load(x_cols + b * BLOCKSIZE + 1, mask=x_live, other=0.0)
+            if LEVELS_ASM is not None:
+                high, low = tl.inline_asm_elementwise(LEVELS_ASM, "=r,=r,=r,=r,r", [packed],
+                                                      dtype=(x_even.dtype, x_even.dtype), is_pure=True, pack=4)
+            else:
+                high = tl.load(code_ptr + (packed >> 4).to(tl.int32))
+                low = tl.load(code_ptr + (packed & 0xF).to(tl.int32))
+                if ROUND_BF16:  # the interpreter truncates fp32 -> bf16; GPUs round to nearest
+                    high = round_to_bf16(high)
+                    low = round_to_bf16(low)
+                high = high.to(x_even.dtype)
+                low = low.to(x_even.dtype)
+            if FP32:  # no TF32 for fp32 inputs; the interpreter's dot takes fp32 only (exact for 16-bit values)
+                high, low = high.to(tl.float32), low.to(tl.float32)
+                x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
+            if W_AS_B:  # x is the A operand, W's tile (through shared memory) the B operand
+                part = tl.dot(tl.trans(x_even), tl.trans(high), input_precision=PRECISION)
+                part = tl.trans(tl.dot(tl.trans(x_odd), tl.trans(low), part, input_precision=PRECISION))
+            else:
+                part = tl.dot(high, x_even, input_precision=PRECISION)
+                part = tl.dot(low, x_odd, part, input_precision=PRECISION)
+            acc += part * scale[:, None]
+    offsets = rows[None, :] * N + n[:, None]
+    mask = (rows[None, :] < M) & n_live[:, None]
+    if PARTIAL:
+        tl.store(out_ptr + split * M * N + offsets, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_live, other=0.0).to(tl.float32)[:, None]
         if ROUND_BF16:
             acc = round_to_bf16(acc)
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -172,10 +282,15 @@ def _group(k: int, blocksize: int, block_k: int) -> int:
     return 2
 
 
+def _dot_applies(k: int, blocksize: int) -> bool:
+    """The tl.dot form steps one absmax block at a time: whole blocks per row, of 32 or more weights."""
+    return blocksize >= 32 and blocksize & (blocksize - 1) == 0 and k % blocksize == 0
+
+
 def _nf4_matmul_launch(
     x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, code: torch.Tensor, absmax2: torch.Tensor,
     code2: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None, n: int, blocksize: int, blocksize2: int,
-    nested: bool,
+    nested: bool, nf4: bool,
 ) -> torch.Tensor:  # fmt: skip
     m, k = x.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -183,22 +298,36 @@ def _nf4_matmul_launch(
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    block_n, block_k, warps, programs_per_sm, dot = NF4_MATMUL_TUNING["one" if m == 1 else "few"]
-    split = _split(n, k, block_n, block_k, programs_per_sm, x.device)
-    k_chunk = cdiv(cdiv(k, split), block_k) * block_k  # whole steps per split: only the last one ends mid-step
+    block_n, block_k, warps, programs_per_sm, form = NF4_MATMUL_TUNING["one" if m == 1 else "few"]
+    if form not in FORMS:
+        raise ValueError(f"nf4_matmul: unknown form {form!r} (one of {FORMS})")
+    dot = form != "reduce" and _dot_applies(k, blocksize)
+    if form != "reduce" and not dot:
+        block_n, block_k, warps, programs_per_sm, _ = REDUCE_FALLBACK
+    step = max(block_k // blocksize, 1) * blocksize if dot else block_k
+    split = _split(n, k, block_n, step, programs_per_sm, x.device)
+    k_chunk = cdiv(cdiv(k, split), step) * step  # whole steps per split: only the last one ends mid-step
     split = cdiv(k, k_chunk)
     partial = split > 1
     round_bf16 = INTERPRET and x.dtype == torch.bfloat16
     target = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if partial else out
     bias_arg = bias if bias is not None else out  # unread when HAS_BIAS is off
-    wrap_triton(_nf4_matmul_kernel)[(cdiv(n, block_n), split)](
-        x, data, scales, code, absmax2, code2, offset, bias_arg, target, m, n, k, x.stride(0), k_chunk,
-        BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested,
-        HAS_BIAS=bias is not None, PARTIAL=partial, ROUND_BF16=round_bf16,
-        FP32=INTERPRET or x.dtype == torch.float32, BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_M=1 if m == 1 else MAX_ROWS if dot else triton.next_power_of_2(m), DOT=dot,
-        GROUP=_group(k, blocksize, block_k), num_warps=warps,
-    )  # fmt: skip
+    common = dict(BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, HAS_BIAS=bias is not None,
+                  PARTIAL=partial, ROUND_BF16=round_bf16, BLOCK_N=block_n, num_warps=warps)  # fmt: skip
+    args = (x, data, scales, code, absmax2, code2, offset, bias_arg, target, m, n, k, x.stride(0), k_chunk)
+    if dot:
+        fp32 = INTERPRET or x.dtype == torch.float32
+        table = nf4 and not fp32 and not is_hip()  # prmt is NVIDIA's
+        wrap_triton(_nf4_dot_kernel)[(cdiv(n, block_n), split)](
+            *args, FP32=fp32, BLOCK_M=MAX_ROWS, STEP_BLOCKS=step // blocksize,
+            LEVELS_ASM=levels_asm(NF4_CODE, x.dtype) if table else None, W_AS_B=form == "dot_w_b",
+            PRECISION="ieee" if fp32 else None, **common,
+        )  # fmt: skip
+    else:
+        wrap_triton(_nf4_matmul_kernel)[(cdiv(n, block_n), split)](
+            *args, BLOCK_K=block_k, BLOCK_M=1 if m == 1 else triton.next_power_of_2(m),
+            GROUP=_group(k, blocksize, block_k), **common,
+        )  # fmt: skip
     if partial:
         block = 1024
         wrap_triton(_sum_splits_kernel)[(cdiv(m * n, block),)](
@@ -208,7 +337,7 @@ def _nf4_matmul_launch(
     return out
 
 
-def _nf4_matmul_fake(x, data, scales, code, absmax2, code2, offset, bias, n, blocksize, blocksize2, nested):
+def _nf4_matmul_fake(x, data, scales, code, absmax2, code2, offset, bias, n, blocksize, blocksize2, nested, nf4):
     return x.new_empty((x.shape[0], n))
 
 
@@ -234,5 +363,5 @@ def nf4_matmul(x: torch.Tensor, prepared: Prepared4bit, bias: torch.Tensor | Non
     if bias is not None:
         bias = bias.contiguous()
     y = _nf4_matmul_op(rows, prepared.data, prepared.scales, prepared.code, prepared.absmax2, prepared.code2, offset,
-                       bias, n, prepared.blocksize, prepared.blocksize2, prepared.nested)  # fmt: skip
+                       bias, n, prepared.blocksize, prepared.blocksize2, prepared.nested, prepared.nf4)  # fmt: skip
     return y.reshape(*x.shape[:-1], n)

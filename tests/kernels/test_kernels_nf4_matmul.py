@@ -20,7 +20,7 @@ pytestmark = needs_kernels
 # With the interpreter's tiles (NF4_MATMUL_TUNING: 32 rows of W by 64 columns of K a step): K
 # ending mid-step (200 = 3 steps and 8 columns; no multiple of the 64-element block either, so a
 # scale per byte), K split into unequal parts (576 = 5 + 4 steps), N not a multiple of the tile
-# (73, 200, 520), one row (the multiply-add form, with and without bias) and several (tl.dot). The
+# (73, 200, 520), one row and several (with and without bias), each in every form of the kernel. The
 # interpreter counts 4 SMs, so up to N = 256 K is split across programs (the two-pass sum); N = 520
 # runs in one pass.
 CASES = [(1, 72, 320), (1, 73, 200), (3, 200, 576), (2, 72, 200), (8, 520, 320), (16, 200, 320)]
@@ -34,7 +34,9 @@ def quantize(n, k, nested, seed=0, blocksize=64):
     return bnb_functional.quantize_4bit(weight, blocksize=blocksize, compress_statistics=nested, quant_type="nf4")
 
 
-def check(y, x, packed, state, bias):
+def check(y, x, packed, state, bias, levels_rounded=False):
+    """`levels_rounded`: the tl.dot form rounds each level to x's dtype before its block's scale, where
+    bitsandbytes rounds level * scale: each weight may differ by half an ulp of either."""
     state.dtype = x.dtype
     weight = bnb_functional.dequantize_4bit(packed, state).double()
     ref = x.double().reshape(-1, weight.shape[1]) @ weight.T
@@ -44,39 +46,53 @@ def check(y, x, packed, state, bias):
     assert y.dtype == x.dtype and y.shape == ref.shape
     # one rounding of the output (half an ulp, relative), plus fp32 sums over K terms of size |x||w|
     scale = x.double().abs().reshape(-1, weight.shape[1]) @ weight.abs().T
-    tol = EPS[x.dtype] * ref.abs() + 1e-6 * scale.reshape(ref.shape) + 1e-6
+    per_weight = 2 * EPS[x.dtype] if levels_rounded and x.dtype != torch.float32 else 1e-6
+    tol = EPS[x.dtype] * ref.abs() + per_weight * scale.reshape(ref.shape) + 1e-6
     assert ((y.double() - ref).abs() <= tol).all(), (y.double() - ref).abs().max()
 
 
-@pytest.fixture(params=[False, True], ids=["reduce", "dot"])
-def few_rows_form(request, monkeypatch):
-    """Both forms of the 2..16-row kernel: a reduction per row, and a 16-row tl.dot."""
-    block_n, block_k, warps, programs_per_sm, _ = nf4_matmul_module.NF4_MATMUL_TUNING["few"]
-    monkeypatch.setitem(nf4_matmul_module.NF4_MATMUL_TUNING, "few",
-                        (block_n, block_k, warps, programs_per_sm, request.param))  # fmt: skip
+@pytest.fixture(params=nf4_matmul_module.FORMS)
+def form(request, monkeypatch):
+    """Each form of the kernel (nf4_matmul.FORMS), for one row and for several."""
+    for kind in ("one", "few"):
+        block_n, block_k, warps, programs_per_sm, _ = nf4_matmul_module.NF4_MATMUL_TUNING[kind]
+        monkeypatch.setitem(nf4_matmul_module.NF4_MATMUL_TUNING, kind,
+                            (block_n, block_k, warps, programs_per_sm, request.param))  # fmt: skip
     return request.param
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m,n,k", CASES, ids=str)
-def test_matches_float64_reference(m, n, k, dtype, nested, few_rows_form):
-    if few_rows_form and (m == 1 or not nested):
-        pytest.skip("one row has one form; the tl.dot form reads scales as the other does (nested covers it)")
+def test_matches_float64_reference(m, n, k, dtype, nested, form):
+    if form != "reduce" and not nested and dtype != torch.bfloat16:
+        pytest.skip("the dtypes' rounding is covered with nested scales")
     packed, state = quantize(n, k, nested)
     x = torch.randn((m, k), device=DEVICE).to(dtype)
     use_bias = (m + n) % 2 == 0  # with and without bias across the cases, not doubling them
     bias = torch.randn(n, device=DEVICE).to(dtype) if use_bias else None
-    check(nf4_matmul(x, prepare_bnb_4bit(packed, state), bias), x, packed, state, bias)
+    y = nf4_matmul(x, prepare_bnb_4bit(packed, state), bias)
+    check(y, x, packed, state, bias, levels_rounded=form != "reduce")
 
 
 @pytest.mark.parametrize("m", [1, 4])
-def test_a_block_longer_than_the_step(m, few_rows_form):
+def test_a_block_longer_than_the_step(m, form):
     """blocksize 128 over 64-column steps: each step reads half a block's scale group."""
     packed, state = quantize(40, 384, nested=True, blocksize=128)
     x = torch.randn((m, 384), device=DEVICE).to(torch.bfloat16)
     bias = torch.randn(40, device=DEVICE).to(torch.bfloat16)
-    check(nf4_matmul(x, prepare_bnb_4bit(packed, state), bias), x, packed, state, bias)
+    y = nf4_matmul(x, prepare_bnb_4bit(packed, state), bias)
+    check(y, x, packed, state, bias, levels_rounded=form != "reduce")
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
+def test_dot_steps_of_several_blocks(monkeypatch, nested):
+    """Two absmax blocks a step over K = 9 blocks split across programs: a split's last step is half
+    past its end (that block is read again and scaled by zero)."""
+    monkeypatch.setitem(nf4_matmul_module.NF4_MATMUL_TUNING, "few", (32, 128, 4, 2, "dot_w_a"))
+    packed, state = quantize(72, 576, nested)
+    x = torch.randn((3, 576), device=DEVICE).to(torch.bfloat16)
+    check(nf4_matmul(x, prepare_bnb_4bit(packed, state)), x, packed, state, None, levels_rounded=True)
 
 
 def test_leading_dims_bias_and_deterministic():
@@ -110,3 +126,42 @@ def test_under_torch_compile():
 
     x = torch.randn((3, 320), device=DEVICE)
     torch.testing.assert_close(step(x), torch.nn.functional.silu(nf4_matmul(x, prepared, bias)))
+
+
+def _run_ptx(asm: str, word: int) -> dict:
+    """The integer PTX of `levels_asm` run in Python, `prmt` as the PTX ISA defines it (its default mode:
+    a selector's bit 3 replicates the picked byte's sign)."""
+    import re
+
+    def prmt(a, b, c):
+        pool, out = (b << 32) | a, 0
+        for i in range(4):
+            sel = (c >> 4 * i) & 0xF
+            byte = (pool >> 8 * (sel & 7)) & 0xFF
+            out |= ((0xFF if byte & 0x80 else 0) if sel & 8 else byte) << 8 * i
+        return out
+
+    regs = {"$4": word}
+    ops = {"mov": lambda a: a, "and": lambda a, b: a & b, "shr": lambda a, b: a >> b, "or": lambda a, b: a | b,
+           "prmt": prmt}  # fmt: skip
+    for op, operands in re.findall(r"\b(mov|and|shr|or|prmt)\.\w+ ([^;]+);", asm):
+        dest, *sources = (part.strip() for part in operands.split(","))
+        regs[dest] = ops[op](*(regs[s] if s in regs else int(s, 0) for s in sources)) & 0xFFFFFFFF
+    return regs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_the_register_lookup_of_the_levels_gives_each_nibble_its_level(dtype):
+    """levels_asm (the GPU's lookup, which the interpreter cannot run) on random packed bytes: $0/$1 hold
+    the high nibbles' levels of bytes 0-1/2-3, $2/$3 the low nibbles', low half first, in x's dtype."""
+    from unsloth_kernels.nf4 import NF4_CODE
+
+    asm = nf4_matmul_module.levels_asm(NF4_CODE, dtype)
+    bits = [b & 0xFFFF for b in torch.tensor(NF4_CODE).to(dtype).view(torch.int16).tolist()]
+    words = torch.randint(0, 2**32, (2000,), generator=torch.Generator().manual_seed(0), dtype=torch.int64).tolist()
+    for word in words + [0, 0xFFFFFFFF, 0x01234567, 0x89ABCDEF]:
+        regs = _run_ptx(asm, word)
+        packed = [(word >> 8 * j) & 0xFF for j in range(4)]
+        high, low = [bits[b >> 4] for b in packed], [bits[b & 0xF] for b in packed]
+        assert [regs[r] for r in ("$0", "$1", "$2", "$3")] == [
+            high[0] | high[1] << 16, high[2] | high[3] << 16, low[0] | low[1] << 16, low[2] | low[3] << 16]
