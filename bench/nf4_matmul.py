@@ -51,8 +51,8 @@ WEIGHTS = {"q_proj / o_proj": 2, "k_proj / v_proj": 2, "gate_proj / up_proj": 2,
 # (BLOCK_N, BLOCK_K, warps, programs per SM, form) tried by --sweep: both tl.dot forms, and the few rows'
 # reduction in use before them. "one" tries its configuration in use and the few rows' best dot
 # configurations (a dot costs the same for 1 row as for 16).
-_DOT = [(bn, bk, w, p, form) for form in ("dot_w_a", "dot_w_b") for bn in (64, 128, 256) for bk in (64, 128)
-        for w in ((4,) if form == "dot_w_a" else (4, 8)) for p in (2, 4)]  # fmt: skip
+_DOT = ([(bn, bk, 4, p, "dot_w_a") for bn in (128, 256) for bk in (64, 128) for p in (2, 4)]
+        + [(bn, bk, w, 4, "dot_w_b") for bn in (64, 128) for bk in (64, 128) for w in (4, 8)])  # fmt: skip
 SWEEP = {"few": _DOT + [nf4_matmul_module.NF4_MATMUL_TUNING["few"]],
          "one": [nf4_matmul_module.NF4_MATMUL_TUNING["one"]]}
 ONE_FROM_FEW = 4  # how many of the few rows' best configurations "one" tries too
