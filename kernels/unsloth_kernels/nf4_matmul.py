@@ -39,8 +39,10 @@ MAX_SPLIT = 16  # at most this many programs share one tile's K
 # sum over K per row of x; "dot_w_a" and "dot_w_b", tl.dot over 16 rows of x with W's tile as the A
 # operand (Hopper's warpgroup MMA takes it from registers) or the B operand (through shared memory).
 # K is split across programs until about "programs per SM" programs run on each SM. Read at each
-# launch, so bench/nf4_matmul.py --sweep can try others. The interpreter gets small tiles (its cost
-# grows with tile size).
+# launch, so bench/nf4_matmul.py --sweep can try others. The GPU's are the reductions an H200 sweep
+# chose on 2026-12-03; the dot forms with the register lookup are not measured on a GPU yet
+# (docs/benchmarks.md, "Few-row NF4 matmul"). The interpreter gets small tiles (its cost grows with
+# tile size).
 FORMS = ("reduce", "dot_w_a", "dot_w_b")
 NF4_MATMUL_TUNING: dict[str, tuple[int, int, int, int, str]] = (
     {"one": (32, 64, 4, 2, "reduce"), "few": (32, 64, 4, 2, "reduce")}
