@@ -145,7 +145,7 @@ class Prepared4bit:
     blocksize: int
     blocksize2: int
     nested: bool
-    nf4: bool = True  # the code is bitsandbytes' NF4 table (NF4_CODE), known without reading the device
+    nf4: bool  # the code is bitsandbytes' NF4 table (NF4_CODE), known without reading the device
 
 
 def prepare_4bit(
@@ -156,7 +156,7 @@ def prepare_4bit(
     blocksize: int = 64,
     code: torch.Tensor | None = None,
     nested: NestedAbsmax | None = None,
-    nf4: bool | None = None,
+    nf4: bool = False,
 ) -> Prepared4bit:
     """Check a 4-bit weight's parts against each other and put them in the kernel's form. `nf4` says
     that `code` is the NF4 table (always so without a code)."""
@@ -192,7 +192,7 @@ def prepare_4bit(
         absmax2 = code2 = scales  # unused by the kernel
         offset, blocksize2 = 0.0, 1
     return Prepared4bit(data, scales, _code_on(device, code), absmax2, code2, offset, shape, int(blocksize),
-                        blocksize2, nested is not None, code is None or bool(nf4))  # fmt: skip
+                        blocksize2, nested is not None, code is None or nf4)  # fmt: skip
 
 
 # Keep `scale * code2 + offset` as two roundings (no FMA) so the result is bit-identical to bnb.

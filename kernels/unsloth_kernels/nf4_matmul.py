@@ -184,12 +184,13 @@ def _nf4_dot_kernel(
     W_AS_B: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # out^T [BLOCK_N, BLOCK_M] += levels [BLOCK_N, BLOCKSIZE] @ x^T [BLOCKSIZE, BLOCK_M] * absmax, one
-    # absmax block at a time: W's tile is the tensor cores' A operand (from registers on Hopper; with
-    # W_AS_B the B operand, out [BLOCK_M, BLOCK_N], through shared memory), the levels are 16-bit (bitsandbytes rounds level * absmax instead: both round once, as finely) and
-    # each block's product is scaled in fp32, so no weight is multiplied on its own. Byte j of a
-    # block holds element 2j in its high nibble and 2j + 1 in its low one: the high nibbles meet x's
-    # even columns, the low ones its odd columns. LEVELS_ASM (levels_asm) looks the levels up in
-    # registers; without it (FP4's code, fp32 inputs, AMD, the interpreter) they are loaded from code.
+    # absmax block at a time. W's tile is the tensor cores' A operand (from registers on Hopper), or
+    # with W_AS_B the B operand (through shared memory). The levels are 16-bit (bitsandbytes rounds
+    # level * absmax instead: both round once, as finely) and each block's product is scaled in fp32,
+    # so no weight is multiplied on its own. Byte j of a block holds element 2j in its high nibble and
+    # 2j + 1 in its low one: the high nibbles meet x's even columns, the low ones its odd columns.
+    # LEVELS_ASM (levels_asm) looks the levels up in registers; without it (FP4's code, fp32 inputs,
+    # AMD, the interpreter) they are loaded from code.
     HALF: tl.constexpr = BLOCKSIZE // 2
     pid_n = tl.program_id(0)
     split = tl.program_id(1)

@@ -72,7 +72,7 @@ def test_matches_float64_reference(m, n, k, dtype, nested, form):
     use_bias = (m + n) % 2 == 0  # with and without bias across the cases, not doubling them
     bias = torch.randn(n, device=DEVICE).to(dtype) if use_bias else None
     y = nf4_matmul(x, prepare_bnb_4bit(packed, state), bias)
-    check(y, x, packed, state, bias, levels_rounded=form != "reduce")
+    check(y, x, packed, state, bias, levels_rounded=form != "reduce" and nf4_matmul_module._dot_applies(k, 64))
 
 
 @pytest.mark.parametrize("m", [1, 4])
