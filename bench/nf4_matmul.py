@@ -112,11 +112,31 @@ def sweep(weights, device, dtype, tiny=False) -> dict[str, list]:
     return best
 
 
+def compiled(fn, expected):
+    """fn through torch.compile as the decode step compiles it (fullgraph, static shapes), or None with
+    the error printed when it does not compile or disagrees with the eager call."""
+    import traceback
+
+    torch._dynamo.reset()
+    try:
+        traced = torch.compile(fn, fullgraph=True, dynamic=False)
+        got = traced()
+    except Exception:  # noqa: BLE001 - a diagnostic column: say why, go on
+        traceback.print_exc()
+        return None
+    if not torch.equal(got, expected):
+        print(json.dumps({"compiled": "differs from eager", "max diff": (got.float() - expected.float()).abs().max().item()}),
+              file=sys.stderr)  # fmt: skip
+    return traced
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (for TRITON_INTERPRET=1 on the CPU)")
     parser.add_argument("--sweep", action="store_true", help="first pick the launch configurations (see above)")
     parser.add_argument("--tuning-out", help="write the swept configurations here (JSON)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time ours inside torch.compile (fullgraph, as the decode step runs it)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16
@@ -136,8 +156,10 @@ def main() -> None:
             spelled = lambda: x @ bnb_functional.dequantize_4bit(packed, state).t()  # noqa: E731
             diff = (ours().float() - theirs().float()).abs().max().item()
             fns = (("ours", ours), ("bnb", theirs), ("dequant+mm", spelled))
-            ms = {label: timed(fn, device) for label, fn in fns}
-            graph = {label: graph_ms(fn) if device == "cuda" else None for label, fn in fns}
+            if args.compiled and m in SWEEP_ROWS.values():
+                fns += (("compiled", compiled(ours, ours())),)
+            ms = {label: timed(fn, device) for label, fn in fns if fn is not None}
+            graph = {label: graph_ms(fn) if device == "cuda" and fn is not None else None for label, fn in fns}
             row = {"shape": name, "N": n, "K": k, "M": m, **{f"{key} ms": round(v, 4) for key, v in ms.items()},
                    **{f"{key} graph ms": v and round(v, 4) for key, v in graph.items()},
                    "bnb / ours": round(ms["bnb"] / ms["ours"], 3),
@@ -147,11 +169,11 @@ def main() -> None:
                    "max |ours - bnb|": diff}  # fmt: skip
             print(json.dumps(row), file=sys.stderr)
             results.append(row)
-    keys = list(results[0])
+    keys = list(dict.fromkeys(key for row in results for key in row))
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for row in results:
-        print("| " + " | ".join(str(row[key]) for key in keys) + " |")
+        print("| " + " | ".join(str(row.get(key, "")) for key in keys) + " |")
     print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else device,
                       "tuning": nf4_matmul_module.NF4_MATMUL_TUNING, "rows": results}))
 

@@ -156,7 +156,7 @@ def levels_asm(levels: tuple[float, ...], dtype: torch.dtype) -> str:
     tables = " ".join(f"mov.b32 t{i}, {word};" for i, word in enumerate(words))  # t0-t3 low bytes, t4-t7 high
     half = """prmt.b32 a, t0, t1, sel; prmt.b32 b, t2, t3, sel; prmt.b32 l{0}, a, b, pick;
         prmt.b32 a, t4, t5, sel; prmt.b32 b, t6, t7, sel; prmt.b32 h{0}, a, b, pick;"""
-    return f"""{{
+    text = f"""{{
         .reg .b32 t<8>, sel, pick, a, b, l<2>, h<2>;
         {tables}
         and.b32 sel, $4, 0x77777777;
@@ -172,6 +172,9 @@ def levels_asm(levels: tuple[float, ...], dtype: torch.dtype) -> str:
         prmt.b32 $2, l0, h0, 0x6240;
         prmt.b32 $3, l1, h1, 0x6240;
         }}"""
+    # one line: inductor pastes a kernel's constexpr values into a source it holds in a ''' string, where
+    # a newline would end the value's own string literal
+    return " ".join(text.split())
 
 
 @triton.jit

@@ -165,3 +165,16 @@ def test_the_register_lookup_of_the_levels_gives_each_nibble_its_level(dtype):
         high, low = [bits[b >> 4] for b in packed], [bits[b & 0xF] for b in packed]
         assert [regs[r] for r in ("$0", "$1", "$2", "$3")] == [
             high[0] | high[1] << 16, high[2] | high[3] << 16, low[0] | low[1] << 16, low[2] | low[3] << 16]
+
+
+def test_the_levels_asm_survives_inductor_s_generated_source():
+    """Inductor writes a user kernel's constexpr values (repr) into a source it keeps inside a ''' string
+    and loads later; a newline in the PTX then ended its string literal and the compiled decode step
+    fell back to eager. The value must come back whole through both quotings."""
+    from unsloth_kernels.nf4 import NF4_CODE
+
+    asm = nf4_matmul_module.levels_asm(NF4_CODE, torch.bfloat16)
+    source = eval("'''" + f"constants = {{'LEVELS_ASM': {asm!r}}}" + "'''")  # the generated file's text
+    scope: dict = {}
+    exec(source, scope)  # the generated file, loaded
+    assert scope["constants"]["LEVELS_ASM"] == asm
