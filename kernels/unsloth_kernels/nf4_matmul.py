@@ -22,6 +22,7 @@ TRITON_INTERPRET=1 it is an opaque custom op with a fake instead (`_utils.tracea
 from __future__ import annotations
 
 import functools
+import struct
 
 import torch
 import triton
@@ -139,6 +140,19 @@ def _nf4_matmul_kernel(
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _bits16(value: float, dtype: torch.dtype) -> int:
+    """The 16 bits of `value` rounded (to nearest, ties to even) to fp32, then bf16 or fp16. Plain Python: the
+    compiled decode step traces the launch, and so this, under fake tensors, where a tensor's values
+    cannot be read (that broke the graph at every projection)."""
+    value = struct.unpack("<f", struct.pack("<f", value))[0]  # first to fp32, as the code table holds it
+    if dtype == torch.float16:
+        return struct.unpack("<H", struct.pack("<e", value))[0]
+    if dtype != torch.bfloat16:
+        raise ValueError(f"the levels are looked up as bf16 or fp16, not {dtype}")
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+
+
 @functools.lru_cache(maxsize=None)
 def levels_asm(levels: tuple[float, ...], dtype: torch.dtype) -> str:
     """PTX that looks up the 16 levels, rounded to `dtype` (bf16 or fp16), for four packed bytes
@@ -150,8 +164,8 @@ def levels_asm(levels: tuple[float, ...], dtype: torch.dtype) -> str:
     more `prmt`s pair them into 16-bit values. No memory is read. Nibbles of $4, lowest first: byte
     0's low (element 1), byte 0's high (element 0), byte 1's low (3), ...
     """
-    bits = torch.tensor(levels, dtype=torch.float32).to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
-    low, high = (bits & 0xFF).tolist(), (bits >> 8).tolist()
+    bits = [_bits16(level, dtype) for level in levels]
+    low, high = [b & 0xFF for b in bits], [b >> 8 for b in bits]
     words = [sum(b[4 * w + i] << (8 * i) for i in range(4)) for b in (low, high) for w in range(4)]
     tables = " ".join(f"mov.b32 t{i}, {word};" for i, word in enumerate(words))  # t0-t3 low bytes, t4-t7 high
     half = """prmt.b32 a, t0, t1, sel; prmt.b32 b, t2, t3, sel; prmt.b32 l{0}, a, b, pick;

@@ -178,3 +178,16 @@ def test_the_levels_asm_survives_inductor_s_generated_source():
     scope: dict = {}
     exec(source, scope)  # the generated file, loaded
     assert scope["constants"]["LEVELS_ASM"] == asm
+
+
+def test_the_levels_asm_is_built_where_the_compiled_step_traces_the_launch():
+    """torch.compile runs the op's launch under fake tensors, whose values cannot be read: building the
+    PTX there from a tensor's values broke the decode step's graph at every projection."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from unsloth_kernels.nf4 import NF4_CODE
+
+    expected = {dtype: nf4_matmul_module.levels_asm(NF4_CODE, dtype) for dtype in (torch.bfloat16, torch.float16)}
+    nf4_matmul_module.levels_asm.cache_clear()
+    with FakeTensorMode():
+        assert {dtype: nf4_matmul_module.levels_asm(NF4_CODE, dtype) for dtype in expected} == expected
