@@ -40,15 +40,15 @@ MAX_SPLIT = 16  # at most this many programs share one tile's K
 # sum over K per row of x; "dot_w_a" and "dot_w_b", tl.dot over 16 rows of x with W's tile as the A
 # operand (Hopper's warpgroup MMA takes it from registers) or the B operand (through shared memory).
 # K is split across programs until about "programs per SM" programs run on each SM. Read at each
-# launch, so bench/nf4_matmul.py --sweep can try others. The GPU's are the reductions an H200 sweep
-# chose on 2026-12-03; the dot forms with the register lookup are not measured on a GPU yet
-# (docs/benchmarks.md, "Few-row NF4 matmul"). The interpreter gets small tiles (its cost grows with
-# tile size).
+# launch, so bench/nf4_matmul.py --sweep can try others. The GPU's are what an H200 sweep of
+# 2026-12-06 chose for one row and for eight (docs/benchmarks.md, "Few-row NF4 matmul"): W as the B
+# operand, 128 x 64 tiles (9 KiB of shared memory, 96 registers, no spills from sm_80 to sm_90). The
+# interpreter gets small tiles (its cost grows with tile size).
 FORMS = ("reduce", "dot_w_a", "dot_w_b")
 NF4_MATMUL_TUNING: dict[str, tuple[int, int, int, int, str]] = (
     {"one": (32, 64, 4, 2, "reduce"), "few": (32, 64, 4, 2, "reduce")}
     if INTERPRET else
-    {"one": (16, 512, 4, 2, "reduce"), "few": (64, 256, 4, 4, "reduce")}
+    {"one": (128, 64, 4, 4, "dot_w_b"), "few": (128, 64, 4, 4, "dot_w_b")}
 )  # fmt: skip
 # The reduction's configuration where a dot form is set but does not apply (see _dot_applies)
 REDUCE_FALLBACK = (32, 64, 4, 2, "reduce") if INTERPRET else (64, 256, 4, 4, "reduce")
