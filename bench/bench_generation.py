@@ -137,12 +137,26 @@ def measure(model, args, batch: int, device: str) -> dict:
     profiled = device_time(generate, args.new) if args.profile else {}
     return {"impl": args.impl, "batch": batch, "prompt": args.prompt, "new": args.new, "four_bit": args.four_bit,
             "sync_every_step": args.sync_every_step, "nf4_decode": os.environ.get("UNSLOTH_NF4_DECODE") == "1",
-            "wall_ms_per_step": round(1000 * seconds / args.new, 3), **profiled,
+            "wall_ms_per_step": round(1000 * seconds / args.new, 3), **profiled, **compile_report(model),
             "tokens_per_s": round(batch * args.new / seconds, 2), "seconds": round(seconds, 3),
             "first_call_s": round(first_s, 2),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
             # greedy tokens of row 0, to compare impls (bf16 rounding may part them after a while)
             "tokens_sha": hashlib.sha1(str(new_tokens[0].tolist()).encode()).hexdigest()[:12]}
+
+
+def dynamo_counts() -> dict:
+    """Graphs torch.compile made so far in this process, and graph breaks it met: a decode step that
+    breaks into pieces costs several times its time, and otherwise shows only as a slow row."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def compile_report(model) -> dict:
+    """dynamo_counts, and whether our decode fell back to eager (compilation failed: a warning says why)."""
+    return {**dynamo_counts(),
+            "eager_decode": any(m.__dict__.get("_unsloth_eager_decode", False) for m in model.modules())}
 
 
 def device_time(generate, new: int) -> dict:

@@ -159,6 +159,7 @@ class GenerateCounter:
 
 def step_lines(run: Run, counter: GenerateCounter):
     """A Trainer callback printing one JSON line per logged step (logging_steps=1: every step)."""
+    from bench_generation import dynamo_counts  # this folder: a script's own folder is on its path
     from transformers import TrainerCallback
 
     class StepLines(TrainerCallback):
@@ -170,7 +171,7 @@ def step_lines(run: Run, counter: GenerateCounter):
             emit(event="step", step=state.global_step, warmup=state.global_step <= args.warmup,
                  step_s=round(run.times[-1], 3) if run.times else None, peak_gib=peak_gib(),
                  reward=logs.get("reward"), reward_std=logs.get("reward_std"), loss=logs.get("loss"),
-                 completion_length=logs.get("completions/mean_length"), **run.generated[-1])
+                 completion_length=logs.get("completions/mean_length"), **run.generated[-1], **dynamo_counts())
 
     return StepLines()
 
