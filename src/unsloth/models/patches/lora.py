@@ -11,8 +11,9 @@ Under torch.compile (the decode step) those forwards are peft's, over the bitsan
 layer's forward (`_nf4_decode_forward`): for more than one row it dequantizes the weight with our
 kernel, which takes about 0.6 x bitsandbytes' time, and multiplies (bitsandbytes' multi-row path is
 the same dequantize-then-matmul); one row keeps bitsandbytes' own 4-bit GEMV. UNSLOTH_NF4_DECODE=1
-instead multiplies up to 16 rows by the packed weight directly (`nf4_matmul`, slower than both on the
-H200 at 8 rows so far); UNSLOTH_NF4_DECODE=0 keeps bitsandbytes' forward throughout.
+instead multiplies up to 16 rows by the packed weight directly (`nf4_matmul`: twice bitsandbytes' speed
+at 8 rows on the H200 alone, the whole decode step with it not measured yet); UNSLOTH_NF4_DECODE=0
+keeps bitsandbytes' forward throughout.
 """
 
 from __future__ import annotations
