@@ -124,8 +124,8 @@ def compiled(fn, expected):
         traceback.print_exc()
         return None
     if not torch.equal(got, expected):
-        print(json.dumps({"compiled": "differs from eager", "max diff": (got.float() - expected.float()).abs().max().item()}),
-              file=sys.stderr)  # fmt: skip
+        diff = (got.float() - expected.float()).abs().max().item()
+        print(json.dumps({"compiled": "differs from eager", "max diff": diff}), file=sys.stderr)
     return traced
 
 
