@@ -120,3 +120,26 @@ def test_a_4bit_lora_layer_compiles_into_one_graph_on_each_decode_path(flag, row
         got = torch.compile(peft, fullgraph=True, dynamic=False)(x)
     assert (bool(fused), bool(dequantized)) == (flag == "1", flag == "" and rows > 1)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the decode benches compile the real step")
+def test_the_decode_step_is_one_graph_with_the_op_in_its_gpu_form(tmp_path):
+    """The tests above run nf4_matmul as the interpreter's opaque custom op; on a GPU it is a triton_op whose
+    launch torch.compile runs under fake tensors, and a launch that read a tensor's values there broke the
+    decode step's graph at every projection. decode_graph.py traces a tiny QLoRA decode step with the op in
+    that form, in a process without the interpreter (nothing is launched): one graph, every projection."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["UNSLOTH_NF4_DECODE"] = "1"
+    script = pathlib.Path(__file__).with_name("decode_graph.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["triton_op"], report
+    assert (len(report["graphs"]), report["breaks"], report["nf4_matmul"]) == (1, 0, 14), report  # 2 layers x 7
