@@ -13,6 +13,7 @@ over the packed weight's bytes (packed + absmax), the bytes it must read.
 
     python bench/nf4_matmul.py            # on a GPU
     python bench/nf4_matmul.py --sweep --tuning-out tuning.json   # first tries launch configurations
+    python bench/nf4_matmul.py --compiled   # adds ours inside torch.compile (1 and 8 rows), as decoding runs it
     TRITON_INTERPRET=1 python bench/nf4_matmul.py --tiny   # a smoke test on the CPU, tiny shapes
 
 --sweep times every configuration of SWEEP (nf4_matmul.NF4_MATMUL_TUNING's tuple: BLOCK_N, BLOCK_K,
