@@ -50,11 +50,11 @@ ROWS = (1, 8, 16)
 WEIGHTS = {"q_proj / o_proj": 2, "k_proj / v_proj": 2, "gate_proj / up_proj": 2, "down_proj": 1, "tiny": 1,
            "tiny split": 1}  # fmt: skip
 # (BLOCK_N, BLOCK_K, warps, programs per SM, form) tried by --sweep: both tl.dot forms, and the
-# reductions' best (the 2026-12-03 sweep's). "one" tries its reduction and the few rows' best dot
-# configurations (a dot costs the same for 1 row as for 16).
+# reductions' best (the 2026-12-03 sweep's; for several rows, the kernel's own fallback). "one" tries
+# its reduction and the few rows' best dot configurations (a dot costs the same for 1 row as for 16).
 _DOT = ([(bn, bk, 4, p, "dot_w_a") for bn in (128, 256) for bk in (64, 128) for p in (2, 4)]
         + [(bn, bk, w, 4, "dot_w_b") for bn in (64, 128) for bk in (64, 128) for w in (4, 8)])  # fmt: skip
-SWEEP = {"few": _DOT + [(64, 256, 4, 4, "reduce")], "one": [(16, 512, 4, 2, "reduce")]}
+SWEEP = {"few": _DOT + [nf4_matmul_module.REDUCE_FALLBACK], "one": [(16, 512, 4, 2, "reduce")]}
 ONE_FROM_FEW = 4  # how many of the few rows' best configurations "one" tries too
 SWEEP_ROWS = {"one": 1, "few": 8}
 
