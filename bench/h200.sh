@@ -8,7 +8,8 @@
 # (that step runs slower: take step times from a run without it).
 # sections: machine, tests, kernels, trainer, profile, ab, host, moe, moetune, notebook, families, families_call, generation,
 # nf4mm, grpo, tts, fullft, vision, dpo, multigpu; all = machine tests kernels trainer)
-# Results land in $OUT (logs and JSON lines). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
+# Results land in $OUT (logs and JSON lines; generation and grpo keep each run's whole output, warnings
+# included, in <section>-<impl>.log). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
 set -u
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -192,10 +193,10 @@ generation() {  # decoding after for_inference, LoRA attached, batch 1 and 8; GE
   [ -f /tmp/llama8b/config.json ] || python3 .anchors/anchor_lora.py --impl make >/dev/null
   # shellcheck disable=SC2086
   # ours compiles the decode step once per batch size (40-100 s each on an H100 in 4-bit): a longer limit
-  timeout "${GEN_OURS_TIMEOUT:-300}" python3 bench/bench_generation.py --impl ours ${GEN_ARGS:-} 2>&1 | grep '^{' | tee -a "$OUT/generation.jsonl"
+  timeout "${GEN_OURS_TIMEOUT:-300}" python3 bench/bench_generation.py --impl ours ${GEN_ARGS:-} 2>&1 | tee -a "$OUT/generation-ours.log" | grep '^{' | tee -a "$OUT/generation.jsonl"
   for impl in ${ANCHOR_IMPLS-unsloth hf}; do
     # shellcheck disable=SC2086
-    PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 120 python3 bench/bench_generation.py --impl $impl ${GEN_ARGS:-} 2>&1 | grep '^{' | tee -a "$OUT/generation.jsonl"
+    PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout 120 python3 bench/bench_generation.py --impl $impl ${GEN_ARGS:-} 2>&1 | tee -a "$OUT/generation-$impl.log" | grep '^{' | tee -a "$OUT/generation.jsonl"
   done
 }
 
@@ -209,9 +210,9 @@ nf4mm() {  # the few-row NF4 matmul against bitsandbytes (in .anchors) at the 8B
 grpo() {  # a notebook-style GRPO step (QLoRA, a group of 8 x 256 after a 256-token prompt, no vLLM): ours, then Unsloth
   [ -f /tmp/llama8b/config.json ] || python3 .anchors/anchor_lora.py --impl make >/dev/null
   # shellcheck disable=SC2086
-  timeout -k 15 240 python3 bench/bench_grpo.py --impl ours ${GRPO_ARGS:-} 2>&1 | grep '^{"' | tee -a "$OUT/grpo.jsonl"
+  timeout -k 15 240 python3 bench/bench_grpo.py --impl ours ${GRPO_ARGS:-} 2>&1 | tee -a "$OUT/grpo-ours.log" | grep '^{"' | tee -a "$OUT/grpo.jsonl"
   # shellcheck disable=SC2086
-  PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout -k 15 240 python3 bench/bench_grpo.py --impl unsloth ${GRPO_ARGS:-} 2>&1 | grep '^{"' | tee -a "$OUT/grpo.jsonl"
+  PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout -k 15 240 python3 bench/bench_grpo.py --impl unsloth ${GRPO_ARGS:-} 2>&1 | tee -a "$OUT/grpo-unsloth.log" | grep '^{"' | tee -a "$OUT/grpo.jsonl"
 }
 
 tts() {  # an Orpheus-3B-shaped TTS SFT as the notebook runs it (bench/bench_tts.py): ours, then Unsloth
