@@ -136,7 +136,7 @@ def measure(model, args, batch: int, device: str) -> dict:
     assert new_tokens.shape[1] == args.new, new_tokens.shape
     profiled = device_time(generate, args.new) if args.profile else {}
     return {"impl": args.impl, "batch": batch, "prompt": args.prompt, "new": args.new, "four_bit": args.four_bit,
-            "sync_every_step": args.sync_every_step, "nf4_decode": os.environ.get("UNSLOTH_NF4_DECODE") == "1",
+            "sync_every_step": args.sync_every_step, "nf4_decode": os.environ.get("UNSLOTH_NF4_DECODE") != "0",
             "wall_ms_per_step": round(1000 * seconds / args.new, 3), **profiled, **compile_report(model),
             "tokens_per_s": round(batch * args.new / seconds, 2), "seconds": round(seconds, 3),
             "first_call_s": round(first_s, 2),

@@ -8,12 +8,11 @@ x and x A^T saved). The check runs on every call, so disabling adapters (as TRL 
 reference model), merging or a mixed-adapter batch falls back to peft's own forward.
 
 Under torch.compile (the decode step) those forwards are peft's, over the bitsandbytes 4-bit base
-layer's forward (`_nf4_decode_forward`): for more than one row it dequantizes the weight with our
-kernel, which takes about 0.6 x bitsandbytes' time, and multiplies (bitsandbytes' multi-row path is
-the same dequantize-then-matmul); one row keeps bitsandbytes' own 4-bit GEMV. UNSLOTH_NF4_DECODE=1
-instead multiplies up to 16 rows by the packed weight directly (`nf4_matmul`: twice bitsandbytes' speed
-at 8 rows on the H200 alone, the whole decode step with it not measured yet); UNSLOTH_NF4_DECODE=0
-keeps bitsandbytes' forward throughout.
+layer's forward (`_nf4_decode_forward`): 2 to 16 rows multiply by the packed weight directly
+(`nf4_matmul`: twice bitsandbytes' speed at 8 rows on the H200); one row keeps bitsandbytes' own 4-bit
+GEMV (about 10% ahead of ours there) and more rows dequantize the weight with our kernel (about
+0.6 x bitsandbytes' time) and multiply. UNSLOTH_NF4_DECODE=1 takes nf4_matmul for one row too;
+UNSLOTH_NF4_DECODE=0 keeps bitsandbytes' forward throughout.
 """
 
 from __future__ import annotations
@@ -137,26 +136,25 @@ def _lora_mlp_forward(self, x):
 
 def _nf4_decode_forward(self, x, *args, **kwargs):
     """A bitsandbytes 4-bit base layer's forward (peft adds the LoRA delta after it). Inside a compiled
-    step, without gradients: our dequantization then a matmul for several rows, or with
-    UNSLOTH_NF4_DECODE=1 our fused nf4_matmul for up to 16; else (and for one row) bitsandbytes'."""
+    step, without gradients: our fused nf4_matmul for 2 to 16 rows (1 to 16 with UNSLOTH_NF4_DECODE=1),
+    bitsandbytes' GEMV for one row, our dequantization then a matmul for more; =0 keeps bitsandbytes'."""
     from unsloth.models.kernels import compiling
 
     mode = os.environ.get("UNSLOTH_NF4_DECODE", "")
     if args or kwargs or mode == "0" or not compiling() or not _nf4_decode_applies(self, x):
         return type(self).forward(self, x, *args, **kwargs)
     from unsloth_kernels.nf4 import dequantize_traceable, prepare_bnb_4bit
+    from unsloth_kernels.nf4_matmul import MAX_ROWS, nf4_matmul
 
+    rows = x.numel() // x.shape[-1]
+    if rows == 1 and mode != "1":
+        return type(self).forward(self, x)  # bitsandbytes' 4-bit GEMV reads the packed weight once
     # Prepared per call: under compile it is traced once into views of the same tensors.
     prepared = prepare_bnb_4bit(self.weight, self.weight.quant_state)
     compute = self.compute_dtype or x.dtype  # as bitsandbytes' Linear4bit: compute dtype in, input dtype out
     bias = None if self.bias is None else self.bias.to(compute)
-    if mode == "1":
-        from unsloth_kernels.nf4_matmul import MAX_ROWS, nf4_matmul
-
-        if x.numel() <= MAX_ROWS * x.shape[-1]:
-            return nf4_matmul(x.to(compute), prepared, bias).to(x.dtype)
-    if x.numel() == x.shape[-1]:
-        return type(self).forward(self, x)  # one row: bitsandbytes' 4-bit GEMV reads the packed weight once
+    if rows <= MAX_ROWS:
+        return nf4_matmul(x.to(compute), prepared, bias).to(x.dtype)
     weight = dequantize_traceable(prepared, self.weight.quant_state.dtype).to(compute)
     return torch.nn.functional.linear(x.to(compute), weight, bias).to(x.dtype)
 
