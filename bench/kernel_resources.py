@@ -8,7 +8,7 @@ shared memory is a lead before a GPU is lent, and a sweep can skip it.
     python bench/kernel_resources.py --gated         # the LoRA MLP's activation kernel at GATED_SWEEP's tiles
 
 One JSON line per configuration: the tuple as NF4_MATMUL_TUNING spells it (BLOCK_N, BLOCK_K, warps,
-programs per SM, form), the rows it is for, registers per thread, stack bytes (spills), dynamic shared
+programs per SM, form, stages), the rows it is for, registers per thread, stack bytes (spills), dynamic shared
 memory, and whether it is the configuration in use. Triton here may be newer than on the GPU
 machine: register counts move a little between releases; spills that large do not go away.
 """
@@ -95,14 +95,14 @@ def main() -> None:
     for kind, configs in SWEEP.items():
         rows = SWEEP_ROWS[kind]
         for config in configs:
-            block_n, block_k, warps, _, form = config
+            block_n, block_k, warps, _, form, *stages = config
             constants = dict(BLOCKSIZE=64, BLOCKSIZE2=256, NESTED=True, HAS_BIAS=False, PARTIAL=True,
                              ROUND_BF16=False, BLOCK_N=block_n)  # fmt: skip
             if form != "reduce":
                 kernel = nf4_matmul_module._nf4_dot_kernel
                 constants.update(FP32=False, BLOCK_M=16, STEP_BLOCKS=max(block_k // 64, 1), PRECISION=None,
                                  LEVELS_ASM=nf4_matmul_module.levels_asm(NF4_CODE, torch.bfloat16),
-                                 W_AS_B=form == "dot_w_b")  # fmt: skip
+                                 W_AS_B=form == "dot_w_b", STAGES=stages[0] if stages else None)  # fmt: skip
             else:
                 kernel = nf4_matmul_module._nf4_matmul_kernel
                 constants.update(BLOCK_M=rows, BLOCK_K=block_k, GROUP=min(64, block_k))

@@ -17,7 +17,7 @@ over the packed weight's bytes (packed + absmax), the bytes it must read.
     TRITON_INTERPRET=1 python bench/nf4_matmul.py --tiny   # a smoke test on the CPU, tiny shapes
 
 --sweep times every configuration of SWEEP (nf4_matmul.NF4_MATMUL_TUNING's tuple: BLOCK_N, BLOCK_K,
-warps, programs per SM, form) for a few rows ("few", M = 8) and one ("one", M = 1),
+warps, programs per SM, form, pipeline stages) for a few rows ("few", M = 8) and one ("one", M = 1),
 from a CUDA graph, summed over a decode step's projections (WEIGHTS: how many of each shape a layer
 has), keeps the fastest of each for the table, and with --tuning-out writes them as JSON for
 bench_generation.py --nf4-tuning.
@@ -49,11 +49,15 @@ TINY_SHAPES = [("tiny", 72, 320), ("tiny split", 200, 576)]
 ROWS = (1, 8, 16)
 WEIGHTS = {"q_proj / o_proj": 2, "k_proj / v_proj": 2, "gate_proj / up_proj": 2, "down_proj": 1, "tiny": 1,
            "tiny split": 1}  # fmt: skip
-# (BLOCK_N, BLOCK_K, warps, programs per SM, form) tried by --sweep: both tl.dot forms, and the
-# reductions' best (the 2026-12-03 sweep's; for several rows, the kernel's own fallback). "one" tries
-# its reduction and the few rows' best dot configurations (a dot costs the same for 1 row as for 16).
-_DOT = ([(bn, bk, 4, p, "dot_w_a") for bn in (128, 256) for bk in (64, 128) for p in (2, 4)]
-        + [(bn, bk, w, 4, "dot_w_b") for bn in (64, 128) for bk in (64, 128) for w in (4, 8)])  # fmt: skip
+# (BLOCK_N, BLOCK_K, warps, programs per SM, form[, stages]) tried by --sweep: the 2026-12-06 sweep's
+# best of each tl.dot form unpipelined, the same forms with the K loop pipelined around them (fewer K
+# splits may pay once a program keeps several steps' loads in flight), and the reductions' best (the
+# 2026-12-03 sweep's; for several rows, the kernel's own fallback). "one" tries its reduction and the
+# few rows' best dot configurations (a dot costs the same for 1 row as for 16).
+_DOT = ([(128, 64, 4, 4, "dot_w_b"), (128, 64, 4, 4, "dot_w_a")]
+        + [(bn, bk, 4, p, "dot_w_b", stages)
+           for bn in (64, 128) for bk in (64, 128) for p in (1, 2, 4) for stages in (2, 3, 4)]
+        + [(128, 64, 4, p, "dot_w_a", stages) for p in (2, 4) for stages in (3, 4)])  # fmt: skip
 SWEEP = {"few": _DOT + [nf4_matmul_module.REDUCE_FALLBACK], "one": [(16, 512, 4, 2, "reduce")]}
 ONE_FROM_FEW = 4  # how many of the few rows' best configurations "one" tries too
 SWEEP_ROWS = {"one": 1, "few": 8}

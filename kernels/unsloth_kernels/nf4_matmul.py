@@ -35,17 +35,20 @@ from .nf4 import NF4_CODE, Prepared4bit, offset_tensor
 MAX_ROWS = 16  # rows of x one launch handles; tl.dot wants a 16-row tile anyway
 MAX_SPLIT = 16  # at most this many programs share one tile's K
 
-# Launch configurations, (BLOCK_N, BLOCK_K, warps, programs per SM, form), by the number of rows:
+# Launch configurations, (BLOCK_N, BLOCK_K, warps, programs per SM, form[, stages]), by the number of rows:
 # "one" (batch-1 decoding) and "few" (2 to MAX_ROWS rows). The forms: "reduce", multiply-adds and a
 # sum over K per row of x; "dot_w_a" and "dot_w_b", tl.dot over 16 rows of x with W's tile as the A
 # operand (Hopper's warpgroup MMA takes it from registers) or the B operand (through shared memory).
-# K is split across programs until about "programs per SM" programs run on each SM. Read at each
+# K is split across programs until about "programs per SM" programs run on each SM. "stages" (dot
+# forms) pipelines the K loop: its packed bytes and scales are copied to shared memory stages - 1
+# steps ahead, so a program keeps several steps' loads in flight instead of waiting on each (without
+# it Triton pipelines only the loads a tl.dot reads: x's, not the weight's). Read at each
 # launch, so bench/nf4_matmul.py --sweep can try others. The GPU's are what an H200 sweep of
 # 2026-12-06 chose for one row and for eight (docs/benchmarks.md, "Few-row NF4 matmul"): W as the B
 # operand, 128 x 64 tiles (9 KiB of shared memory, 96 registers, no spills from sm_80 to sm_90). The
 # interpreter gets small tiles (its cost grows with tile size).
 FORMS = ("reduce", "dot_w_a", "dot_w_b")
-NF4_MATMUL_TUNING: dict[str, tuple[int, int, int, int, str]] = (
+NF4_MATMUL_TUNING: dict[str, tuple] = (
     {"one": (32, 64, 4, 2, "reduce"), "few": (32, 64, 4, 2, "reduce")}
     if INTERPRET else
     {"one": (128, 64, 4, 4, "dot_w_b"), "few": (128, 64, 4, 4, "dot_w_b")}
@@ -198,7 +201,7 @@ def _nf4_dot_kernel(
     BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, ROUND_BF16: tl.constexpr, FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_BLOCKS: tl.constexpr, LEVELS_ASM: tl.constexpr,
-    W_AS_B: tl.constexpr, PRECISION: tl.constexpr,
+    W_AS_B: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     # out^T [BLOCK_N, BLOCK_M] += levels [BLOCK_N, BLOCKSIZE] @ x^T [BLOCKSIZE, BLOCK_M] * absmax, one
     # absmax block at a time. W's tile is the tensor cores' A operand (from registers on Hopper), or
@@ -224,7 +227,7 @@ def _nf4_dot_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     b_begin = split * (k_chunk // BLOCKSIZE)
     b_end = tl.minimum(b_begin + k_chunk // BLOCKSIZE, blocks_per_row)
-    for b0 in range(b_begin, b_end, STEP_BLOCKS):
+    for b0 in tl.range(b_begin, b_end, STEP_BLOCKS, num_stages=STAGES):
         for i in tl.static_range(STEP_BLOCKS):
             b = tl.minimum(b0 + i, b_end - 1)  # a step past the split's end rereads its last block, scaled by 0
             block = first_block + b
@@ -318,7 +321,8 @@ def _nf4_matmul_launch(
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    block_n, block_k, warps, programs_per_sm, form = NF4_MATMUL_TUNING["one" if m == 1 else "few"]
+    block_n, block_k, warps, programs_per_sm, form, *stages = NF4_MATMUL_TUNING["one" if m == 1 else "few"]
+    stages = stages[0] if stages else None
     if form not in FORMS:
         raise ValueError(f"nf4_matmul: unknown form {form!r} (one of {FORMS})")
     dot = form != "reduce" and _dot_applies(k, blocksize)
@@ -341,7 +345,7 @@ def _nf4_matmul_launch(
         wrap_triton(_nf4_dot_kernel)[(cdiv(n, block_n), split)](
             *args, FP32=fp32, BLOCK_M=MAX_ROWS, STEP_BLOCKS=step // blocksize,
             LEVELS_ASM=levels_asm(NF4_CODE, x.dtype) if table else None, W_AS_B=form == "dot_w_b",
-            PRECISION="ieee" if fp32 else None, **common,
+            PRECISION="ieee" if fp32 else None, STAGES=stages, **common,
         )  # fmt: skip
     else:
         wrap_triton(_nf4_matmul_kernel)[(cdiv(n, block_n), split)](

@@ -55,9 +55,9 @@ def check(y, x, packed, state, bias, levels_rounded=False):
 def form(request, monkeypatch):
     """Each form of the kernel (nf4_matmul.FORMS), for one row and for several."""
     for kind in ("one", "few"):
-        block_n, block_k, warps, programs_per_sm, _ = nf4_matmul_module.NF4_MATMUL_TUNING[kind]
+        block_n, block_k, warps, programs_per_sm, _, *stages = nf4_matmul_module.NF4_MATMUL_TUNING[kind]
         monkeypatch.setitem(nf4_matmul_module.NF4_MATMUL_TUNING, kind,
-                            (block_n, block_k, warps, programs_per_sm, request.param))  # fmt: skip
+                            (block_n, block_k, warps, programs_per_sm, request.param, *stages))  # fmt: skip
     return request.param
 
 
@@ -85,11 +85,13 @@ def test_a_block_longer_than_the_step(m, form):
     check(y, x, packed, state, bias, levels_rounded=form != "reduce")
 
 
+@pytest.mark.parametrize("stages", [(), (3,)], ids=["unpipelined", "3 stages"])
 @pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
-def test_dot_steps_of_several_blocks(monkeypatch, nested):
+def test_dot_steps_of_several_blocks(monkeypatch, nested, stages):
     """Two absmax blocks a step over K = 9 blocks split across programs: a split's last step is half
-    past its end (that block is read again and scaled by zero)."""
-    monkeypatch.setitem(nf4_matmul_module.NF4_MATMUL_TUNING, "few", (32, 128, 4, 2, "dot_w_a"))
+    past its end (that block is read again and scaled by zero). Pipelined too (on a GPU the weight's
+    loads then run steps ahead of their use; the interpreter runs the loop as written)."""
+    monkeypatch.setitem(nf4_matmul_module.NF4_MATMUL_TUNING, "few", (32, 128, 4, 2, "dot_w_a", *stages))
     packed, state = quantize(72, 576, nested)
     x = torch.randn((3, 576), device=DEVICE).to(torch.bfloat16)
     check(nf4_matmul(x, prepare_bnb_4bit(packed, state)), x, packed, state, None, levels_rounded=True)
