@@ -58,11 +58,23 @@ REDUCE_FALLBACK = (32, 64, 4, 2, "reduce") if INTERPRET else (64, 256, 4, 4, "re
 
 
 @triton.jit
+def _lora_delta(xa_ptr, lora_b_ptr, rows, cols, mask, rank):
+    """(xa @ B^T)[rows, cols] in fp32, elementwise over index tensors of the output's shape: a LoRA
+    update added in the epilogue (xa = x @ A^T is [M, rank], B is [N, rank], both contiguous). The
+    rank is small beside K, so the loop over it is cheap."""
+    delta = tl.zeros(mask.shape, dtype=tl.float32)
+    for j in range(rank):
+        xa = tl.load(xa_ptr + rows * rank + j, mask=mask, other=0.0).to(tl.float32)
+        delta += xa * tl.load(lora_b_ptr + cols * rank + j, mask=mask, other=0.0).to(tl.float32)
+    return delta
+
+
+@triton.jit
 def _nf4_matmul_kernel(
     x_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr,
-    bias_ptr, out_ptr, M, N, K, stride_xm, k_chunk,
+    bias_ptr, out_ptr, M, N, K, stride_xm, k_chunk, xa_ptr, lora_b_ptr, lora_scale, rank,
     BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, ROUND_BF16: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, PARTIAL: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     # A step covers [BLOCK_N, BLOCK_K] weights, BLOCK_K // 2 bytes a row. Byte j holds element 2j in
@@ -138,6 +150,11 @@ def _nf4_matmul_kernel(
                 acc += bias
             else:
                 acc += bias[None, :]
+        if HAS_LORA:
+            if BLOCK_M == 1:
+                acc += lora_scale * _lora_delta(xa_ptr, lora_b_ptr, 0 * n, n, mask, rank)
+            else:
+                acc += lora_scale * _lora_delta(xa_ptr, lora_b_ptr, rows[:, None], n[None, :], mask, rank)
         if ROUND_BF16:
             acc = round_to_bf16(acc)
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -197,9 +214,9 @@ def levels_asm(levels: tuple[float, ...], dtype: torch.dtype) -> str:
 @triton.jit
 def _nf4_dot_kernel(
     x_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr,
-    bias_ptr, out_ptr, M, N, K, stride_xm, k_chunk,
+    bias_ptr, out_ptr, M, N, K, stride_xm, k_chunk, xa_ptr, lora_b_ptr, lora_scale, rank,
     BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, ROUND_BF16: tl.constexpr, FP32: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, PARTIAL: tl.constexpr, ROUND_BF16: tl.constexpr, FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_BLOCKS: tl.constexpr, LEVELS_ASM: tl.constexpr,
     W_AS_B: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
@@ -269,14 +286,17 @@ def _nf4_dot_kernel(
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n, mask=n_live, other=0.0).to(tl.float32)[:, None]
+        if HAS_LORA:
+            acc += lora_scale * _lora_delta(xa_ptr, lora_b_ptr, rows[None, :], n[:, None], mask, rank)
         if ROUND_BF16:
             acc = round_to_bf16(acc)
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _sum_splits_kernel(partials_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _sum_splits_kernel(partials_ptr, bias_ptr, out_ptr, MN, N, xa_ptr, lora_b_ptr, lora_scale, rank,
+                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ROUND_BF16: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = i < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -284,6 +304,8 @@ def _sum_splits_kernel(partials_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constex
         acc += tl.load(partials_ptr + s * MN + i, mask=live, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + i % N, mask=live, other=0.0).to(tl.float32)
+    if HAS_LORA:
+        acc += lora_scale * _lora_delta(xa_ptr, lora_b_ptr, i // N, i % N, live, rank)
     if ROUND_BF16:
         acc = round_to_bf16(acc)
     tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=live)
@@ -313,14 +335,15 @@ def _dot_applies(k: int, blocksize: int) -> bool:
 def _nf4_matmul_launch(
     x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, code: torch.Tensor, absmax2: torch.Tensor,
     code2: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None, n: int, blocksize: int, blocksize2: int,
-    nested: bool, nf4: bool,
+    nested: bool, nf4: bool, xa: torch.Tensor | None, lora_b: torch.Tensor | None, lora_scale: float,
 ) -> torch.Tensor:  # fmt: skip
     m, k = x.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     if k == 0:
-        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+        y = torch.zeros((m, n), dtype=torch.float32, device=x.device) if bias is None else bias.float().expand(m, n)
+        return out.copy_(y if xa is None else y + lora_scale * (xa.float() @ lora_b.float().T))
     block_n, block_k, warps, programs_per_sm, form, *stages = NF4_MATMUL_TUNING["one" if m == 1 else "few"]
     stages = stages[0] if stages else None
     if form not in FORMS:
@@ -336,9 +359,11 @@ def _nf4_matmul_launch(
     round_bf16 = INTERPRET and x.dtype == torch.bfloat16
     target = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if partial else out
     bias_arg = bias if bias is not None else out  # unread when HAS_BIAS is off
+    lora = (xa, lora_b, lora_scale, xa.shape[1]) if xa is not None else (out, out, 0.0, 0)  # unread without
     common = dict(BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, HAS_BIAS=bias is not None,
-                  PARTIAL=partial, ROUND_BF16=round_bf16, BLOCK_N=block_n, num_warps=warps)  # fmt: skip
-    args = (x, data, scales, code, absmax2, code2, offset, bias_arg, target, m, n, k, x.stride(0), k_chunk)
+                  HAS_LORA=xa is not None and not partial, PARTIAL=partial, ROUND_BF16=round_bf16, BLOCK_N=block_n,
+                  num_warps=warps)  # fmt: skip
+    args = (x, data, scales, code, absmax2, code2, offset, bias_arg, target, m, n, k, x.stride(0), k_chunk, *lora)
     if dot:
         fp32 = INTERPRET or x.dtype == torch.float32
         table = nf4 and not fp32 and not is_hip()  # prmt is NVIDIA's
@@ -355,22 +380,28 @@ def _nf4_matmul_launch(
     if partial:
         block = 1024
         wrap_triton(_sum_splits_kernel)[(cdiv(m * n, block),)](
-            target, bias_arg, out, m * n, n, SPLIT=split, HAS_BIAS=bias is not None, ROUND_BF16=round_bf16,
-            BLOCK=block, num_warps=4,
+            target, bias_arg, out, m * n, n, *lora, SPLIT=split, HAS_BIAS=bias is not None, HAS_LORA=xa is not None,
+            ROUND_BF16=round_bf16, BLOCK=block, num_warps=4,
         )  # fmt: skip
     return out
 
 
-def _nf4_matmul_fake(x, data, scales, code, absmax2, code2, offset, bias, n, blocksize, blocksize2, nested, nf4):
+def _nf4_matmul_fake(x, data, scales, code, absmax2, code2, offset, bias, n, blocksize, blocksize2, nested, nf4, xa,
+                     lora_b, lora_scale):  # fmt: skip
     return x.new_empty((x.shape[0], n))
 
 
 _nf4_matmul_op = traceable_op("unsloth::nf4_matmul", _nf4_matmul_launch, _nf4_matmul_fake)
 
 
-def nf4_matmul(x: torch.Tensor, prepared: Prepared4bit, bias: torch.Tensor | None = None) -> torch.Tensor:
+def nf4_matmul(x: torch.Tensor, prepared: Prepared4bit, bias: torch.Tensor | None = None,
+               lora: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:  # fmt: skip
     """x @ W^T (+ bias) for x of shape [..., K] with at most MAX_ROWS rows in all, and a prepared
-    4-bit weight W of logical shape [N, K] (out x in, as nn.Linear). Output in x's dtype."""
+    4-bit weight W of logical shape [N, K] (out x in, as nn.Linear). Output in x's dtype.
+
+    `lora` = (xa, B, scale) adds scale * xa @ B^T before the output is rounded, xa = x @ A^T of shape
+    [..., rank] and B the adapter's [N, rank] weight: a LoRA layer's update in the same pass, where
+    decoding would otherwise launch a matmul and an addition for it."""
     if len(prepared.shape) != 2:
         raise ValueError(f"expected a 2-D weight, got shape {prepared.shape}")
     n, k = prepared.shape
@@ -386,6 +417,13 @@ def nf4_matmul(x: torch.Tensor, prepared: Prepared4bit, bias: torch.Tensor | Non
     offset = offset_tensor(prepared)
     if bias is not None:
         bias = bias.contiguous()
+    xa, lora_b, lora_scale = lora if lora is not None else (None, None, 0.0)
+    if lora is not None:
+        xa = xa.reshape(rows.shape[0], -1).contiguous()
+        if lora_b.shape != (n, xa.shape[1]):
+            raise ValueError(f"the LoRA B weight must be [{n}, {xa.shape[1]}] (out x rank), got {tuple(lora_b.shape)}")
+        lora_b = lora_b.contiguous()
     y = _nf4_matmul_op(rows, prepared.data, prepared.scales, prepared.code, prepared.absmax2, prepared.code2, offset,
-                       bias, n, prepared.blocksize, prepared.blocksize2, prepared.nested, prepared.nf4)  # fmt: skip
+                       bias, n, prepared.blocksize, prepared.blocksize2, prepared.nested, prepared.nf4, xa, lora_b,
+                       float(lora_scale))  # fmt: skip
     return y.reshape(*x.shape[:-1], n)

@@ -34,14 +34,18 @@ def quantize(n, k, nested, seed=0, blocksize=64):
     return bnb_functional.quantize_4bit(weight, blocksize=blocksize, compress_statistics=nested, quant_type="nf4")
 
 
-def check(y, x, packed, state, bias, levels_rounded=False):
+def check(y, x, packed, state, bias, levels_rounded=False, lora=None):
     """`levels_rounded`: the tl.dot form rounds each level to x's dtype before its block's scale, where
-    bitsandbytes rounds level * scale: each weight may differ by half an ulp of either."""
+    bitsandbytes rounds level * scale: each weight may differ by half an ulp of either. `lora`: the
+    (xa, B, scale) nf4_matmul was given, whose update the reference adds in float64."""
     state.dtype = x.dtype
     weight = bnb_functional.dequantize_4bit(packed, state).double()
     ref = x.double().reshape(-1, weight.shape[1]) @ weight.T
     if bias is not None:
         ref = ref + bias.double()
+    if lora is not None:
+        xa, lora_b, lora_scale = lora
+        ref = ref + lora_scale * xa.double().reshape(ref.shape[0], -1) @ lora_b.double().T
     ref = ref.reshape(*x.shape[:-1], weight.shape[0])
     assert y.dtype == x.dtype and y.shape == ref.shape
     # one rounding of the output (half an ulp, relative), plus fp32 sums over K terms of size |x||w|
@@ -73,6 +77,23 @@ def test_matches_float64_reference(m, n, k, dtype, nested, form):
     bias = torch.randn(n, device=DEVICE).to(dtype) if use_bias else None
     y = nf4_matmul(x, prepare_bnb_4bit(packed, state), bias)
     check(y, x, packed, state, bias, levels_rounded=form != "reduce" and nf4_matmul_module._dot_applies(k, 64))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 72, 320), (3, 200, 576), (8, 520, 320), (5, 73, 200)], ids=str)
+def test_a_lora_update_in_the_epilogue(m, n, k, form):
+    """nf4_matmul(lora=(x A^T, B, scale)) adds the LoRA update in whichever pass writes the output: the
+    kernel's own (one K split, N = 520) or the sum of the splits; fp32 B with bf16 x as peft may hold it."""
+    packed, state = quantize(n, k, nested=True)
+    x = torch.randn((m, k), device=DEVICE).to(torch.bfloat16)
+    rank = 4 if n % 2 else 8
+    xa = (x.float() @ torch.randn((rank, k), device=DEVICE).T / k**0.5).to(torch.bfloat16)
+    lora = (xa, torch.randn((n, rank), device=DEVICE), 0.75)
+    bias = torch.randn(n, device=DEVICE).to(torch.bfloat16) if m % 2 else None
+    y = nf4_matmul(x, prepare_bnb_4bit(packed, state), bias, lora=lora)
+    check(y, x, packed, state, bias, levels_rounded=form != "reduce" and nf4_matmul_module._dot_applies(k, 64),
+          lora=lora)  # fmt: skip
+    with pytest.raises(ValueError, match="LoRA B weight"):
+        nf4_matmul(x, prepare_bnb_4bit(packed, state), bias, lora=(xa, lora[1].T.contiguous(), 0.75))
 
 
 @pytest.mark.parametrize("m", [1, 4])

@@ -7,12 +7,14 @@ activation recomputed in backward, not stored), and every other LoRA linear as `
 x and x A^T saved). The check runs on every call, so disabling adapters (as TRL does for a
 reference model), merging or a mixed-adapter batch falls back to peft's own forward.
 
-Under torch.compile (the decode step) those forwards are peft's, over the bitsandbytes 4-bit base
-layer's forward (`_nf4_decode_forward`): 2 to 16 rows multiply by the packed weight directly
-(`nf4_matmul`: twice bitsandbytes' speed at 8 rows on the H200); one row keeps bitsandbytes' own 4-bit
-GEMV (about 10% ahead of ours there) and more rows dequantize the weight with our kernel (about
-0.6 x bitsandbytes' time) and multiply. UNSLOTH_NF4_DECODE=1 takes nf4_matmul for one row too;
-UNSLOTH_NF4_DECODE=0 keeps bitsandbytes' forward throughout.
+Under torch.compile (the decode step), without gradients, a LoRA layer over a bitsandbytes 4-bit base
+runs as one `nf4_matmul` for 2 to 16 rows (`_lora_4bit_decode`): it multiplies by the packed weight
+directly (twice bitsandbytes' speed at 8 rows on the H200) and adds the adapter's update, computed
+from x A^T, before rounding, instead of a matmul and an addition after it. One row keeps peft's
+forward over bitsandbytes' own 4-bit GEMV (about 10% ahead of ours there); more rows (a prompt)
+dequantize the weight with our kernel (about 0.6 x bitsandbytes' time) and multiply
+(`_nf4_decode_forward`, which also serves 4-bit layers without an adapter). UNSLOTH_NF4_DECODE=1
+takes nf4_matmul for one row too; UNSLOTH_NF4_DECODE=0 keeps peft's and bitsandbytes' forwards.
 """
 
 from __future__ import annotations
@@ -99,7 +101,9 @@ def kernel_reads_base(layer) -> bool:
 def _lora_linear_forward(self, x, *args, **kwargs):
     from unsloth.models.kernels import compiling
 
-    weights = None if (args or kwargs or compiling()) else lora_weights(self)
+    if compiling():
+        return _lora_decode_forward(self, x, *args, **kwargs)
+    weights = None if (args or kwargs) else lora_weights(self)
     if weights is None:
         return type(self).forward(self, x, *args, **kwargs)
     from unsloth_kernels.lora import lora_o, lora_o_forward
@@ -134,28 +138,77 @@ def _lora_mlp_forward(self, x):
     return lora_mlp(x, *weights, activation=KERNEL_ACTIVATION[self._unsloth_act], output_needed=output_needed)
 
 
-def _nf4_decode_forward(self, x, *args, **kwargs):
-    """A bitsandbytes 4-bit base layer's forward (peft adds the LoRA delta after it). Inside a compiled
-    step, without gradients: our fused nf4_matmul for 2 to 16 rows (1 to 16 with UNSLOTH_NF4_DECODE=1),
-    bitsandbytes' GEMV for one row, our dequantization then a matmul for more; =0 keeps bitsandbytes'."""
+def _lora_decode_forward(self, x, *args, **kwargs):
+    """A LoRA layer inside a compiled step (decoding): over a 4-bit base, one nf4_matmul that adds the
+    adapter's update in its epilogue (`_lora_4bit_decode`); else peft's forward. The gated MLP's LoRA
+    projections take this forward too (the MLP's kernel runs them outside compiled steps)."""
     from unsloth.models.kernels import compiling
 
+    y = None if (args or kwargs or not compiling()) else _lora_4bit_decode(self, x)
+    return type(self).forward(self, x, *args, **kwargs) if y is None else y
+
+
+def _lora_4bit_decode(layer, x):
+    """peft's LoRA forward over a bitsandbytes 4-bit base as one fused pass, or None where it does not
+    apply: one active adapter, unmerged, no DoRA or other variant, no dropout at work, no bias on B.
+    x A^T is torch's (a [rows, rank] matmul); nf4_matmul adds scale * (x A^T) B^T to x W^T."""
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(layer, LoraLayer) or layer.merged or layer.disable_adapters or len(layer.active_adapters) != 1:
+        return None
+    name = layer.active_adapters[0]
+    if name not in layer.lora_A or layer.use_dora.get(name, False) or getattr(layer, "fan_in_fan_out", False):
+        return None
+    if getattr(layer, "lora_variant", {}).get(name) is not None:
+        return None
+    lora_a, lora_b, dropout = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
+    base = layer.get_base_layer()
+    if lora_b.bias is not None or (dropout.training and not isinstance(dropout, nn.Identity)):
+        return None
+    if not _nf4_decode_takes(base, x, fused_lora=True):
+        return None
+    xa = torch.nn.functional.linear(x.to(lora_a.weight.dtype), lora_a.weight)  # peft casts x to A's dtype
+    return _nf4_decode(base, x, (xa, lora_b.weight, layer.scaling[name]))
+
+
+def _nf4_decode_forward(self, x, *args, **kwargs):
+    """A bitsandbytes 4-bit base layer's forward (peft adds the LoRA delta after it, where
+    `_lora_4bit_decode` did not take the whole layer): `_nf4_decode` inside a compiled step, else
+    bitsandbytes'."""
+    from unsloth.models.kernels import compiling
+
+    takes = not (args or kwargs) and compiling() and _nf4_decode_takes(self, x, fused_lora=False)
+    return _nf4_decode(self, x) if takes else type(self).forward(self, x, *args, **kwargs)
+
+
+def _nf4_decode_takes(base, x, fused_lora: bool) -> bool:
+    """Whether `_nf4_decode` runs a 4-bit base without gradients: our fused nf4_matmul for 2 to 16 rows
+    (1 to 16 with UNSLOTH_NF4_DECODE=1) and, with no LoRA update to fuse, our dequantization then a
+    matmul for more rows. Not for one row (bitsandbytes' 4-bit GEMV reads the packed weight once) nor
+    with UNSLOTH_NF4_DECODE=0."""
+    from unsloth_kernels.nf4_matmul import MAX_ROWS
+
     mode = os.environ.get("UNSLOTH_NF4_DECODE", "")
-    if args or kwargs or mode == "0" or not compiling() or not _nf4_decode_applies(self, x):
-        return type(self).forward(self, x, *args, **kwargs)
+    if mode == "0" or not _is_4bit_linear(base) or not _nf4_decode_applies(base, x):
+        return False
+    rows = x.numel() // x.shape[-1]
+    return (rows > 1 or mode == "1") and (rows <= MAX_ROWS or not fused_lora)
+
+
+def _nf4_decode(base, x, lora=None):
+    """A 4-bit base's x W^T (+ bias, + the LoRA update `lora` = (x A^T, B, scale)) as `_nf4_decode_takes`
+    says."""
     from unsloth_kernels.nf4 import dequantize_traceable, prepare_bnb_4bit
     from unsloth_kernels.nf4_matmul import MAX_ROWS, nf4_matmul
 
     rows = x.numel() // x.shape[-1]
-    if rows == 1 and mode != "1":
-        return type(self).forward(self, x)  # bitsandbytes' 4-bit GEMV reads the packed weight once
     # Prepared per call: under compile it is traced once into views of the same tensors.
-    prepared = prepare_bnb_4bit(self.weight, self.weight.quant_state)
-    compute = self.compute_dtype or x.dtype  # as bitsandbytes' Linear4bit: compute dtype in, input dtype out
-    bias = None if self.bias is None else self.bias.to(compute)
+    prepared = prepare_bnb_4bit(base.weight, base.weight.quant_state)
+    compute = base.compute_dtype or x.dtype  # as bitsandbytes' Linear4bit: compute dtype in, input dtype out
+    bias = None if base.bias is None else base.bias.to(compute)
     if rows <= MAX_ROWS:
-        return nf4_matmul(x.to(compute), prepared, bias).to(x.dtype)
-    weight = dequantize_traceable(prepared, self.weight.quant_state.dtype).to(compute)
+        return nf4_matmul(x.to(compute), prepared, bias, lora=lora).to(x.dtype)
+    weight = dequantize_traceable(prepared, base.weight.quant_state.dtype).to(compute)
     return torch.nn.functional.linear(x.to(compute), weight, bias).to(x.dtype)
 
 
@@ -207,6 +260,8 @@ def patch_lora(model, mlp_feeds_residual: bool = False) -> dict[str, int]:
             module.forward = types.MethodType(_lora_mlp_forward, module)
             module._unsloth_mlp_feeds_residual = mlp_feeds_residual
             in_mlp.update(id(getattr(module, n)) for n in ("gate_proj", "up_proj", "down_proj"))
+            for projection in projections:
+                projection.forward = types.MethodType(_lora_decode_forward, projection)
             mlps += 1
     for module in model.modules():
         if (isinstance(module, LoraLayer) and isinstance(module.get_base_layer(), nn.Linear)
