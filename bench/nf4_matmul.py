@@ -56,8 +56,8 @@ WEIGHTS = {"q_proj / o_proj": 2, "k_proj / v_proj": 2, "gate_proj / up_proj": 2,
 # few rows' best dot configurations (a dot costs the same for 1 row as for 16).
 _DOT = ([(128, 64, 4, 4, "dot_w_b"), (128, 64, 4, 4, "dot_w_a")]
         + [(bn, bk, 4, p, "dot_w_b", stages)
-           for bn in (64, 128) for bk in (64, 128) for p in (1, 2, 4) for stages in (2, 3, 4)]
-        + [(128, 64, 4, p, "dot_w_a", stages) for p in (2, 4) for stages in (3, 4)])  # fmt: skip
+           for bn in (64, 128) for bk in (64, 128) for p in (2, 4) for stages in (2, 3, 4)]
+        + [(128, 64, 4, 4, "dot_w_a", stages) for stages in (3, 4)])  # fmt: skip
 SWEEP = {"few": _DOT + [nf4_matmul_module.REDUCE_FALLBACK], "one": [(16, 512, 4, 2, "reduce")]}
 ONE_FROM_FEW = 4  # how many of the few rows' best configurations "one" tries too
 SWEEP_ROWS = {"one": 1, "few": 8}
