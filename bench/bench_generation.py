@@ -145,6 +145,14 @@ def measure(model, args, batch: int, device: str) -> dict:
             "tokens_sha": hashlib.sha1(str(new_tokens[0].tolist()).encode()).hexdigest()[:12]}
 
 
+def use_nf4_tuning(path: str) -> None:
+    """nf4_matmul's launch configurations from `bench/nf4_matmul.py --tuning-out` (run in the same call)."""
+    from unsloth_kernels import nf4_matmul
+
+    with open(path) as f:
+        nf4_matmul.NF4_MATMUL_TUNING.update({kind: tuple(config) for kind, config in json.load(f).items()})
+
+
 def dynamo_counts() -> dict:
     """Graphs torch.compile made so far in this process, and graph breaks it met: a decode step that
     breaks into pieces costs several times its time, and otherwise shows only as a slow row."""
@@ -185,10 +193,7 @@ def main(argv=None):
 
         generation.DEFER_DEVICES = set()
     if args.nf4_tuning and args.impl == "ours":
-        from unsloth_kernels import nf4_matmul
-
-        with open(args.nf4_tuning) as f:
-            nf4_matmul.NF4_MATMUL_TUNING.update({kind: tuple(config) for kind, config in json.load(f).items()})
+        use_nf4_tuning(args.nf4_tuning)
     import torch
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"

@@ -52,10 +52,17 @@ p.add_argument("--optim", default="adamw_8bit")
 p.add_argument("--tiny", action="store_true", help="a tiny random Llama on the CPU: checks the code path only")
 p.add_argument("--sync-every-step", action="store_true",
                help="ours: rollouts wait for every decode step, as transformers does on CUDA (A/B of the deferred stop check)")
+p.add_argument("--nf4-tuning", metavar="FILE",
+               help="ours: nf4_matmul's launch configurations from bench/nf4_matmul.py --tuning-out (same call)")
 args = p.parse_args()
 
 import unsloth  # noqa: E402  (first, as in the notebooks)
 from unsloth import FastLanguageModel  # noqa: E402
+
+if args.nf4_tuning and args.impl == "ours":
+    from bench_generation import use_nf4_tuning  # this folder: a script's own folder is on its path
+
+    use_nf4_tuning(args.nf4_tuning)
 
 if args.sync_every_step and args.impl == "ours":
     from unsloth.models import generation
