@@ -31,11 +31,12 @@ from unsloth_kernels import nf4_matmul as nf4_matmul_module
 from unsloth_kernels.nf4 import NF4_CODE
 
 # _nf4_matmul_kernel's pointer and integer arguments, as a decode step calls it (bf16 x, nested
-# absmax, K split into fp32 partial sums)
+# absmax, K split into fp32 partial sums, so the LoRA update is the sum pass's)
 NF4_SIGNATURE = {
     "x_ptr": "*bf16", "packed_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32", "absmax2_ptr": "*fp32",
     "code2_ptr": "*fp32", "offset_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp32", "M": "i32",
-    "N": "i32", "K": "i32", "stride_xm": "i32", "k_chunk": "i32",
+    "N": "i32", "K": "i32", "stride_xm": "i32", "k_chunk": "i32", "xa_ptr": "*bf16", "lora_b_ptr": "*bf16",
+    "lora_scale": "fp32", "rank": "i32",
 }  # fmt: skip
 
 
@@ -68,7 +69,8 @@ def resources(kernel, signature: dict, constants: dict, target: GPUTarget, warps
     pointers and the integers but M are taken as multiples of 16, as a launch specializes them: without
     that the compiler cannot vectorize the loads, and the kernel compiled is not the one that runs."""
     names = list(signature)
-    aligned = {(names.index(name),): [["tt.divisibility", 16]] for name in names if name != "M"}
+    aligned = {(names.index(name),): [["tt.divisibility", 16]] for name in names
+               if name != "M" and signature[name] != "fp32"}  # fmt: skip
     source = triton.compiler.ASTSource(fn=kernel, signature={**signature, **dict.fromkeys(constants, "constexpr")},
                                        constexprs=constants, attrs=aligned)  # fmt: skip
     compiled = triton.compile(source, target=target, options={"num_warps": warps})
@@ -96,7 +98,7 @@ def main() -> None:
         rows = SWEEP_ROWS[kind]
         for config in configs:
             block_n, block_k, warps, _, form, *stages = config
-            constants = dict(BLOCKSIZE=64, BLOCKSIZE2=256, NESTED=True, HAS_BIAS=False, PARTIAL=True,
+            constants = dict(BLOCKSIZE=64, BLOCKSIZE2=256, NESTED=True, HAS_BIAS=False, HAS_LORA=False, PARTIAL=True,
                              ROUND_BF16=False, BLOCK_N=block_n)  # fmt: skip
             if form != "reduce":
                 kernel = nf4_matmul_module._nf4_dot_kernel
