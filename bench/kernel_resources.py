@@ -36,7 +36,7 @@ NF4_SIGNATURE = {
     "x_ptr": "*bf16", "packed_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32", "absmax2_ptr": "*fp32",
     "code2_ptr": "*fp32", "offset_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp32", "M": "i32",
     "N": "i32", "K": "i32", "stride_xm": "i32", "k_chunk": "i32", "xa_ptr": "*bf16", "lora_b_ptr": "*bf16",
-    "lora_scale": "fp32", "rank": "i32",
+    "lora_scale": "fp32",
 }  # fmt: skip
 
 
@@ -98,8 +98,8 @@ def main() -> None:
         rows = SWEEP_ROWS[kind]
         for config in configs:
             block_n, block_k, warps, _, form, *stages = config
-            constants = dict(BLOCKSIZE=64, BLOCKSIZE2=256, NESTED=True, HAS_BIAS=False, HAS_LORA=False, PARTIAL=True,
-                             ROUND_BF16=False, BLOCK_N=block_n)  # fmt: skip
+            constants = dict(BLOCKSIZE=64, BLOCKSIZE2=256, NESTED=True, HAS_BIAS=False, HAS_LORA=False, RANK=0,
+                             PARTIAL=True, ROUND_BF16=False, BLOCK_N=block_n)  # fmt: skip
             if form != "reduce":
                 kernel = nf4_matmul_module._nf4_dot_kernel
                 constants.update(FP32=False, BLOCK_M=16, STEP_BLOCKS=max(block_k // 64, 1), PRECISION=None,

@@ -14,6 +14,7 @@ over the packed weight's bytes (packed + absmax), the bytes it must read.
     python bench/nf4_matmul.py            # on a GPU
     python bench/nf4_matmul.py --sweep --tuning-out tuning.json   # first tries launch configurations
     python bench/nf4_matmul.py --compiled   # adds ours inside torch.compile (1 and 8 rows), as decoding runs it
+    python bench/nf4_matmul.py --lora 16    # a LoRA update in our pass, against adding it after (max diff: of those)
     TRITON_INTERPRET=1 python bench/nf4_matmul.py --tiny   # a smoke test on the CPU, tiny shapes
 
 --sweep times every configuration of SWEEP (nf4_matmul.NF4_MATMUL_TUNING's tuple: BLOCK_N, BLOCK_K,
@@ -138,6 +139,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (for TRITON_INTERPRET=1 on the CPU)")
     parser.add_argument("--sweep", action="store_true", help="first pick the launch configurations (see above)")
     parser.add_argument("--tuning-out", help="write the swept configurations here (JSON)")
+    parser.add_argument("--lora", type=int, metavar="RANK",
+                        help="add a LoRA update of this rank: ours in nf4_matmul's pass (lora=) against ours then "
+                             "peft's B matmul and addition (x A^T is computed once, outside both)")
     parser.add_argument("--compiled", action="store_true",
                         help="also time ours inside torch.compile (fullgraph, as the decode step runs it)")
     args = parser.parse_args()
@@ -155,10 +159,17 @@ def main() -> None:
         for m in ROWS:
             x = torch.randn(m, k, device=device, dtype=dtype)
             ours = lambda: nf4_matmul(x, prepared)  # noqa: E731
+            if args.lora:  # fp32 adapters, as QLoRA keeps them; the update added in our pass or after it
+                xa = x.float() @ torch.randn(args.lora, k, device=device).T / k
+                lora_b = torch.randn(n, args.lora, device=device) / args.lora
+                ours = lambda: nf4_matmul(x, prepared, lora=(xa, lora_b, 2.0))  # noqa: E731
+                unfused = lambda: nf4_matmul(x, prepared) + ((xa @ lora_b.T) * 2.0).to(dtype)  # noqa: E731
             theirs = lambda: bnb.matmul_4bit(x, packed.t(), quant_state=state)  # noqa: E731
             spelled = lambda: x @ bnb_functional.dequantize_4bit(packed, state).t()  # noqa: E731
-            diff = (ours().float() - theirs().float()).abs().max().item()
+            diff = (ours().float() - (unfused if args.lora else theirs)().float()).abs().max().item()
             fns = (("ours", ours), ("bnb", theirs), ("dequant+mm", spelled))
+            if args.lora:
+                fns += (("ours, peft's update after", unfused),)
             if args.compiled and m in SWEEP_ROWS.values():
                 fns += (("compiled", compiled(ours, ours())),)
             ms = {label: timed(fn, device) for label, fn in fns if fn is not None}
