@@ -44,8 +44,8 @@ SUM_BLOCK = 256
 # operand (Hopper's warpgroup MMA takes it from registers) or the B operand (through shared memory).
 # K is split across programs until about "programs per SM" programs run on each SM. "stages" (dot
 # forms) pipelines the K loop: its packed bytes and scales are copied to shared memory stages - 1
-# steps ahead, so a program keeps several steps' loads in flight instead of waiting on each (without
-# it Triton pipelines only the loads a tl.dot reads: x's, not the weight's). Read at each
+# steps ahead (without it Triton pipelines only the loads a tl.dot reads: x's, not the weight's); on
+# an H100 that did not pay (2026-12-07), so the defaults leave it out. Read at each
 # launch, so bench/nf4_matmul.py --sweep can try others. The GPU's are what an H200 sweep of
 # 2026-12-06 chose for one row and for eight (docs/benchmarks.md, "Few-row NF4 matmul"): W as the B
 # operand, 128 x 64 tiles (9 KiB of shared memory, 96 registers, no spills from sm_80 to sm_90). The
