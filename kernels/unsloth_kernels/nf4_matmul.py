@@ -368,8 +368,8 @@ def _nf4_matmul_launch(
     lora = (xa, lora_b, lora_scale) if xa is not None else (out, out, 0.0)  # unread without
     rank = 0 if xa is None else xa.shape[1]
     common = dict(BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, HAS_BIAS=bias is not None,
-                  HAS_LORA=xa is not None and not partial, RANK=rank, PARTIAL=partial, ROUND_BF16=round_bf16,
-                  BLOCK_N=block_n, num_warps=warps)  # fmt: skip
+                  HAS_LORA=xa is not None and not partial, RANK=0 if partial else rank, PARTIAL=partial,
+                  ROUND_BF16=round_bf16, BLOCK_N=block_n, num_warps=warps)  # fmt: skip
     args = (x, data, scales, code, absmax2, code2, offset, bias_arg, target, m, n, k, x.stride(0), k_chunk, *lora)
     if dot:
         fp32 = INTERPRET or x.dtype == torch.float32
