@@ -151,10 +151,9 @@ def _lora_decode_forward(self, x, *args, **kwargs):
 def _lora_4bit_decode(layer, x):
     """peft's LoRA forward over a bitsandbytes 4-bit base as one fused pass, or None where it does not
     apply: one active adapter, unmerged, no DoRA or other variant, no dropout at work, no bias on B.
-    x A^T is torch's (a [rows, rank] matmul); nf4_matmul adds scale * (x A^T) B^T to x W^T."""
-    from peft.tuners.lora import LoraLayer
-
-    if not isinstance(layer, LoraLayer) or layer.merged or layer.disable_adapters or len(layer.active_adapters) != 1:
+    x A^T is torch's (a [rows, rank] matmul); nf4_matmul adds scale * (x A^T) B^T to x W^T. `layer` is a
+    peft LoRA layer: patch_lora installs this path on those only."""
+    if layer.merged or layer.disable_adapters or len(layer.active_adapters) != 1:
         return None
     name = layer.active_adapters[0]
     if name not in layer.lora_A or layer.use_dora.get(name, False) or getattr(layer, "fan_in_fan_out", False):
