@@ -11,7 +11,8 @@ import torch
 
 from test_models_moe import _with_lora as _with_moe_lora
 from test_models_moe import moe_config
-from tiny_families import VOCAB, compile_decode_as_on_a_gpu, family_config, save_tiny, tiny_model, with_lora
+from tiny_families import (VOCAB, compile_decode_as_on_a_gpu, family_config, save_tiny, tiny_model,
+                           transformers_attention, with_lora)
 from tiny_vision import VISION_FAMILIES, tiny_vision_model
 from unsloth.models import generation
 from unsloth.models.patches import FAMILIES, MOE_FAMILIES, patch_model, patch_peft_model
@@ -104,7 +105,8 @@ def _greedy(model, ids, mask, new=6):
 def _transformers_greedy(model, ids, mask, new):
     """transformers' own generate, the reference; skips where it cannot generate at all (nothing to match)."""
     try:
-        return _greedy(model, ids, mask, new=new)
+        with transformers_attention():
+            return _greedy(model, ids, mask, new=new)
     except AttributeError as error:  # Llama4ForConditionalGeneration, text only: no image_outputs (5.24)
         pytest.skip(f"transformers' own generate fails on {model.config.model_type}: {error}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -178,3 +179,18 @@ def compile_decode_as_on_a_gpu(monkeypatch):
         return config
 
     monkeypatch.setattr(generation, "_compile_config", as_on_a_gpu)
+
+
+@contextlib.contextmanager
+def transformers_attention():
+    """transformers' own SDPA attention for the block, where our decode attention wraps it (a reference
+    run must not go through the code it checks)."""
+    from transformers.modeling_utils import AttentionInterface
+
+    mapping = AttentionInterface._global_mapping
+    current = mapping["sdpa"]
+    mapping["sdpa"] = getattr(current, "_unsloth_original", current)
+    try:
+        yield
+    finally:
+        mapping["sdpa"] = current

@@ -21,6 +21,9 @@ Inside our calls it decides for CUDA as it decides for "mps" (`_defer_stop_check
 cache does not count as the caller's (nothing outside reads it back), so the host runs a step ahead.
 The tokens are generate's; only when sampling rows that all stop early does the undone step draw
 random numbers of its own, so the generator's state after the call is one step further on.
+
+Grouped-query attention decodes on the key/value heads themselves (patches/decode_attention.py), not on
+copies made per query head.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ def enable(model):
     The train/eval mode is the caller's: `fast_generate` itself decodes in eval mode."""
     from transformers import GenerationMixin
 
+    from unsloth.models.patches.decode_attention import patch_decode_attention
+
     backbone = _backbone(model)
     backbone.config.use_cache = True
     if getattr(type(backbone), "generate", None) is not GenerationMixin.generate:
@@ -75,6 +80,7 @@ def enable(model):
     if getattr(backbone, "_unsloth_fast_generation", None) is None:
         backbone._unsloth_fast_generation = {}  # (batch, cache length) -> StaticCache
     _defer_stop_checks()
+    patch_decode_attention()
     if not getattr(backbone.generate, "_unsloth_fast", False):
         plain = backbone.generate
         fast = functools.wraps(plain)(functools.partial(fast_generate, backbone, plain))
