@@ -15,6 +15,7 @@ over the packed weight's bytes (packed + absmax), the bytes it must read.
     python bench/nf4_matmul.py --sweep --tuning-out tuning.json   # first tries launch configurations
     python bench/nf4_matmul.py --compiled   # adds ours inside torch.compile (1 and 8 rows), as decoding runs it
     python bench/nf4_matmul.py --lora 16    # a LoRA update in our pass, against adding it after (max diff: of those)
+    python bench/nf4_matmul.py --flat-scales   # adds ours with one fp32 scale per block (no nested absmax)
     TRITON_INTERPRET=1 python bench/nf4_matmul.py --tiny   # a smoke test on the CPU, tiny shapes
 
 --sweep times every configuration of SWEEP (nf4_matmul.NF4_MATMUL_TUNING's tuple: BLOCK_N, BLOCK_K,
@@ -40,7 +41,7 @@ import torch
 from bench_kernels import graph_ms  # this folder: a script's own folder is on its path
 
 from unsloth_kernels import nf4_matmul as nf4_matmul_module
-from unsloth_kernels.nf4 import prepare_bnb_4bit
+from unsloth_kernels.nf4 import prepare_4bit, prepare_bnb_4bit
 from unsloth_kernels.nf4_matmul import nf4_matmul
 
 # (name, N = out features, K = in features) of Llama-3.1-8B's projections
@@ -87,6 +88,12 @@ def quantized(shapes, device, dtype):
         state.dtype = dtype
         out.append((name, n, k, packed, state, prepare_bnb_4bit(packed, state)))
     return out
+
+
+def flat_scales(packed, state):
+    """The same weight prepared with one fp32 absmax per block (its nested absmax dequantized)."""
+    absmax = bnb_functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    return prepare_4bit(packed, absmax.float(), state.shape, blocksize=state.blocksize, code=state.code, nf4=True)
 
 
 def sweep(weights, device, dtype, tiny=False) -> dict[str, list]:
@@ -142,6 +149,9 @@ def main() -> None:
     parser.add_argument("--lora", type=int, metavar="RANK",
                         help="add a LoRA update of this rank: ours in nf4_matmul's pass (lora=) against ours then "
                              "peft's B matmul and addition (x A^T is computed once, outside both)")
+    parser.add_argument("--flat-scales", action="store_true",
+                        help="also time ours on the same weight with its double-quantized absmax expanded to one fp32 "
+                             "scale per block (no dependent loads per block; 4 bytes per 64 weights instead of ~1)")
     parser.add_argument("--compiled", action="store_true",
                         help="also time ours inside torch.compile (fullgraph, as the decode step runs it)")
     args = parser.parse_args()
@@ -170,6 +180,9 @@ def main() -> None:
             fns = (("ours", ours), ("bnb", theirs), ("dequant+mm", spelled))
             if args.lora:
                 fns += (("ours, peft's update after", unfused),)
+            if args.flat_scales:
+                flat = flat_scales(packed, state)
+                fns += (("ours, flat scales", lambda: nf4_matmul(x, flat)),)  # noqa: B023 - called at once
             if args.compiled and m in SWEEP_ROWS.values():
                 fns += (("compiled", compiled(ours, ours())),)
             ms = {label: timed(fn, device) for label, fn in fns if fn is not None}
