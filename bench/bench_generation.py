@@ -181,7 +181,7 @@ def device_time(generate, new: int) -> dict:
     events = sorted(prof.key_averages(), key=lambda event: event.self_device_time_total, reverse=True)
     per_step = [(event.key[:80], event.self_device_time_total / 1000 / new) for event in events]
     return {"device_ms_per_step": round(sum(ms for _, ms in per_step), 3),
-            "top_kernels": [[name, round(ms, 3)] for name, ms in per_step[:10]]}
+            "top_kernels": [[name, round(ms, 3)] for name, ms in per_step[:16]]}
 
 
 def main(argv=None):
