@@ -41,12 +41,18 @@ def test_grouped_decode_attention_is_transformers_sdpa_attention(batch, kv_heads
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
 
-@pytest.fixture
-def installed(monkeypatch):
-    """The wrapper installed afresh over transformers' function for this test only."""
+def _transformers_function(monkeypatch):
+    """transformers' own "sdpa" function, registered again for this test (the wrapper may be installed)."""
     original = AttentionInterface._global_mapping["sdpa"]
     original = getattr(original, "_unsloth_original", original)
     monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", original)
+    return original
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """The wrapper installed afresh over transformers' function for this test only."""
+    _transformers_function(monkeypatch)
     assert patch_decode_attention()
     return AttentionInterface._global_mapping["sdpa"]
 
@@ -54,9 +60,9 @@ def installed(monkeypatch):
 def test_only_a_single_masked_grouped_query_is_taken(installed, monkeypatch):
     """The wrapper takes one query token with groups and a head-shared mask; anything else (a prompt, no
     groups, a per-head mask, a position bias) is transformers' own call, with transformers' output."""
-    taken = []
-    real = decode_attention.grouped_decode_attention
-    monkeypatch.setattr(decode_attention, "grouped_decode_attention", lambda *a, **kw: taken.append(1) or real(*a, **kw))
+    taken, real = [], decode_attention.grouped_decode_attention
+    monkeypatch.setattr(decode_attention, "grouped_decode_attention",
+                        lambda *a, **kw: taken.append(1) or real(*a, **kw))  # fmt: skip
     query, key, value, mask = _inputs(2, 2, 2, 6, dim=8)
     calls = [
         (_module(2), query, key, value, mask, {}),  # taken
@@ -73,9 +79,7 @@ def test_only_a_single_masked_grouped_query_is_taken(installed, monkeypatch):
 
 
 def test_the_patch_installs_once_checked_and_can_be_turned_off(monkeypatch):
-    original = AttentionInterface._global_mapping["sdpa"]
-    original = getattr(original, "_unsloth_original", original)
-    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", original)
+    original = _transformers_function(monkeypatch)
     monkeypatch.setenv("UNSLOTH_DECODE_ATTENTION", "0")
     assert not patch_decode_attention() and AttentionInterface._global_mapping["sdpa"] is original
     monkeypatch.delenv("UNSLOTH_DECODE_ATTENTION")

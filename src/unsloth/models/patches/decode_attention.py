@@ -63,7 +63,8 @@ def _wrap(original):
 def _agrees(original, wrapped) -> bool:
     """Both on a probe: batch 2, 2 key/value heads of 2 query heads each, 5 slots of which some masked."""
     generator = torch.Generator().manual_seed(0)
-    query, key, value = (torch.randn(shape, generator=generator) for shape in ((2, 4, 1, 8), (2, 2, 5, 8), (2, 2, 5, 8)))
+    shapes = ((2, 4, 1, 8), (2, 2, 5, 8), (2, 2, 5, 8))
+    query, key, value = (torch.randn(shape, generator=generator) for shape in shapes)
     mask = torch.tensor([[True, True, True, False, False], [True, True, True, True, False]]).view(2, 1, 1, 5)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 2, True
