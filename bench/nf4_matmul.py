@@ -180,6 +180,7 @@ def main() -> None:
             fns = (("ours", ours), ("bnb", theirs), ("dequant+mm", spelled))
             if args.lora:
                 fns += (("ours, peft's update after", unfused),)
+            flat = None
             if args.flat_scales:
                 flat = flat_scales(packed, state)
                 fns += (("ours, flat scales", lambda: nf4_matmul(x, flat)),)  # noqa: B023 - called at once
@@ -193,7 +194,9 @@ def main() -> None:
                    "dequant+mm / ours": round(ms["dequant+mm"] / ms["ours"], 3),
                    "graph bnb / ours": graph["ours"] and graph["bnb"] and round(graph["bnb"] / graph["ours"], 3),
                    "ours GB/s": round(weight_bytes / (graph["ours"] or ms["ours"]) / 1e6, 1),
-                   "max |ours - bnb|": diff}  # fmt: skip
+                   "max |ours - bnb|": diff,
+                   "max |flat - ours|": flat and (nf4_matmul(x, flat).float() - ours().float()).abs().max().item(),
+                   }  # fmt: skip
             print(json.dumps(row), file=sys.stderr)
             results.append(row)
     keys = list(dict.fromkeys(key for row in results for key in row))

@@ -170,7 +170,7 @@ def _lora_4bit_decode(layer, x):
 
 
 def _rank_projection(x, a):
-    """x A^T for a few rows, written as a product and a sum so that torch.compile makes it one reduction
+    """x A^T for a few rows, written as a product and a sum so that torch.compile can make it one reduction
     kernel, with the cast of x (peft casts x to A's dtype, fp32 for trained adapters) inside, and one
     kernel for every projection reading the same x (q, k and v; gate and up). As a matmul it was cuBLAS's
     fp32 GEMM and its split-K pass, two launches for each projection: 2.1 ms of an H100's 14.2 ms 4-bit
