@@ -14,7 +14,8 @@ time, the peak memory so far, the reward and loss TRL logged, and what the step'
 returned: `generate_calls`, `rows` and `generated_tokens`, the new positions of every row, prompt
 excluded, so that both implementations visibly decode the same amount, and `rollouts_sha`, a digest
 of those new tokens: two runs with the same seed print the same digests, and so do two
-implementations whose rollouts are equal token for token); then {"event": "summary"}:
+implementations whose rollouts are equal token for token; `generate_s`, the seconds spent inside them,
+the GPU drained before and after each); then {"event": "summary"}:
 the median step time after the warm-up steps (rollouts + scoring + the update), the peak over the
 timed steps, every step's reward, loss and generated tokens. Killed by SIGTERM (h200.sh's `timeout`), it prints the summary of the
 steps it finished, with "partial": true, before it exits.
@@ -107,6 +108,11 @@ def emit(**fields) -> None:
     print(json.dumps({"bench": "grpo", "impl": args.impl, **fields}), flush=True)
 
 
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
 def peak_gib():
     return round(torch.cuda.max_memory_allocated() / 2**30, 3) if CUDA else None
 
@@ -130,7 +136,8 @@ class Run:
              reward=last.get("reward"), loss=last.get("loss"),
              generated_tokens=[g["generated_tokens"] for g in self.generated],
              generate_calls=[g["generate_calls"] for g in self.generated],
-             rollouts_sha=[g["rollouts_sha"] for g in self.generated])
+             rollouts_sha=[g["rollouts_sha"] for g in self.generated],
+             generate_s=[g["generate_s"] for g in self.generated])
 
 
 class GenerateCounter:
@@ -139,13 +146,18 @@ class GenerateCounter:
 
     def __init__(self):
         self.calls = self.rows = self.tokens = 0
+        self.seconds = 0.0
         self.digest = hashlib.sha256()
 
     def wrap(self, model) -> None:
         inner = model.generate
 
         def generate(*args, **kwargs):
+            sync()
+            start = time.perf_counter()
             out = inner(*args, **kwargs)
+            sync()
+            self.seconds += time.perf_counter() - start
             prompt = kwargs.get("input_ids", args[0] if args else None)
             sequences = out if torch.is_tensor(out) else out.sequences
             self.calls += 1
@@ -158,8 +170,9 @@ class GenerateCounter:
 
     def take(self) -> dict:
         counts = {"generate_calls": self.calls, "rows": self.rows, "generated_tokens": self.tokens,
-                  "rollouts_sha": self.digest.hexdigest()[:16]}
+                  "rollouts_sha": self.digest.hexdigest()[:16], "generate_s": round(self.seconds, 3)}
         self.calls = self.rows = self.tokens = 0
+        self.seconds = 0.0
         self.digest = hashlib.sha256()
         return counts
 
