@@ -104,7 +104,8 @@ def main() -> None:
                 kernel = nf4_matmul_module._nf4_dot_kernel
                 constants.update(FP32=False, BLOCK_M=16, STEP_BLOCKS=max(block_k // 64, 1), PRECISION=None,
                                  LEVELS_ASM=nf4_matmul_module.levels_asm(NF4_CODE, torch.bfloat16),
-                                 W_AS_B=form == "dot_w_b", STAGES=stages[0] if stages else None)  # fmt: skip
+                                 W_AS_B=form == "dot_w_b", STAGES=stages[0] if stages else None,
+                                 X_HALVES=nf4_matmul_module.X_HALVES)  # fmt: skip
             else:
                 kernel = nf4_matmul_module._nf4_matmul_kernel
                 constants.update(BLOCK_M=rows, BLOCK_K=block_k, GROUP=min(64, block_k))

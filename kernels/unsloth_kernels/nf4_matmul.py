@@ -56,6 +56,10 @@ NF4_MATMUL_TUNING: dict[str, tuple] = (
     if INTERPRET else
     {"one": (128, 64, 4, 4, "dot_w_b"), "few": (128, 64, 4, 4, "dot_w_b")}
 )  # fmt: skip
+# The dot forms read x with each absmax block's even columns first, then its odd ones (`_x_halves`, a copy
+# of x per call), so that x's loads are contiguous and Triton pipelines them with the packed bytes'; read
+# at each launch, so bench/nf4_matmul.py --x-halves-ab can time the strided loads of x instead.
+X_HALVES = True
 # The reduction's configuration where a dot form is set but does not apply (see _dot_applies)
 REDUCE_FALLBACK = (32, 64, 4, 2, "reduce") if INTERPRET else (64, 256, 4, 4, "reduce")
 
@@ -224,7 +228,7 @@ def _nf4_dot_kernel(
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RANK: tl.constexpr, PARTIAL: tl.constexpr,
     ROUND_BF16: tl.constexpr, FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_BLOCKS: tl.constexpr, LEVELS_ASM: tl.constexpr,
-    W_AS_B: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
+    W_AS_B: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr, X_HALVES: tl.constexpr,
 ):  # fmt: skip
     # out^T [BLOCK_N, BLOCK_M] += levels [BLOCK_N, BLOCKSIZE] @ x^T [BLOCKSIZE, BLOCK_M] * absmax, one
     # absmax block at a time. W's tile is the tensor cores' A operand (from registers on Hopper), or
@@ -245,7 +249,11 @@ def _nf4_dot_kernel(
     # rows past N read row N - 1 (never stored): no mask, so the packed bytes load 16 at a time
     first_block = tl.minimum(n, N - 1).to(tl.int64) * blocks_per_row  # int64: weights can pass 2**31 elements
     row_bytes = packed_ptr + first_block[:, None] * HALF + pairs[None, :]  # [BLOCK_N, HALF], block 0
-    x_cols = x_ptr + 2 * pairs[:, None] + rows[None, :] * stride_xm  # [HALF, BLOCK_M]: x^T's even rows of block 0
+    # [HALF, BLOCK_M]: x^T's even rows of block 0. X_HALVES: x comes with each block's even columns first,
+    # then its odd ones (`_x_halves`), so both halves are contiguous loads.
+    X_PAIR: tl.constexpr = 1 if X_HALVES else 2
+    X_ODD: tl.constexpr = HALF if X_HALVES else 1
+    x_cols = x_ptr + X_PAIR * pairs[:, None] + rows[None, :] * stride_xm
     x_live = rows[None, :] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     b_begin = split * (k_chunk // BLOCKSIZE)
@@ -263,7 +271,7 @@ def _nf4_dot_kernel(
             scale = tl.where(b0 + i < b_end, scale, 0.0)
             packed = tl.load(row_bytes + b * HALF)
             x_even = tl.load(x_cols + b * BLOCKSIZE, mask=x_live, other=0.0)
-            x_odd = tl.load(x_cols + b * BLOCKSIZE + 1, mask=x_live, other=0.0)
+            x_odd = tl.load(x_cols + b * BLOCKSIZE + X_ODD, mask=x_live, other=0.0)
             if LEVELS_ASM is not None:
                 high, low = tl.inline_asm_elementwise(LEVELS_ASM, "=r,=r,=r,=r,r", [packed],
                                                       dtype=(x_even.dtype, x_even.dtype), is_pure=True, pack=4)
@@ -370,6 +378,9 @@ def _nf4_matmul_launch(
     common = dict(BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, HAS_BIAS=bias is not None,
                   HAS_LORA=xa is not None and not partial, RANK=0 if partial else rank, PARTIAL=partial,
                   ROUND_BF16=round_bf16, BLOCK_N=block_n, num_warps=warps)  # fmt: skip
+    halves = dot and X_HALVES
+    if halves:
+        x = _x_halves(x, blocksize)
     args = (x, data, scales, code, absmax2, code2, offset, bias_arg, target, m, n, k, x.stride(0), k_chunk, *lora)
     if dot:
         fp32 = INTERPRET or x.dtype == torch.float32
@@ -377,7 +388,7 @@ def _nf4_matmul_launch(
         wrap_triton(_nf4_dot_kernel)[(cdiv(n, block_n), split)](
             *args, FP32=fp32, BLOCK_M=MAX_ROWS, STEP_BLOCKS=step // blocksize,
             LEVELS_ASM=levels_asm(NF4_CODE, x.dtype) if table else None, W_AS_B=form == "dot_w_b",
-            PRECISION="ieee" if fp32 else None, STAGES=stages, **common,
+            PRECISION="ieee" if fp32 else None, STAGES=stages, X_HALVES=halves, **common,
         )  # fmt: skip
     else:
         wrap_triton(_nf4_matmul_kernel)[(cdiv(n, block_n), split)](
@@ -391,6 +402,13 @@ def _nf4_matmul_launch(
             RANK=rank, ROUND_BF16=round_bf16, BLOCK=block, num_warps=4,
         )  # fmt: skip
     return out
+
+
+def _x_halves(x: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """x [M, K] with the columns of each `blocksize`-long block reordered: its even columns, then its odd
+    ones, as the dot kernel multiplies them by the high and the low nibbles of the block's bytes."""
+    m, k = x.shape
+    return x.reshape(m, k // blocksize, blocksize // 2, 2).transpose(2, 3).reshape(m, k)
 
 
 def _nf4_matmul_fake(x, data, scales, code, absmax2, code2, offset, bias, n, blocksize, blocksize2, nested, nf4, xa,

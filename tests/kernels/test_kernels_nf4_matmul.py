@@ -106,13 +106,16 @@ def test_a_block_longer_than_the_step(m, form):
     check(y, x, packed, state, bias, levels_rounded=form != "reduce")
 
 
+@pytest.mark.parametrize("x_halves", [True, False], ids=["x halves", "x strided"])
 @pytest.mark.parametrize("stages", [(), (3,)], ids=["unpipelined", "3 stages"])
 @pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
-def test_dot_steps_of_several_blocks(monkeypatch, nested, stages):
+def test_dot_steps_of_several_blocks(monkeypatch, nested, stages, x_halves):
     """Two absmax blocks a step over K = 9 blocks split across programs: a split's last step is half
     past its end (that block is read again and scaled by zero). Pipelined too (on a GPU the weight's
-    loads then run steps ahead of their use; the interpreter runs the loop as written)."""
+    loads then run steps ahead of their use; the interpreter runs the loop as written). x read as each
+    block's halves (the default) and with its even and odd columns strided."""
     monkeypatch.setitem(nf4_matmul_module.NF4_MATMUL_TUNING, "few", (32, 128, 4, 2, "dot_w_a", *stages))
+    monkeypatch.setattr(nf4_matmul_module, "X_HALVES", x_halves)
     packed, state = quantize(72, 576, nested)
     x = torch.randn((3, 576), device=DEVICE).to(torch.bfloat16)
     check(nf4_matmul(x, prepare_bnb_4bit(packed, state)), x, packed, state, None, levels_rounded=True)
