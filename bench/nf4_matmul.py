@@ -53,13 +53,14 @@ ROWS = (1, 8, 16)
 WEIGHTS = {"q_proj / o_proj": 2, "k_proj / v_proj": 2, "gate_proj / up_proj": 2, "down_proj": 1, "tiny": 1,
            "tiny split": 1}  # fmt: skip
 # (BLOCK_N, BLOCK_K, warps, programs per SM, form[, stages]) tried by --sweep: the 2026-12-06 sweep's
-# best unpipelined, the K loop pipelined around it (tiles, stages, fewer K splits), and the reductions'
-# best (the 2026-12-03 sweep's; for several rows, the kernel's own fallback). "one" tries its reduction
-# and the few rows' best dot configurations (a dot costs the same for 1 row as for 16).
+# best unpipelined, the K loop pipelined around it (tiles, stages, fewer and more K splits), and the
+# reductions' best (the 2026-12-03 sweep's; for several rows, the kernel's own fallback). "one" tries its
+# reduction and the few rows' best dot configurations (a dot costs the same for 1 row as for 16).
 _DOT = ([(128, 64, 4, 4, "dot_w_b"), (128, 64, 4, 4, "dot_w_a", 3), (128, 64, 4, 2, "dot_w_b", 3)]
         + [(128, 64, 4, 4, "dot_w_b", stages) for stages in (2, 3, 4)]
         + [(64, 64, 4, 4, "dot_w_b", stages) for stages in (3, 4)]
-        + [(128, 128, 4, 4, "dot_w_b", stages) for stages in (2, 3)])  # fmt: skip
+        + [(128, 128, 4, 4, "dot_w_b", stages) for stages in (2, 3)]
+        + [(128, 64, 4, 8, "dot_w_b", 3), (128, 64, 4, 2, "dot_w_b", 4), (256, 64, 8, 4, "dot_w_b", 3)])  # fmt: skip
 SWEEP = {"few": _DOT + [nf4_matmul_module.REDUCE_FALLBACK], "one": [(16, 512, 4, 2, "reduce")]}
 ONE_FROM_FEW = 4  # how many of the few rows' best configurations "one" tries too
 SWEEP_ROWS = {"one": 1, "few": 8}
