@@ -16,7 +16,7 @@ over the packed weight's bytes (packed + absmax), the bytes it must read.
     python bench/nf4_matmul.py --compiled   # adds ours inside torch.compile (1 and 8 rows), as decoding runs it
     python bench/nf4_matmul.py --lora 16    # a LoRA update in our pass, against adding it after (max diff: of those)
     python bench/nf4_matmul.py --flat-scales   # adds ours with one fp32 scale per block (no nested absmax)
-    python bench/nf4_matmul.py --x-halves-ab   # adds ours reading x strided (nf4_matmul.X_HALVES off)
+    python bench/nf4_matmul.py --ab            # adds ours unpipelined, and unpipelined reading x strided
     TRITON_INTERPRET=1 python bench/nf4_matmul.py --tiny   # a smoke test on the CPU, tiny shapes
 
 --sweep times every configuration of SWEEP (nf4_matmul.NF4_MATMUL_TUNING's tuple: BLOCK_N, BLOCK_K,
@@ -143,15 +143,19 @@ def compiled(fn, expected):
     return traced
 
 
-def strided_x(fn):
-    """`fn` with the dot kernel reading x's even and odd columns strided (nf4_matmul.X_HALVES off): a CUDA
-    graph captures whichever kernels ran while it was off."""
+def variant(fn, x_halves: bool, stages: bool):
+    """`fn` with nf4_matmul's dot kernel reading x strided (X_HALVES off) and/or its K loop unpipelined
+    (the "few" configuration without stages): a CUDA graph captures whichever kernels ran then."""
     def run():
-        nf4_matmul_module.X_HALVES = False
+        tuning = nf4_matmul_module.NF4_MATMUL_TUNING["few"]
+        nf4_matmul_module.X_HALVES = x_halves
+        if not stages:
+            nf4_matmul_module.NF4_MATMUL_TUNING["few"] = tuning[:5]
         try:
             return fn()
         finally:
             nf4_matmul_module.X_HALVES = True
+            nf4_matmul_module.NF4_MATMUL_TUNING["few"] = tuning
 
     return run
 
@@ -167,8 +171,9 @@ def main() -> None:
     parser.add_argument("--flat-scales", action="store_true",
                         help="also time ours on the same weight with its double-quantized absmax expanded to one fp32 "
                              "scale per block (no dependent loads per block; 4 bytes per 64 weights instead of ~1)")
-    parser.add_argument("--x-halves-ab", action="store_true",
-                        help="also time ours reading x's even and odd columns strided, as before X_HALVES (same process)")
+    parser.add_argument("--ab", action="store_true",
+                        help="also time ours unpipelined (no stages), and unpipelined reading x strided (as before "
+                             "X_HALVES), same process")
     parser.add_argument("--compiled", action="store_true",
                         help="also time ours inside torch.compile (fullgraph, as the decode step runs it)")
     args = parser.parse_args()
@@ -201,8 +206,9 @@ def main() -> None:
             if args.flat_scales:
                 flat = flat_scales(packed, state)
                 fns += (("ours, flat scales", lambda: nf4_matmul(x, flat)),)  # noqa: B023 - called at once
-            if args.x_halves_ab:
-                fns += (("ours, x strided", strided_x(ours)),)
+            if args.ab:
+                fns += (("ours, unpipelined", variant(ours, x_halves=True, stages=False)),
+                        ("ours, unpipelined, x strided", variant(ours, x_halves=False, stages=False)))
             if args.compiled and m in SWEEP_ROWS.values():
                 fns += (("compiled", compiled(ours, ours())),)
             ms = {label: timed(fn, device) for label, fn in fns if fn is not None}

@@ -43,22 +43,25 @@ SUM_BLOCK = 256
 # sum over K per row of x; "dot_w_a" and "dot_w_b", tl.dot over 16 rows of x with W's tile as the A
 # operand (Hopper's warpgroup MMA takes it from registers) or the B operand (through shared memory).
 # K is split across programs until about "programs per SM" programs run on each SM. "stages" (dot
-# forms) pipelines the K loop: its packed bytes and scales are copied to shared memory stages - 1
-# steps ahead (without it Triton pipelines only the loads a tl.dot reads: x's, not the weight's); on
-# an H100 that did not pay (2026-12-07), so the defaults leave it out. Read at each
-# launch, so bench/nf4_matmul.py --sweep can try others. The GPU's are what an H200 sweep of
-# 2026-12-06 chose for one row and for eight (docs/benchmarks.md, "Few-row NF4 matmul"): W as the B
-# operand, 128 x 64 tiles (9 KiB of shared memory, 96 registers, no spills from sm_80 to sm_90). The
-# interpreter gets small tiles (its cost grows with tile size).
+# forms) pipelines the whole K loop, stages - 1 steps ahead. Without it Triton pipelines only the loads
+# that reach a tl.dot (the packed bytes; x's too where they are contiguous, see X_HALVES), not the
+# absmax chain (the block's byte, then its code2 entry), which then costs a round trip from memory every
+# step (read from the sm_90 SASS, 2026-12-07). On an H100, with x still read strided, the stages did not
+# pay (2026-12-07); with x in halves every load of the loop is ahead of its use, so "few" takes 3 stages
+# (not yet measured on a GPU). Read at each launch, so bench/nf4_matmul.py --sweep can try others. The
+# tiles are what an H200 sweep of 2026-12-06 chose for one row and for eight (docs/benchmarks.md,
+# "Few-row NF4 matmul"): W as the B operand, 128 x 64 tiles (12.5 KiB of shared memory unpipelined,
+# 14 KiB with 3 stages; 96-100 registers, no spills on sm_90). The interpreter gets small tiles (its cost
+# grows with tile size).
 FORMS = ("reduce", "dot_w_a", "dot_w_b")
 NF4_MATMUL_TUNING: dict[str, tuple] = (
     {"one": (32, 64, 4, 2, "reduce"), "few": (32, 64, 4, 2, "reduce")}
     if INTERPRET else
-    {"one": (128, 64, 4, 4, "dot_w_b"), "few": (128, 64, 4, 4, "dot_w_b")}
+    {"one": (128, 64, 4, 4, "dot_w_b"), "few": (128, 64, 4, 4, "dot_w_b", 3)}
 )  # fmt: skip
 # The dot forms read x with each absmax block's even columns first, then its odd ones (`_x_halves`, a copy
 # of x per call), so that x's loads are contiguous and Triton pipelines them with the packed bytes'; read
-# at each launch, so bench/nf4_matmul.py --x-halves-ab can time the strided loads of x instead.
+# at each launch, so bench/nf4_matmul.py --ab can time the strided loads of x instead.
 X_HALVES = True
 # The reduction's configuration where a dot form is set but does not apply (see _dot_applies)
 REDUCE_FALLBACK = (32, 64, 4, 2, "reduce") if INTERPRET else (64, 256, 4, 4, "reduce")
