@@ -145,17 +145,17 @@ def compiled(fn, expected):
 
 def variant(fn, x_halves: bool, stages: bool):
     """`fn` with nf4_matmul's dot kernel reading x strided (X_HALVES off) and/or its K loop unpipelined
-    (the "few" configuration without stages): a CUDA graph captures whichever kernels ran then."""
+    (the configurations without stages): a CUDA graph captures whichever kernels ran then."""
     def run():
-        tuning = nf4_matmul_module.NF4_MATMUL_TUNING["few"]
+        tuning = dict(nf4_matmul_module.NF4_MATMUL_TUNING)
         nf4_matmul_module.X_HALVES = x_halves
         if not stages:
-            nf4_matmul_module.NF4_MATMUL_TUNING["few"] = tuning[:5]
+            nf4_matmul_module.NF4_MATMUL_TUNING.update({kind: config[:5] for kind, config in tuning.items()})
         try:
             return fn()
         finally:
             nf4_matmul_module.X_HALVES = True
-            nf4_matmul_module.NF4_MATMUL_TUNING["few"] = tuning
+            nf4_matmul_module.NF4_MATMUL_TUNING.update(tuning)
 
     return run
 

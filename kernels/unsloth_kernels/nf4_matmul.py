@@ -47,7 +47,7 @@ SUM_BLOCK = 256
 # that reach a tl.dot (the packed bytes; x's too where they are contiguous, see X_HALVES), not the
 # absmax chain (the block's byte, then its code2 entry), which then costs a round trip from memory every
 # step (read from the sm_90 SASS, 2026-12-07). On an H100, with x still read strided, the stages did not
-# pay (2026-12-07); with x in halves every load of the loop is ahead of its use, so "few" takes 3 stages
+# pay (2026-12-07); with x in halves every load of the loop is ahead of its use, so both take 3 stages
 # (not yet measured on a GPU). Read at each launch, so bench/nf4_matmul.py --sweep can try others. The
 # tiles are what an H200 sweep of 2026-12-06 chose for one row and for eight (docs/benchmarks.md,
 # "Few-row NF4 matmul"): W as the B operand, 128 x 64 tiles (12.5 KiB of shared memory unpipelined,
@@ -57,7 +57,7 @@ FORMS = ("reduce", "dot_w_a", "dot_w_b")
 NF4_MATMUL_TUNING: dict[str, tuple] = (
     {"one": (32, 64, 4, 2, "reduce"), "few": (32, 64, 4, 2, "reduce")}
     if INTERPRET else
-    {"one": (128, 64, 4, 4, "dot_w_b"), "few": (128, 64, 4, 4, "dot_w_b", 3)}
+    {"one": (128, 64, 4, 4, "dot_w_b", 3), "few": (128, 64, 4, 4, "dot_w_b", 3)}
 )  # fmt: skip
 # The dot forms read x with each absmax block's even columns first, then its odd ones (`_x_halves`, a copy
 # of x per call), so that x's loads are contiguous and Triton pipelines them with the packed bytes'; read
