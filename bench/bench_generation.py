@@ -12,9 +12,13 @@ On the CPU, the same logic on a tiny random Llama:
 `--sync-every-step` (ours) makes the host wait for every decode step again, as transformers does on
 CUDA: the A/B of our deferred stop check in one call. `--profile` adds `device_ms_per_step`, the GPU's
 kernel time per step from one more call under torch.profiler, beside `wall_ms_per_step`, and
-`top_kernels`: the ten kernels with the most time per step (name cut to 80 characters, ms per step). Unsloth's
-plain `generate` decodes eagerly; `UNSLOTH_DECODE_CUDA_GRAPHS=1` gives it the CUDA-graph step its
-GRPO rollouts use.
+`top_kernels`: the 16 kernels with the most time per step (name cut to 80 characters, ms per step).
+`prefill_s` is a call making one new token (the prompt's forward and one step), and
+`decode_wall_ms_per_step` the timed call's wall time less that, per further token: the steps alone.
+`--host-profile` adds `host_top`: one more call under cProfile, the 20 functions with the most own
+host time per decode step (ms; the prompt's forward spread over the steps, as in the other columns),
+to see what paces a step whose wall time exceeds its GPU time. Unsloth's plain `generate` decodes
+eagerly; `UNSLOTH_DECODE_CUDA_GRAPHS=1` gives it the CUDA-graph step its GRPO rollouts use.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ def arguments(argv=None):
                    help="ours: the host waits for every decode step, as transformers does on CUDA (the A/B of the deferred stop check)")
     p.add_argument("--nf4-tuning", metavar="FILE",
                    help="ours: nf4_matmul's launch configurations from bench/nf4_matmul.py --tuning-out (same call)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="one more call under cProfile: the host's functions with the most own time per decode step")
     p.add_argument("--profile", action="store_true",
                    help="one more call under torch.profiler: the GPU's kernel time per decode step beside the wall time")
     args = p.parse_args(argv)
@@ -130,19 +136,39 @@ def measure(model, args, batch: int, device: str) -> dict:
     generate(args.warmup_new)
     first_s = time.perf_counter() - start
     start = time.perf_counter()
+    generate(1)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
     out = generate(args.new)
     seconds = time.perf_counter() - start
     new_tokens = out[:, args.prompt:]
     assert new_tokens.shape[1] == args.new, new_tokens.shape
     profiled = device_time(generate, args.new) if args.profile else {}
+    if args.host_profile:
+        profiled["host_top"] = host_time(generate, args.new)
     return {"impl": args.impl, "batch": batch, "prompt": args.prompt, "new": args.new, "four_bit": args.four_bit,
             "sync_every_step": args.sync_every_step, "nf4_decode": os.environ.get("UNSLOTH_NF4_DECODE") != "0",
-            "wall_ms_per_step": round(1000 * seconds / args.new, 3), **profiled, **compile_report(model),
+            "wall_ms_per_step": round(1000 * seconds / args.new, 3), "prefill_s": round(prefill_s, 3),
+            "decode_wall_ms_per_step": round(1000 * (seconds - prefill_s) / max(args.new - 1, 1), 3),
+            **profiled, **compile_report(model),
             "tokens_per_s": round(batch * args.new / seconds, 2), "seconds": round(seconds, 3),
             "first_call_s": round(first_s, 2),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
             # greedy tokens of row 0, to compare impls (bf16 rounding may part them after a while)
             "tokens_sha": hashlib.sha1(str(new_tokens[0].tolist()).encode()).hexdigest()[:12]}
+
+
+def host_time(generate, new: int) -> list:
+    """The 20 host functions with the most own time in one call under cProfile, ms per decode step."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(generate, new)
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:20]
+    return [[f"{os.path.basename(file)}:{line}:{name}"[:80], round(1000 * own / new, 3), calls]
+            for (file, line, name), (calls, _, own, _, _) in rows]
 
 
 def use_nf4_tuning(path: str) -> None:
