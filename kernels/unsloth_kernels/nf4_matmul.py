@@ -50,11 +50,11 @@ SUM_BLOCK = 256
 # pay; with x in halves every load of the loop is ahead of its use, and both together took the 8-row
 # gate / up and down projections 4-8% under the strided, unpipelined kernel (docs/benchmarks.md,
 # 2026-12-07; the small projections paid x's copy as a kernel of its own there, which the compiled
-# step need not), so both kinds take 3 stages. Read at each launch, so bench/nf4_matmul.py --sweep can try others. The
-# tiles are what an H200 sweep of 2026-12-06 chose for one row and for eight (docs/benchmarks.md,
-# "Few-row NF4 matmul"): W as the B operand, 128 x 64 tiles (12.5 KiB of shared memory unpipelined,
-# 14 KiB with 3 stages; 96-100 registers, no spills on sm_90). The interpreter gets small tiles (its cost
-# grows with tile size).
+# step need not), so both kinds take 3 stages. Read at each launch, so bench/nf4_matmul.py --sweep can
+# try others. The tiles are what an H200 sweep of 2026-12-06 chose for one row and for eight
+# (docs/benchmarks.md, "Few-row NF4 matmul"): W as the B operand, 128 x 64 tiles (12.5 KiB of shared
+# memory unpipelined, 14 KiB with 3 stages; 96-100 registers, no spills on sm_90). The interpreter gets
+# small tiles (its cost grows with tile size).
 FORMS = ("reduce", "dot_w_a", "dot_w_b")
 NF4_MATMUL_TUNING: dict[str, tuple] = (
     {"one": (32, 64, 4, 2, "reduce"), "few": (32, 64, 4, 2, "reduce")}
