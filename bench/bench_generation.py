@@ -119,7 +119,8 @@ def _nonzero_adapters(model):
 def measure(model, args, batch: int, device: str) -> dict:
     import torch
 
-    ids = torch.randint(3, 250 if args.tiny else 128000, (batch, args.prompt),
+    vocab = model.config.get_text_config().vocab_size  # a smaller model's ids stay in its vocabulary
+    ids = torch.randint(3, min(250 if args.tiny else 128000, vocab), (batch, args.prompt),
                         generator=torch.Generator().manual_seed(batch)).to(device)
     inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
     # min_new_tokens: random weights may emit EOS early; every impl decodes exactly `new` tokens
