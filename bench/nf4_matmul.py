@@ -147,14 +147,14 @@ def variant(fn, x_halves: bool, stages: bool):
     """`fn` with nf4_matmul's dot kernel reading x strided (X_HALVES off) and/or its K loop unpipelined
     (the configurations without stages): a CUDA graph captures whichever kernels ran then."""
     def run():
-        tuning = dict(nf4_matmul_module.NF4_MATMUL_TUNING)
+        tuning, halves = dict(nf4_matmul_module.NF4_MATMUL_TUNING), nf4_matmul_module.X_HALVES
         nf4_matmul_module.X_HALVES = x_halves
         if not stages:
             nf4_matmul_module.NF4_MATMUL_TUNING.update({kind: config[:5] for kind, config in tuning.items()})
         try:
             return fn()
         finally:
-            nf4_matmul_module.X_HALVES = True
+            nf4_matmul_module.X_HALVES = halves
             nf4_matmul_module.NF4_MATMUL_TUNING.update(tuning)
 
     return run
