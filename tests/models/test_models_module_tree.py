@@ -168,3 +168,18 @@ def test_parameters_are_torchs_without_a_walk_and_follow_the_tree(monkeypatch):
     mlp.extra._parameters["weight"] = swapped
     assert [p for p in model.parameters() if p is swapped]
     model.zero_grad()  # torch's zero_grad reads them through parameters()
+
+
+def test_parameters_are_read_as_they_are_iterated_as_torchs_are():
+    """transformers' `model.device` and `model.dtype` take `next(model.parameters())`, several times per
+    generated token: the iterator reads the dicts as it goes (as torch's does), not all of them up front."""
+    model = _lora_model()
+    down = model.get_base_model().model.layers[-1].mlp.down_proj.base_layer
+    ours, torchs = model.parameters(), nn.Module.parameters(model)
+    first = next(ours)
+    assert first is next(torchs)
+    swapped = nn.Parameter(down.weight.detach().clone())
+    down._parameters["weight"] = swapped  # after the iterators were made, before they reach it
+    rest, torch_rest = list(ours), list(torchs)
+    assert [p for p in rest if p is swapped] and [p for p in torch_rest if p is swapped]
+    assert rest == torch_rest

@@ -121,14 +121,24 @@ def parameters(self, recurse: bool = True):
     clipping ask for them at every step): the same parameters in the same order, each once."""
     if not recurse:
         return type(self).parameters(self, recurse)
-    return iter(current_parameters(self))
+    return _each_once(self)
 
 
 def current_parameters(module: nn.Module) -> list[nn.Parameter]:
     """`list(module.parameters())` without the walk: read from the tree's kept parameter dicts, so the
     ones FSDP2 swapped in are found; each once, in order (modules may share one: tied weights)."""
-    dicts = kept(module, "parameter dicts", _parameter_dicts)
-    return list(dict.fromkeys(p for d in dicts for p in d.values() if p is not None))
+    return list(_each_once(module))
+
+
+def _each_once(module: nn.Module):
+    """The tree's parameters, lazily as nn.Module.parameters gives them: `next(model.parameters())`
+    (transformers' `model.device`, asked several times per generated token) reads one, not thousands."""
+    seen = set()  # by id: Tensor.__hash__ is a Python-level call
+    for d in kept(module, "parameter dicts", _parameter_dicts):
+        for p in d.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                yield p
 
 
 def cheap_trainer_calls(model: nn.Module) -> None:
