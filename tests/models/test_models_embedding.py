@@ -1,11 +1,21 @@
 """The frozen input embedding in pinned host memory: same outputs, freed GPU memory, stays put."""
 
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tiny_families import VOCAB, tiny_model
-from unsloth.models.embedding import OffloadedEmbedding, _register_last, offload_input_embedding
+from unsloth.models.embedding import (
+    OffloadedEmbedding,
+    _register_last,
+    grad_mode_input_hooks,
+    offload_input_embedding,
+    offloaded_lookup,
+    require_grad_when_recorded,
+)
 
 
 def test_refused_with_a_reason_where_it_cannot_apply(monkeypatch):
@@ -60,3 +70,61 @@ def test_offloaded_model_gives_the_same_logits_and_stays_offloaded():
         torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=0)
     model.to(torch.float16)
     assert embedding.weight.dtype == torch.float16 and embedding.weight.is_pinned()
+
+
+def _offloaded_by_hand(rows: int = VOCAB, cols: int = 16) -> OffloadedEmbedding:
+    """An OffloadedEmbedding whose table is in (unpinned) CPU memory: what the lookup op reads, on a
+    machine without a GPU (the Triton gather runs under the interpreter)."""
+    embedding = nn.Embedding(rows, cols).requires_grad_(False)
+    embedding.__class__ = OffloadedEmbedding
+    embedding.compute_device = torch.device("cpu")
+    return embedding.number()
+
+
+def test_the_lookup_op_reads_its_table_by_number_and_compiles_into_one_graph():
+    embedding = _offloaded_by_hand()
+    ids = torch.randint(0, VOCAB, (3, 5))
+    assert torch.equal(offloaded_lookup(ids, embedding.table_number), F.embedding(ids, embedding.weight))
+    torch.library.opcheck(offloaded_lookup, (ids, embedding.table_number))  # schema, fake and real agree
+    step = torch.compile(lambda i: offloaded_lookup(i, embedding.table_number) * 2, fullgraph=True, backend="aot_eager")
+    assert torch.equal(step(ids), F.embedding(ids, embedding.weight) * 2)
+    embedding.to(torch.float16)  # a cast replaces the table: the number still names this module's
+    assert offloaded_lookup(ids, embedding.table_number).dtype == torch.float16
+
+
+def test_a_copy_is_a_table_of_its_own():
+    embedding = _offloaded_by_hand()
+    twin = copy.deepcopy(embedding)
+    assert twin.table_number != embedding.table_number
+    twin.weight.data.zero_()
+    ids = torch.arange(4)
+    assert not offloaded_lookup(ids, twin.table_number).any()
+    assert torch.equal(offloaded_lookup(ids, embedding.table_number), embedding.weight[:4])
+
+
+def test_the_input_grad_hook_is_kept_for_training_and_breaks_no_graph_without_grad():
+    model = tiny_model("llama").requires_grad_(False)
+    model.enable_input_require_grads()  # transformers' hook, as gradient checkpointing sets it
+    ids = torch.randint(0, VOCAB, (1, 6))
+    grad_mode_input_hooks(model)  # torch 2.11's dynamo breaks its graph at transformers' requires_grad_ call
+    assert list(model.get_input_embeddings()._forward_hooks.values()) == [require_grad_when_recorded]
+    forward = torch.compile(lambda i: model(input_ids=i).logits, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        torch.testing.assert_close(forward(ids), expected, rtol=0, atol=0)
+    assert model(input_ids=ids).logits.requires_grad  # training still gets an input that requires grad
+    model.disable_input_require_grads()  # transformers' handles still remove it
+    assert not model(input_ids=ids).logits.requires_grad
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the table is read by a GPU over PCIe")
+def test_an_offloaded_model_compiles_into_one_graph():
+    model = tiny_model("llama").cuda().requires_grad_(False)
+    model.enable_input_require_grads()
+    ids = torch.randint(0, VOCAB, (2, 9), device="cuda")
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        assert offload_input_embedding(model) is None
+        grad_mode_input_hooks(model)
+        forward = torch.compile(lambda i: model(input_ids=i).logits, fullgraph=True)
+        torch.testing.assert_close(forward(ids), expected)

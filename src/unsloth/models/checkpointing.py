@@ -19,6 +19,7 @@ from collections.abc import MutableMapping
 import torch
 from torch import nn
 
+from unsloth.models.embedding import require_grad_when_recorded
 from unsloth.models.module_tree import current_parameters, watch_registrations
 
 
@@ -379,10 +380,6 @@ def apply_gradient_checkpointing(model: nn.Module, mode: bool | str) -> int:
     return 0 if mode is False else len(layers)
 
 
-def _make_require_grad(module, args, output):
-    output.requires_grad_(True)
-
-
 def _inputs_require_grad(model: nn.Module) -> None:
     from unsloth.models.speech import codec_of
 
@@ -395,4 +392,4 @@ def _inputs_require_grad(model: nn.Module) -> None:
     previous = model.__dict__.pop("_unsloth_input_grad_hook", None)
     if previous is not None:
         previous.remove()
-    model._unsloth_input_grad_hook = model.get_input_embeddings().register_forward_hook(_make_require_grad)
+    model._unsloth_input_grad_hook = model.get_input_embeddings().register_forward_hook(require_grad_when_recorded)

@@ -10,8 +10,10 @@ keeps it offloaded; `.to(dtype)` still casts it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -19,25 +21,56 @@ from torch import nn
 
 log = logging.getLogger("unsloth")
 
+# Offloaded embeddings by number: the lookup op names its table by this number, not by the tensor, so
+# a compiled graph's only input to it is on the GPU (a host tensor among a graph's inputs would keep
+# torch.compile from capturing the decode step in a CUDA graph).
+_TABLES: weakref.WeakValueDictionary[int, OffloadedEmbedding] = weakref.WeakValueDictionary()
+_NUMBERS = itertools.count()
+
+
+@torch.library.custom_op("unsloth::offloaded_lookup", mutates_args=())
+def offloaded_lookup(ids: torch.Tensor, table: int) -> torch.Tensor:
+    """The rows `ids` of offloaded embedding number `table`, read on ids' device: one op torch.compile
+    keeps in its graph (our Triton gather of a host table is not traceable, and would break it)."""
+    from unsloth_kernels.embedding import gather_rows
+
+    return gather_rows(_TABLES[table].weight, ids)
+
+
+@offloaded_lookup.register_fake
+def _(ids: torch.Tensor, table: int) -> torch.Tensor:
+    weight = _TABLES[table].weight
+    return ids.new_empty((*ids.shape, weight.shape[1]), dtype=weight.dtype)
+
 
 class OffloadedEmbedding(nn.Embedding):
     """nn.Embedding whose table is in pinned host memory; lookups land on `compute_device`."""
 
     compute_device: torch.device
+    table_number: int
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.compute_device.type == "cpu" or self.weight.device.type != "cpu":
             return super().forward(input.to(self.weight.device))
-        from unsloth_kernels.embedding import gather_rows
+        return offloaded_lookup(input.to(self.compute_device, non_blocking=True), self.table_number)
 
-        return gather_rows(self.weight, input.to(self.compute_device, non_blocking=True))
+    def number(self) -> OffloadedEmbedding:
+        """Give this module a table number of its own (a copy or an unpickled one is a new table)."""
+        self.table_number = next(_NUMBERS)
+        _TABLES[self.table_number] = self
+        return self
+
+    def __setstate__(self, state):  # copy.deepcopy and pickle come through here
+        super().__setstate__(state)
+        self.number()
 
     def _apply(self, fn, recurse=True):
         # A device move changes where lookups land, not where the table is; a dtype cast applies to it.
         target = fn(torch.empty(0, dtype=self.weight.dtype, device=self.compute_device))
         self.compute_device = target.device
         if target.dtype != self.weight.dtype:
-            self.weight.data = _pinned_copy(self.weight.data.to(target.dtype))
+            cast = self.weight.data.to(target.dtype)
+            self.weight.data = _pinned_copy(cast) if self.weight.is_pinned() else cast
         return self
 
 
@@ -91,8 +124,30 @@ def offload_input_embedding(model: nn.Module) -> str | None:
         return "reading the table from host memory did not reproduce the lookup"
     embedding.__class__ = OffloadedEmbedding
     embedding.compute_device = device
+    embedding.number()
     weight.data = host
     _register_last(model, embedding)
     log.info("unsloth: input embedding %s in pinned host memory (%.2f GiB of GPU memory freed)",
              tuple(weight.shape), weight.numel() * weight.element_size() / 2**30)
     return None
+
+
+def require_grad_when_recorded(module, args, output):
+    """transformers' `make_inputs_require_grads` hook, which does nothing where autograd records no graph
+    (generation): there a `requires_grad_` call would break a compiled decode step's graph in two."""
+    if torch.is_grad_enabled():
+        output.requires_grad_(True)
+
+
+def grad_mode_input_hooks(model: nn.Module) -> None:
+    """Put `require_grad_when_recorded` in place of the hooks transformers' `enable_input_require_grads`
+    put on the input embedding (under the same handles: `disable_input_require_grads` still removes them)."""
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return
+    hooks = getattr(embedding, "_forward_hooks", None) or {}
+    for key, hook in list(hooks.items()):
+        if getattr(hook, "__qualname__", "").endswith("enable_input_require_grads.<locals>.make_inputs_require_grads"):
+            hooks[key] = require_grad_when_recorded
+

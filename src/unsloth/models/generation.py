@@ -23,7 +23,9 @@ The tokens are generate's; only when sampling rows that all stop early does the 
 random numbers of its own, so the generator's state after the call is one step further on.
 
 Grouped-query attention decodes on the key/value heads themselves (patches/decode_attention.py), not on
-copies made per query head.
+copies made per query head. Nothing breaks the step's graph at the input embedding: neither a host-memory
+table (its lookup is one op, models/embedding.py) nor the hook that makes its output require grad for
+training (a no-op without grad mode).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from collections.abc import Mapping
 
 import torch
 import torch._dynamo
+
+from unsloth.models.embedding import grad_mode_input_hooks
 
 log = logging.getLogger("unsloth")
 
@@ -162,6 +166,7 @@ def fast_generate(backbone, plain, *args, **kwargs):
     was_training = backbone.training
     backbone.eval()  # no dropout in rollouts, as with vLLM; the caller's mode comes back after
     quantizer = _hide_bitsandbytes_4bit(backbone) if not config.disable_compile else None
+    grad_mode_input_hooks(backbone)  # no graph break at the embedding
     _CALLS.depth = getattr(_CALLS, "depth", 0) + 1
     try:
         return plain(*args, generation_config=config, **{ALL_CACHE_NAMES[0]: cache}, **rest)
