@@ -72,22 +72,27 @@ def test_offloaded_model_gives_the_same_logits_and_stays_offloaded():
     assert embedding.weight.dtype == torch.float16 and embedding.weight.is_pinned()
 
 
+ON = "cuda" if torch.cuda.is_available() else "cpu"  # where the ids are (the Triton gather runs there)
+
+
 def _offloaded_by_hand(rows: int = VOCAB, cols: int = 16) -> OffloadedEmbedding:
-    """An OffloadedEmbedding whose table is in (unpinned) CPU memory: what the lookup op reads, on a
-    machine without a GPU (the Triton gather runs under the interpreter)."""
+    """An OffloadedEmbedding whose table is in CPU memory (pinned where a GPU reads it): what the lookup
+    op reads, on the GPU or, on a machine without one, on the CPU under the Triton interpreter."""
     embedding = nn.Embedding(rows, cols).requires_grad_(False)
+    if ON == "cuda":
+        embedding.weight.data = embedding.weight.data.pin_memory()
     embedding.__class__ = OffloadedEmbedding
-    embedding.compute_device = torch.device("cpu")
+    embedding.compute_device = torch.device(ON)
     return embedding.number()
 
 
 def test_the_lookup_op_reads_its_table_by_number_and_compiles_into_one_graph():
     embedding = _offloaded_by_hand()
-    ids = torch.randint(0, VOCAB, (3, 5))
-    assert torch.equal(offloaded_lookup(ids, embedding.table_number), F.embedding(ids, embedding.weight))
+    ids = torch.randint(0, VOCAB, (3, 5), device=ON)
+    assert torch.equal(offloaded_lookup(ids, embedding.table_number).cpu(), F.embedding(ids.cpu(), embedding.weight))
     torch.library.opcheck(offloaded_lookup, (ids, embedding.table_number))  # schema, fake and real agree
     step = torch.compile(lambda i: offloaded_lookup(i, embedding.table_number) * 2, fullgraph=True, backend="aot_eager")
-    assert torch.equal(step(ids), F.embedding(ids, embedding.weight) * 2)
+    assert torch.equal(step(ids).cpu(), F.embedding(ids.cpu(), embedding.weight) * 2)
     embedding.to(torch.float16)  # a cast replaces the table: the number still names this module's
     assert offloaded_lookup(ids, embedding.table_number).dtype == torch.float16
 
@@ -96,10 +101,11 @@ def test_a_copy_is_a_table_of_its_own():
     embedding = _offloaded_by_hand()
     twin = copy.deepcopy(embedding)
     assert twin.table_number != embedding.table_number
+    assert twin.weight.is_pinned() == (ON == "cuda")  # the GPU can read the copy's table too
     twin.weight.data.zero_()
-    ids = torch.arange(4)
+    ids = torch.arange(4, device=ON)
     assert not offloaded_lookup(ids, twin.table_number).any()
-    assert torch.equal(offloaded_lookup(ids, embedding.table_number), embedding.weight[:4])
+    assert torch.equal(offloaded_lookup(ids, embedding.table_number).cpu(), embedding.weight[:4])
 
 
 def test_the_input_grad_hook_is_kept_for_training_and_breaks_no_graph_without_grad():

@@ -60,8 +60,10 @@ class OffloadedEmbedding(nn.Embedding):
         _TABLES[self.table_number] = self
         return self
 
-    def __setstate__(self, state):  # copy.deepcopy and pickle come through here
+    def __setstate__(self, state):  # copy.deepcopy and pickle come through here; their copy is not pinned
         super().__setstate__(state)
+        if self.compute_device.type != "cpu" and self.weight.device.type == "cpu" and not self.weight.is_pinned():
+            self.weight.data = _pinned_copy(self.weight.data)
         self.number()
 
     def _apply(self, fn, recurse=True):
