@@ -4,7 +4,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tiny_families import VOCAB, tiny_model
@@ -13,7 +12,6 @@ from unsloth.models.embedding import (
     _register_last,
     grad_mode_input_hooks,
     offload_input_embedding,
-    offloaded_lookup,
     require_grad_when_recorded,
 )
 
@@ -72,40 +70,47 @@ def test_offloaded_model_gives_the_same_logits_and_stays_offloaded():
     assert embedding.weight.dtype == torch.float16 and embedding.weight.is_pinned()
 
 
-ON = "cuda" if torch.cuda.is_available() else "cpu"  # where the ids are (the Triton gather runs there)
+ON = "cuda" if torch.cuda.is_available() else "cpu"  # where lookups land
 
 
 def _offloaded_by_hand(rows: int = VOCAB, cols: int = 16) -> OffloadedEmbedding:
-    """An OffloadedEmbedding whose table is in CPU memory (pinned where a GPU reads it): what the lookup
-    op reads, on the GPU or, on a machine without one, on the CPU under the Triton interpreter."""
+    """An OffloadedEmbedding whose table is in CPU memory, pinned where a GPU reads it (on a machine
+    without one the lookups stay on the CPU)."""
     embedding = nn.Embedding(rows, cols).requires_grad_(False)
     if ON == "cuda":
         embedding.weight.data = embedding.weight.data.pin_memory()
     embedding.__class__ = OffloadedEmbedding
     embedding.compute_device = torch.device(ON)
-    return embedding.number()
+    return embedding
 
 
-def test_the_lookup_op_reads_its_table_by_number_and_compiles_into_one_graph():
-    embedding = _offloaded_by_hand()
-    ids = torch.randint(0, VOCAB, (3, 5), device=ON)
-    assert torch.equal(offloaded_lookup(ids, embedding.table_number).cpu(), F.embedding(ids.cpu(), embedding.weight))
-    torch.library.opcheck(offloaded_lookup, (ids, embedding.table_number))  # schema, fake and real agree
-    step = torch.compile(lambda i: offloaded_lookup(i, embedding.table_number) * 2, fullgraph=True, backend="aot_eager")
-    assert torch.equal(step(ids).cpu(), F.embedding(ids.cpu(), embedding.weight) * 2)
-    embedding.to(torch.float16)  # a cast replaces the table: the number still names this module's
-    assert offloaded_lookup(ids, embedding.table_number).dtype == torch.float16
+def test_a_compiled_forward_looks_up_outside_its_graph_and_gives_the_same_logits():
+    model = tiny_model("llama").requires_grad_(False).to(ON)
+    model.enable_input_require_grads()
+    grad_mode_input_hooks(model)
+    ids = torch.randint(0, VOCAB, (2, 7), device=ON)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    embedding = model.get_input_embeddings()
+    table = embedding.weight.data
+    embedding.weight.data = table.cpu().pin_memory() if ON == "cuda" else table
+    embedding.__class__ = OffloadedEmbedding
+    embedding.compute_device = torch.device(ON)
+    explained = torch._dynamo.explain(lambda i: model(input_ids=i).logits)(ids)
+    assert (explained.graph_count, explained.graph_break_count) == (2, 1)  # split once, at the lookup
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(lambda i: model(input_ids=i).logits)(ids), expected)
 
 
-def test_a_copy_is_a_table_of_its_own():
+def test_a_copy_reads_its_own_table():
     embedding = _offloaded_by_hand()
     twin = copy.deepcopy(embedding)
-    assert twin.table_number != embedding.table_number
     assert twin.weight.is_pinned() == (ON == "cuda")  # the GPU can read the copy's table too
     twin.weight.data.zero_()
     ids = torch.arange(4, device=ON)
-    assert not offloaded_lookup(ids, twin.table_number).any()
-    assert torch.equal(offloaded_lookup(ids, embedding.table_number).cpu(), embedding.weight[:4])
+    assert not twin(ids).any()
+    assert torch.equal(embedding(ids).cpu(), embedding.weight[:4])
 
 
 def test_the_input_grad_hook_is_kept_for_training_and_breaks_no_graph_without_grad():
@@ -121,16 +126,3 @@ def test_the_input_grad_hook_is_kept_for_training_and_breaks_no_graph_without_gr
     assert model(input_ids=ids).logits.requires_grad  # training still gets an input that requires grad
     model.disable_input_require_grads()  # transformers' handles still remove it
     assert not model(input_ids=ids).logits.requires_grad
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the table is read by a GPU over PCIe")
-def test_an_offloaded_model_compiles_into_one_graph():
-    model = tiny_model("llama").cuda().requires_grad_(False)
-    model.enable_input_require_grads()
-    ids = torch.randint(0, VOCAB, (2, 9), device="cuda")
-    with torch.no_grad():
-        expected = model(input_ids=ids).logits
-        assert offload_input_embedding(model) is None
-        grad_mode_input_hooks(model)
-        forward = torch.compile(lambda i: model(input_ids=i).logits, fullgraph=True)
-        torch.testing.assert_close(forward(ids), expected)

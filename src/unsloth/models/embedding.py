@@ -10,10 +10,8 @@ keeps it offloaded; `.to(dtype)` still casts it.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -21,50 +19,26 @@ from torch import nn
 
 log = logging.getLogger("unsloth")
 
-# Offloaded embeddings by number: the lookup op names its table by this number, not by the tensor, so
-# a compiled graph's only input to it is on the GPU (a host tensor among a graph's inputs would keep
-# torch.compile from capturing the decode step in a CUDA graph).
-_TABLES: weakref.WeakValueDictionary[int, OffloadedEmbedding] = weakref.WeakValueDictionary()
-_NUMBERS = itertools.count()
-
-
-@torch.library.custom_op("unsloth::offloaded_lookup", mutates_args=())
-def offloaded_lookup(ids: torch.Tensor, table: int) -> torch.Tensor:
-    """The rows `ids` of offloaded embedding number `table`, read on ids' device: one op torch.compile
-    keeps in its graph (our Triton gather of a host table is not traceable, and would break it)."""
-    from unsloth_kernels.embedding import gather_rows
-
-    return gather_rows(_TABLES[table].weight, ids)
-
-
-@offloaded_lookup.register_fake
-def _(ids: torch.Tensor, table: int) -> torch.Tensor:
-    weight = _TABLES[table].weight
-    return ids.new_empty((*ids.shape, weight.shape[1]), dtype=weight.dtype)
-
 
 class OffloadedEmbedding(nn.Embedding):
     """nn.Embedding whose table is in pinned host memory; lookups land on `compute_device`."""
 
     compute_device: torch.device
-    table_number: int
 
+    # Outside any compiled graph: dynamo cannot trace the Triton gather of a host table, and a graph holding
+    # the table as an input would not be captured in a CUDA graph. A compiled decode step breaks here once.
+    @torch.compiler.disable
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.compute_device.type == "cpu" or self.weight.device.type != "cpu":
             return super().forward(input.to(self.weight.device))
-        return offloaded_lookup(input.to(self.compute_device, non_blocking=True), self.table_number)
+        from unsloth_kernels.embedding import gather_rows
 
-    def number(self) -> OffloadedEmbedding:
-        """Give this module a table number of its own (a copy or an unpickled one is a new table)."""
-        self.table_number = next(_NUMBERS)
-        _TABLES[self.table_number] = self
-        return self
+        return gather_rows(self.weight, input.to(self.compute_device, non_blocking=True))
 
     def __setstate__(self, state):  # copy.deepcopy and pickle come through here; their copy is not pinned
         super().__setstate__(state)
         if self.compute_device.type != "cpu" and self.weight.device.type == "cpu" and not self.weight.is_pinned():
             self.weight.data = _pinned_copy(self.weight.data)
-        self.number()
 
     def _apply(self, fn, recurse=True):
         # A device move changes where lookups land, not where the table is; a dtype cast applies to it.
@@ -126,7 +100,6 @@ def offload_input_embedding(model: nn.Module) -> str | None:
         return "reading the table from host memory did not reproduce the lookup"
     embedding.__class__ = OffloadedEmbedding
     embedding.compute_device = device
-    embedding.number()
     weight.data = host
     _register_last(model, embedding)
     log.info("unsloth: input embedding %s in pinned host memory (%.2f GiB of GPU memory freed)",

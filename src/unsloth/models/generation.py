@@ -23,9 +23,9 @@ The tokens are generate's; only when sampling rows that all stop early does the 
 random numbers of its own, so the generator's state after the call is one step further on.
 
 Grouped-query attention decodes on the key/value heads themselves (patches/decode_attention.py), not on
-copies made per query head. Nothing breaks the step's graph at the input embedding: neither a host-memory
-table (its lookup is one op, models/embedding.py) nor the hook that makes its output require grad for
-training (a no-op without grad mode).
+copies made per query head. The hook that makes the input embedding's output require grad for training
+does nothing without grad mode, so it does not break the step's graph; a table in host memory is looked up
+outside the graph (models/embedding.py), the one break then.
 """
 
 from __future__ import annotations
