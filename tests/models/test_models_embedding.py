@@ -73,12 +73,11 @@ def test_offloaded_model_gives_the_same_logits_and_stays_offloaded():
 ON = "cuda" if torch.cuda.is_available() else "cpu"  # where lookups land
 
 
-def _offloaded_by_hand(rows: int = VOCAB, cols: int = 16) -> OffloadedEmbedding:
-    """An OffloadedEmbedding whose table is in CPU memory, pinned where a GPU reads it (on a machine
-    without one the lookups stay on the CPU)."""
-    embedding = nn.Embedding(rows, cols).requires_grad_(False)
+def _offload_by_hand(embedding: nn.Embedding) -> OffloadedEmbedding:
+    """`embedding` made an OffloadedEmbedding whose table is in CPU memory, pinned where a GPU reads it
+    (on a machine without one the lookups stay on the CPU)."""
     if ON == "cuda":
-        embedding.weight.data = embedding.weight.data.pin_memory()
+        embedding.weight.data = embedding.weight.data.cpu().pin_memory()
     embedding.__class__ = OffloadedEmbedding
     embedding.compute_device = torch.device(ON)
     return embedding
@@ -91,11 +90,7 @@ def test_a_compiled_forward_looks_up_outside_its_graph_and_gives_the_same_logits
     ids = torch.randint(0, VOCAB, (2, 7), device=ON)
     with torch.no_grad():
         expected = model(input_ids=ids).logits
-    embedding = model.get_input_embeddings()
-    table = embedding.weight.data
-    embedding.weight.data = table.cpu().pin_memory() if ON == "cuda" else table
-    embedding.__class__ = OffloadedEmbedding
-    embedding.compute_device = torch.device(ON)
+    _offload_by_hand(model.get_input_embeddings())
     explained = torch._dynamo.explain(lambda i: model(input_ids=i).logits)(ids)
     assert (explained.graph_count, explained.graph_break_count) == (2, 1)  # split once, at the lookup
     torch._dynamo.reset()
@@ -104,7 +99,7 @@ def test_a_compiled_forward_looks_up_outside_its_graph_and_gives_the_same_logits
 
 
 def test_a_copy_reads_its_own_table():
-    embedding = _offloaded_by_hand()
+    embedding = _offload_by_hand(nn.Embedding(VOCAB, 16).requires_grad_(False))
     twin = copy.deepcopy(embedding)
     assert twin.weight.is_pinned() == (ON == "cuda")  # the GPU can read the copy's table too
     twin.weight.data.zero_()

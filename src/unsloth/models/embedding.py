@@ -125,4 +125,3 @@ def grad_mode_input_hooks(model: nn.Module) -> None:
     for key, hook in list(hooks.items()):
         if getattr(hook, "__qualname__", "").endswith("enable_input_require_grads.<locals>.make_inputs_require_grads"):
             hooks[key] = require_grad_when_recorded
-
