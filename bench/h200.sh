@@ -192,7 +192,8 @@ families_call() {  # ours vs Unsloth, QLoRA + bf16, three families, within one d
 generation() {  # decoding after for_inference, LoRA attached, batch 1 and 8; GEN_ARGS="--four-bit" for 4-bit
   [ -f /tmp/llama8b/config.json ] || python3 .anchors/anchor_lora.py --impl make >/dev/null
   # shellcheck disable=SC2086
-  # ours compiles the decode step once per batch size (40-100 s each on an H100 in 4-bit): a longer limit
+  # ours compiles the decode step once per batch size (4-bit batch 8: about 160 s on an H100 with cold
+  # compile caches, 30 s warm): a longer limit, GEN_OURS_TIMEOUT
   timeout "${GEN_OURS_TIMEOUT:-300}" python3 bench/bench_generation.py --impl ours ${GEN_ARGS:-} 2>&1 | tee -a "$OUT/generation-ours.log" | grep '^{' | tee -a "$OUT/generation.jsonl"
   for impl in ${ANCHOR_IMPLS-unsloth hf}; do
     # shellcheck disable=SC2086
@@ -208,11 +209,12 @@ nf4mm() {  # the few-row NF4 matmul against bitsandbytes (in .anchors) at the 8B
 }
 
 grpo() {  # a notebook-style GRPO step (QLoRA, a group of 8 x 256 after a 256-token prompt, no vLLM): ours, then Unsloth
+  # GRPO_TIMEOUT (s, each run): ours' first step compiles the 4-bit decode step, about 160 s with cold caches
   [ -f /tmp/llama8b/config.json ] || python3 .anchors/anchor_lora.py --impl make >/dev/null
   # shellcheck disable=SC2086
-  timeout -k 15 240 python3 bench/bench_grpo.py --impl ours ${GRPO_ARGS:-} 2>&1 | tee -a "$OUT/grpo-ours.log" | grep '^{"' | tee -a "$OUT/grpo.jsonl"
+  timeout -k 15 "${GRPO_TIMEOUT:-240}" python3 bench/bench_grpo.py --impl ours ${GRPO_ARGS:-} 2>&1 | tee -a "$OUT/grpo-ours.log" | grep '^{"' | tee -a "$OUT/grpo.jsonl"
   # shellcheck disable=SC2086
-  PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout -k 15 240 python3 bench/bench_grpo.py --impl unsloth ${GRPO_ARGS:-} 2>&1 | tee -a "$OUT/grpo-unsloth.log" | grep '^{"' | tee -a "$OUT/grpo.jsonl"
+  PYTHONPATH="/tmp/site:$ROOT/.anchors/site" timeout -k 15 "${GRPO_TIMEOUT:-240}" python3 bench/bench_grpo.py --impl unsloth ${GRPO_ARGS:-} 2>&1 | tee -a "$OUT/grpo-unsloth.log" | grep '^{"' | tee -a "$OUT/grpo.jsonl"
 }
 
 tts() {  # an Orpheus-3B-shaped TTS SFT as the notebook runs it (bench/bench_tts.py): ours, then Unsloth
