@@ -12,7 +12,8 @@ each program reads tiles of the packed bytes and their absmax once and dequantiz
 
 Where the N tiles alone are too few programs to fill the GPU, K is split across programs too: each
 writes an fp32 partial sum and a second small pass adds the partials in a fixed order (no atomics,
-so the result is deterministic), adds the bias and casts.
+so the result is deterministic), adds the bias and casts; with SUM_IN_GRAPH, a compiled graph does
+that second pass's additions itself.
 
 `nf4_matmul` is a `torch.library.triton_op`, so torch.compile traces into it (the decode step is
 compiled and captured in CUDA graphs) instead of breaking the graph at an opaque call. Under
@@ -22,7 +23,9 @@ TRITON_INTERPRET=1 it is an opaque custom op with a fake instead (`_utils.tracea
 from __future__ import annotations
 
 import functools
+import os
 import struct
+from typing import NamedTuple
 
 import torch
 import triton
@@ -65,6 +68,11 @@ NF4_MATMUL_TUNING: dict[str, tuple] = (
 # of x per call), so that x's loads are contiguous and Triton pipelines them with the packed bytes'; read
 # at each launch, so bench/nf4_matmul.py --ab can time the strided loads of x instead.
 X_HALVES = True
+# Inside a compiled graph (the decode step), leave the second pass's additions (the K splits, bias, LoRA) to
+# the graph as elementwise ops (`_added_in_graph`) instead of a kernel of their own: up to 224 launches a
+# token fewer on an 8B model, where Inductor folds them into its kernels. Off until measured on a GPU; read at
+# each call, set from UNSLOTH_NF4_SUM_IN_GRAPH=1 at import (so bench/bench_generation.py can A/B it).
+SUM_IN_GRAPH = os.environ.get("UNSLOTH_NF4_SUM_IN_GRAPH", "0") == "1"
 # The reduction's configuration where a dot form is set but does not apply (see _dot_applies)
 REDUCE_FALLBACK = (32, 64, 4, 2, "reduce") if INTERPRET else (64, 256, 4, 4, "reduce")
 
@@ -351,6 +359,63 @@ def _dot_applies(k: int, blocksize: int) -> bool:
     return blocksize >= 32 and blocksize & (blocksize - 1) == 0 and k % blocksize == 0
 
 
+class _Plan(NamedTuple):
+    """How one call is launched: the tuning's tiles and form, and K split into `split` chunks of `k_chunk`."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int | None
+    dot: bool
+    form: str
+    step: int
+    split: int
+    k_chunk: int
+
+
+def _plan(m: int, n: int, k: int, blocksize: int, device: torch.device) -> _Plan:
+    """The launch of an [m, k] x [n, k]^T product, as NF4_MATMUL_TUNING has it now (the op and its fake agree)."""
+    block_n, block_k, warps, programs_per_sm, form, *stages = NF4_MATMUL_TUNING["one" if m == 1 else "few"]
+    if form not in FORMS:
+        raise ValueError(f"nf4_matmul: unknown form {form!r} (one of {FORMS})")
+    dot = form != "reduce" and _dot_applies(k, blocksize)
+    if form != "reduce" and not dot:
+        block_n, block_k, warps, programs_per_sm, _ = REDUCE_FALLBACK
+    step = max(block_k // blocksize, 1) * blocksize if dot else block_k
+    split = _split(n, k, block_n, step, programs_per_sm, device)
+    k_chunk = cdiv(cdiv(k, split), step) * step  # whole steps per split: only the last one ends mid-step
+    return _Plan(block_n, block_k, warps, stages[0] if stages else None, dot, form, step, cdiv(k, k_chunk), k_chunk)
+
+
+def _launch_main(plan: _Plan, x, data, scales, code, absmax2, code2, offset, bias, target, n, blocksize, blocksize2,
+                 nested, nf4, lora, rank: int, partial: bool) -> None:  # fmt: skip
+    """The matmul kernel of `plan` into `target`: the output, or (partial) each K split's fp32 sums, the bias
+    and the LoRA term (`lora` = (xa, B, scale), of `rank`; 0: none) left to whatever adds the splits."""
+    m, k = x.shape
+    common = dict(BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, HAS_BIAS=bias is not None and not partial,
+                  HAS_LORA=rank > 0 and not partial, RANK=0 if partial else rank, PARTIAL=partial,
+                  ROUND_BF16=INTERPRET and x.dtype == torch.bfloat16, BLOCK_N=plan.block_n,
+                  num_warps=plan.warps)  # fmt: skip
+    halves = plan.dot and X_HALVES
+    if halves:
+        x = _x_halves(x, blocksize)
+    bias_arg = bias if bias is not None else target  # unread when HAS_BIAS is off
+    args = (x, data, scales, code, absmax2, code2, offset, bias_arg, target, m, n, k, x.stride(0), plan.k_chunk, *lora)
+    if plan.dot:
+        fp32 = INTERPRET or x.dtype == torch.float32
+        table = nf4 and not fp32 and not is_hip()  # prmt is NVIDIA's
+        wrap_triton(_nf4_dot_kernel)[(cdiv(n, plan.block_n), plan.split)](
+            *args, FP32=fp32, BLOCK_M=MAX_ROWS, STEP_BLOCKS=plan.step // blocksize,
+            LEVELS_ASM=levels_asm(NF4_CODE, x.dtype) if table else None, W_AS_B=plan.form == "dot_w_b",
+            PRECISION="ieee" if fp32 else None, STAGES=plan.stages, X_HALVES=halves, **common,
+        )  # fmt: skip
+    else:
+        wrap_triton(_nf4_matmul_kernel)[(cdiv(n, plan.block_n), plan.split)](
+            *args, BLOCK_K=plan.block_k, BLOCK_M=1 if m == 1 else triton.next_power_of_2(m),
+            GROUP=_group(k, blocksize, plan.block_k), **common,
+        )  # fmt: skip
+
+
 def _nf4_matmul_launch(
     x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, code: torch.Tensor, absmax2: torch.Tensor,
     code2: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None, n: int, blocksize: int, blocksize2: int,
@@ -363,48 +428,18 @@ def _nf4_matmul_launch(
     if k == 0:
         y = torch.zeros((m, n), dtype=torch.float32, device=x.device) if bias is None else bias.float().expand(m, n)
         return out.copy_(y if xa is None else y + lora_scale * (xa.float() @ lora_b.float().T))
-    block_n, block_k, warps, programs_per_sm, form, *stages = NF4_MATMUL_TUNING["one" if m == 1 else "few"]
-    stages = stages[0] if stages else None
-    if form not in FORMS:
-        raise ValueError(f"nf4_matmul: unknown form {form!r} (one of {FORMS})")
-    dot = form != "reduce" and _dot_applies(k, blocksize)
-    if form != "reduce" and not dot:
-        block_n, block_k, warps, programs_per_sm, _ = REDUCE_FALLBACK
-    step = max(block_k // blocksize, 1) * blocksize if dot else block_k
-    split = _split(n, k, block_n, step, programs_per_sm, x.device)
-    k_chunk = cdiv(cdiv(k, split), step) * step  # whole steps per split: only the last one ends mid-step
-    split = cdiv(k, k_chunk)
-    partial = split > 1
-    round_bf16 = INTERPRET and x.dtype == torch.bfloat16
-    target = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if partial else out
-    bias_arg = bias if bias is not None else out  # unread when HAS_BIAS is off
+    plan = _plan(m, n, k, blocksize, x.device)
+    partial = plan.split > 1
+    target = torch.empty((plan.split, m, n), dtype=torch.float32, device=x.device) if partial else out
     lora = (xa, lora_b, lora_scale) if xa is not None else (out, out, 0.0)  # unread without
     rank = 0 if xa is None else xa.shape[1]
-    common = dict(BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, HAS_BIAS=bias is not None,
-                  HAS_LORA=xa is not None and not partial, RANK=0 if partial else rank, PARTIAL=partial,
-                  ROUND_BF16=round_bf16, BLOCK_N=block_n, num_warps=warps)  # fmt: skip
-    halves = dot and X_HALVES
-    if halves:
-        x = _x_halves(x, blocksize)
-    args = (x, data, scales, code, absmax2, code2, offset, bias_arg, target, m, n, k, x.stride(0), k_chunk, *lora)
-    if dot:
-        fp32 = INTERPRET or x.dtype == torch.float32
-        table = nf4 and not fp32 and not is_hip()  # prmt is NVIDIA's
-        wrap_triton(_nf4_dot_kernel)[(cdiv(n, block_n), split)](
-            *args, FP32=fp32, BLOCK_M=MAX_ROWS, STEP_BLOCKS=step // blocksize,
-            LEVELS_ASM=levels_asm(NF4_CODE, x.dtype) if table else None, W_AS_B=form == "dot_w_b",
-            PRECISION="ieee" if fp32 else None, STAGES=stages, X_HALVES=halves, **common,
-        )  # fmt: skip
-    else:
-        wrap_triton(_nf4_matmul_kernel)[(cdiv(n, block_n), split)](
-            *args, BLOCK_K=block_k, BLOCK_M=1 if m == 1 else triton.next_power_of_2(m),
-            GROUP=_group(k, blocksize, block_k), **common,
-        )  # fmt: skip
+    _launch_main(plan, x, data, scales, code, absmax2, code2, offset, bias, target, n, blocksize, blocksize2, nested,
+                 nf4, lora, rank, partial)  # fmt: skip
     if partial:
-        block = SUM_BLOCK
-        wrap_triton(_sum_splits_kernel)[(cdiv(m * n, block),)](
-            target, bias_arg, out, m * n, n, *lora, SPLIT=split, HAS_BIAS=bias is not None, HAS_LORA=xa is not None,
-            RANK=rank, ROUND_BF16=round_bf16, BLOCK=block, num_warps=4,
+        wrap_triton(_sum_splits_kernel)[(cdiv(m * n, SUM_BLOCK),)](
+            target, bias if bias is not None else out, out, m * n, n, *lora, SPLIT=plan.split,
+            HAS_BIAS=bias is not None, HAS_LORA=xa is not None, RANK=rank,
+            ROUND_BF16=INTERPRET and x.dtype == torch.bfloat16, BLOCK=SUM_BLOCK, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -422,6 +457,46 @@ def _nf4_matmul_fake(x, data, scales, code, absmax2, code2, offset, bias, n, blo
 
 
 _nf4_matmul_op = traceable_op("unsloth::nf4_matmul", _nf4_matmul_launch, _nf4_matmul_fake)
+
+
+def _nf4_partials_launch(
+    x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, code: torch.Tensor, absmax2: torch.Tensor,
+    code2: torch.Tensor, offset: torch.Tensor, n: int, blocksize: int, blocksize2: int, nested: bool, nf4: bool,
+) -> torch.Tensor:  # fmt: skip
+    """The first pass alone: [split, M, N] fp32 sums of x @ W^T over each K split (x, N and K not empty)."""
+    m, k = x.shape
+    plan = _plan(m, n, k, blocksize, x.device)
+    target = torch.empty((plan.split, m, n), dtype=torch.float32, device=x.device)
+    _launch_main(plan, x, data, scales, code, absmax2, code2, offset, None, target, n, blocksize, blocksize2, nested,
+                 nf4, (target, target, 0.0), 0, partial=True)  # fmt: skip
+    return target
+
+
+def _nf4_partials_fake(x, data, scales, code, absmax2, code2, offset, n, blocksize, blocksize2, nested, nf4):
+    m, k = x.shape
+    return x.new_empty((_plan(m, n, k, blocksize, x.device).split, m, n), dtype=torch.float32)
+
+
+_nf4_partials_op = traceable_op("unsloth::nf4_matmul_partials", _nf4_partials_launch, _nf4_partials_fake)
+
+
+def _added_in_graph(partials: torch.Tensor, bias: torch.Tensor | None, xa: torch.Tensor | None,
+                    lora_b: torch.Tensor | None, lora_scale: float, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """What the second pass adds (the splits in order, the bias, the LoRA term xa @ B^T, one rounding), as
+    elementwise additions only (the rank's sum unrolled too): a compiled graph folds them into the kernels
+    that read the output (RoPE, SiLU x up, a residual add) instead of launching a pass of their own."""
+    y = partials[0]
+    for split in range(1, partials.shape[0]):
+        y = y + partials[split]
+    if bias is not None:
+        y = y + bias.float()
+    if xa is not None:
+        xa, lora_b = xa.float(), lora_b.float()
+        delta = xa[:, :1] * lora_b[:, 0]
+        for r in range(1, xa.shape[1]):
+            delta = delta + xa[:, r : r + 1] * lora_b[:, r]
+        y = y + lora_scale * delta
+    return y.to(dtype)
 
 
 def nf4_matmul(x: torch.Tensor, prepared: Prepared4bit, bias: torch.Tensor | None = None,
@@ -453,7 +528,12 @@ def nf4_matmul(x: torch.Tensor, prepared: Prepared4bit, bias: torch.Tensor | Non
         if lora_b.shape != (n, xa.shape[1]):
             raise ValueError(f"the LoRA B weight must be [{n}, {xa.shape[1]}] (out x rank), got {tuple(lora_b.shape)}")
         lora_b = lora_b.contiguous()
-    y = _nf4_matmul_op(rows, prepared.data, prepared.scales, prepared.code, prepared.absmax2, prepared.code2, offset,
-                       bias, n, prepared.blocksize, prepared.blocksize2, prepared.nested, prepared.nf4, xa, lora_b,
-                       float(lora_scale))  # fmt: skip
+    weight = (prepared.data, prepared.scales, prepared.code, prepared.absmax2, prepared.code2, offset)
+    if SUM_IN_GRAPH and torch.compiler.is_compiling() and rows.shape[0] and n and k:
+        partials = _nf4_partials_op(rows, *weight, n, prepared.blocksize, prepared.blocksize2, prepared.nested,
+                                    prepared.nf4)  # fmt: skip
+        y = _added_in_graph(partials, bias, xa, lora_b, float(lora_scale), rows.dtype)
+    else:
+        y = _nf4_matmul_op(rows, *weight, bias, n, prepared.blocksize, prepared.blocksize2, prepared.nested,
+                           prepared.nf4, xa, lora_b, float(lora_scale))  # fmt: skip
     return y.reshape(*x.shape[:-1], n)

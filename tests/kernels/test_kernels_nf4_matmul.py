@@ -154,6 +154,34 @@ def test_under_torch_compile():
     torch.testing.assert_close(step(x), torch.nn.functional.silu(nf4_matmul(x, prepared, bias)))
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 72, 320), (3, 200, 576), (8, 520, 320)], ids=str)
+def test_the_second_pass_left_to_a_compiled_graph(monkeypatch, m, n, k):
+    """SUM_IN_GRAPH: in a compiled graph the op gives each K split's fp32 sums (several splits for N of 72
+    and 200 on the interpreter's 4 SMs, one for 520) and the graph adds them, the bias and the LoRA term."""
+    monkeypatch.setattr(nf4_matmul_module, "SUM_IN_GRAPH", True)
+    packed, state = quantize(n, k, nested=True)
+    prepared = prepare_bnb_4bit(packed, state)
+    x = torch.randn((m, k), device=DEVICE).to(torch.bfloat16)
+    xa = (x.float() @ torch.randn((4, k), device=DEVICE).T / k**0.5).to(torch.bfloat16)
+    lora = (xa, torch.randn((n, 4), device=DEVICE), 0.75)
+    bias = torch.randn(n, device=DEVICE).to(torch.bfloat16)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    step = torch.compile(lambda x: nf4_matmul(x, prepared, bias, lora=lora), backend=backend, fullgraph=True)
+    y = step(x)
+    ops = {str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"}
+    assert any("nf4_matmul_partials" in op for op in ops) and not any(op.endswith("nf4_matmul") for op in ops)
+    check(y, x, packed, state, bias, lora=lora)
+    torch.testing.assert_close(y, nf4_matmul(x, prepared, bias, lora=lora), rtol=2**-8, atol=1e-3)  # eager: 2 passes
+    offset = nf4_matmul_module.offset_tensor(prepared)
+    weight = (prepared.data, prepared.scales, prepared.code, prepared.absmax2, prepared.code2, offset)
+    torch.library.opcheck(nf4_matmul_module._nf4_partials_op, (x, *weight, n, 64, prepared.blocksize2, True, True))
+
+
 def _run_ptx(asm: str, word: int) -> dict:
     """The integer PTX of `levels_asm` run in Python, `prmt` as the PTX ISA defines it (its default mode:
     a selector's bit 3 replicates the picked byte's sign)."""

@@ -5,7 +5,8 @@ kernels import as they do on a GPU and nf4_matmul is the `triton_op` torch.compi
 the interpreter it is an opaque custom op with a fake, which hides faults of the GPU form: a launch
 that reads a tensor's values under fake tensors breaks the graph). Nothing is launched: the backend
 records each graph and stops. Prints {"triton_op": whether the op is in that form, "graphs": [nodes
-of each], "nf4_matmul": calls in them, "linear": torch linears in them, "breaks": graph breaks}.
+of each], "nf4_matmul": calls in them ("partials": of those, the first pass alone: nf4_matmul.SUM_IN_GRAPH),
+"linear": torch linears in them, "breaks": graph breaks}.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def main() -> None:
     print(json.dumps({"triton_op": "unsloth::nf4_matmul" in triton_ops_to_kernels,
                       "graphs": [len(g.graph.nodes) for g in graphs],
                       "nf4_matmul": sum("nf4_matmul" in str(n.target) for g in graphs for n in g.graph.nodes),
+                      "partials": sum("nf4_matmul_partials" in str(n.target) for g in graphs for n in g.graph.nodes),
                       "linear": sum(n.target is torch.nn.functional.linear for g in graphs for n in g.graph.nodes),
                       "breaks": sum(counters["graph_break"].values())}))
 

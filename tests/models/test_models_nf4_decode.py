@@ -125,11 +125,13 @@ def test_a_4bit_lora_layer_compiles_into_one_graph_on_each_decode_path(flag, row
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the decode benches compile the real step")
-def test_the_decode_step_is_one_graph_with_the_op_in_its_gpu_form(tmp_path):
+@pytest.mark.parametrize("sum_in_graph", [False, True], ids=["two passes", "sums in the graph"])
+def test_the_decode_step_is_one_graph_with_the_op_in_its_gpu_form(tmp_path, sum_in_graph):
     """The tests above run nf4_matmul as the interpreter's opaque custom op; on a GPU it is a triton_op whose
     launch torch.compile runs under fake tensors, and a launch that read a tensor's values there broke the
     decode step's graph at every projection. decode_graph.py traces a tiny QLoRA decode step with the op in
-    that form, in a process without the interpreter (nothing is launched): one graph, every projection."""
+    that form, in a process without the interpreter (nothing is launched): one graph, every projection;
+    with UNSLOTH_NF4_SUM_IN_GRAPH=1, every projection as the first pass alone."""
     import json
     import os
     import pathlib
@@ -137,6 +139,7 @@ def test_the_decode_step_is_one_graph_with_the_op_in_its_gpu_form(tmp_path):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "UNSLOTH_NF4_DECODE")}
+    env["UNSLOTH_NF4_SUM_IN_GRAPH"] = "1" if sum_in_graph else "0"
     script = pathlib.Path(__file__).with_name("decode_graph.py")
     done = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
@@ -144,5 +147,6 @@ def test_the_decode_step_is_one_graph_with_the_op_in_its_gpu_form(tmp_path):
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["triton_op"], report
     assert (len(report["graphs"]), report["breaks"], report["nf4_matmul"]) == (1, 0, 14), report  # 2 layers x 7
+    assert report["partials"] == (14 if sum_in_graph else 0), report
     # the lm_head only: x A^T is a product and a sum (one fused reduction), B is applied in nf4_matmul's pass
     assert report["linear"] == 1, report
