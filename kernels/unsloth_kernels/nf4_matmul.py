@@ -387,6 +387,11 @@ def _plan(m: int, n: int, k: int, blocksize: int, device: torch.device) -> _Plan
     return _Plan(block_n, block_k, warps, stages[0] if stages else None, dot, form, step, cdiv(k, k_chunk), k_chunk)
 
 
+def _rounds_bf16(dtype: torch.dtype) -> bool:
+    """Whether the kernels round to bf16 themselves: the interpreter truncates fp32 -> bf16, GPUs round to nearest."""
+    return INTERPRET and dtype == torch.bfloat16
+
+
 def _launch_main(plan: _Plan, x, data, scales, code, absmax2, code2, offset, bias, target, n, blocksize, blocksize2,
                  nested, nf4, lora, rank: int, partial: bool) -> None:  # fmt: skip
     """The matmul kernel of `plan` into `target`: the output, or (partial) each K split's fp32 sums, the bias
@@ -394,8 +399,7 @@ def _launch_main(plan: _Plan, x, data, scales, code, absmax2, code2, offset, bia
     m, k = x.shape
     common = dict(BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested, HAS_BIAS=bias is not None and not partial,
                   HAS_LORA=rank > 0 and not partial, RANK=0 if partial else rank, PARTIAL=partial,
-                  ROUND_BF16=INTERPRET and x.dtype == torch.bfloat16, BLOCK_N=plan.block_n,
-                  num_warps=plan.warps)  # fmt: skip
+                  ROUND_BF16=_rounds_bf16(x.dtype), BLOCK_N=plan.block_n, num_warps=plan.warps)  # fmt: skip
     halves = plan.dot and X_HALVES
     if halves:
         x = _x_halves(x, blocksize)
@@ -439,7 +443,7 @@ def _nf4_matmul_launch(
         wrap_triton(_sum_splits_kernel)[(cdiv(m * n, SUM_BLOCK),)](
             target, bias if bias is not None else out, out, m * n, n, *lora, SPLIT=plan.split,
             HAS_BIAS=bias is not None, HAS_LORA=xa is not None, RANK=rank,
-            ROUND_BF16=INTERPRET and x.dtype == torch.bfloat16, BLOCK=SUM_BLOCK, num_warps=4,
+            ROUND_BF16=_rounds_bf16(x.dtype), BLOCK=SUM_BLOCK, num_warps=4,
         )  # fmt: skip
     return out
 

@@ -179,7 +179,8 @@ def test_the_second_pass_left_to_a_compiled_graph(monkeypatch, m, n, k):
     torch.testing.assert_close(y, nf4_matmul(x, prepared, bias, lora=lora), rtol=2**-8, atol=1e-3)  # eager: 2 passes
     offset = nf4_matmul_module.offset_tensor(prepared)
     weight = (prepared.data, prepared.scales, prepared.code, prepared.absmax2, prepared.code2, offset)
-    torch.library.opcheck(nf4_matmul_module._nf4_partials_op, (x, *weight, n, 64, prepared.blocksize2, True, True))
+    torch.library.opcheck(nf4_matmul_module._nf4_partials_op, (x, *weight, n, prepared.blocksize, prepared.blocksize2,
+                                                               prepared.nested, prepared.nf4))  # fmt: skip
 
 
 def _run_ptx(asm: str, word: int) -> dict:
