@@ -149,7 +149,7 @@ def measure(model, args, batch: int, device: str) -> dict:
         profiled["host_top"] = host_time(generate, args.new)
     return {"impl": args.impl, "batch": batch, "prompt": args.prompt, "new": args.new, "four_bit": args.four_bit,
             "sync_every_step": args.sync_every_step, "nf4_decode": os.environ.get("UNSLOTH_NF4_DECODE") != "0",
-            "nf4_sum_in_graph": os.environ.get("UNSLOTH_NF4_SUM_IN_GRAPH") == "1",
+            "nf4_sum_in_graph": os.environ.get("UNSLOTH_NF4_SUM_IN_GRAPH", "1") != "0",
             "wall_ms_per_step": round(1000 * seconds / args.new, 3), "prefill_s": round(prefill_s, 3),
             "decode_wall_ms_per_step": round(1000 * (seconds - prefill_s) / max(args.new - 1, 1), 3),
             **profiled, **compile_report(model),
@@ -190,9 +190,14 @@ def dynamo_counts() -> dict:
 
 
 def compile_report(model) -> dict:
-    """dynamo_counts, and whether our decode fell back to eager (compilation failed: a warning says why)."""
+    """dynamo_counts, whether our decode fell back to eager (compilation failed: a warning says why), and
+    torch.compile's time so far by phase, the 12 longest (nested: a phase's time includes those it calls)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    phases = sorted(((name, sum(times)) for name, times in compilation_time_metrics.items()), key=lambda row: -row[1])
     return {**dynamo_counts(),
-            "eager_decode": any(m.__dict__.get("_unsloth_eager_decode", False) for m in model.modules())}
+            "eager_decode": any(m.__dict__.get("_unsloth_eager_decode", False) for m in model.modules()),
+            "compile_s_by_phase": {name: round(seconds, 2) for name, seconds in phases[:12]}}
 
 
 def device_time(generate, new: int) -> dict:

@@ -190,7 +190,7 @@ families_call() {  # ours vs Unsloth, QLoRA + bf16, three families, within one d
 }
 
 generation() {  # decoding after for_inference, LoRA attached, batch 1 and 8; GEN_ARGS="--four-bit" for 4-bit
-  # (UNSLOTH_NF4_SUM_IN_GRAPH=1 in the environment: nf4_matmul's second pass left to the compiled graph)
+  # (UNSLOTH_NF4_SUM_IN_GRAPH=0 in the environment: nf4_matmul's second pass as a kernel of its own, for an A/B)
   [ -f /tmp/llama8b/config.json ] || python3 .anchors/anchor_lora.py --impl make >/dev/null
   # shellcheck disable=SC2086
   # ours compiles the decode step once per batch size (4-bit batch 8: about 160 s on an H100 with cold

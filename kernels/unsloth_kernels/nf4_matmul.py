@@ -70,9 +70,9 @@ NF4_MATMUL_TUNING: dict[str, tuple] = (
 X_HALVES = True
 # Inside a compiled graph (the decode step), leave the second pass's additions (the K splits, bias, LoRA) to
 # the graph as elementwise ops (`_added_in_graph`) instead of a kernel of their own: up to 224 launches a
-# token fewer on an 8B model, where Inductor folds them into its kernels. Off until measured on a GPU; read at
-# each call, set from UNSLOTH_NF4_SUM_IN_GRAPH=1 at import (so bench/bench_generation.py can A/B it).
-SUM_IN_GRAPH = os.environ.get("UNSLOTH_NF4_SUM_IN_GRAPH", "0") == "1"
+# token fewer on an 8B model, where Inductor folds them into its kernels (the step's wall time 10.2 -> 8.4 ms,
+# docs/benchmarks.md). Read at each call; UNSLOTH_NF4_SUM_IN_GRAPH=0 at import turns it off (for an A/B).
+SUM_IN_GRAPH = os.environ.get("UNSLOTH_NF4_SUM_IN_GRAPH", "1") != "0"
 # The reduction's configuration where a dot form is set but does not apply (see _dot_applies)
 REDUCE_FALLBACK = (32, 64, 4, 2, "reduce") if INTERPRET else (64, 256, 4, 4, "reduce")
 

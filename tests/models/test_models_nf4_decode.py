@@ -131,7 +131,7 @@ def test_the_decode_step_is_one_graph_with_the_op_in_its_gpu_form(tmp_path, sum_
     launch torch.compile runs under fake tensors, and a launch that read a tensor's values there broke the
     decode step's graph at every projection. decode_graph.py traces a tiny QLoRA decode step with the op in
     that form, in a process without the interpreter (nothing is launched): one graph, every projection;
-    with UNSLOTH_NF4_SUM_IN_GRAPH=1, every projection as the first pass alone."""
+    with nf4_matmul.SUM_IN_GRAPH (the default), every projection as the first pass alone."""
     import json
     import os
     import pathlib
