@@ -501,6 +501,61 @@ def test_the_stop_check_is_deferred_on_cuda_inside_fast_calls_only():
     assert cache._is_user_defined is False
 
 
+def test_one_sample_draws_as_torch_multinomial_without_its_checks_outside_our_calls_untouched(monkeypatch):
+    """torch.multinomial(p, 1) reads two checks back to the host per token; inside our calls on DEFER_DEVICES
+    the same draws (same generator, same tokens) come without them, and outside everything is torch's."""
+    assert generation._sample_without_readback()
+    original = torch.multinomial._unsloth_original
+    probs = torch.softmax(torch.randn(5, 300, generator=torch.Generator().manual_seed(2)) * 4, dim=-1)
+    for seed in range(20):
+        for p in (probs, probs[seed % 5]):
+            drawn = generation._draw_one(p, torch.Generator().manual_seed(seed))
+            assert torch.equal(drawn, original(p, 1, generator=torch.Generator().manual_seed(seed)))
+    bad = torch.tensor([[0.5, float("nan")]])
+    with pytest.raises(RuntimeError, match="inf.*nan"):
+        torch.multinomial(bad, 1)  # not in a call of ours: torch's checks, at once
+    monkeypatch.setattr(generation, "DEFER_DEVICES", {"cuda", "cpu"})
+    generation._CALLS.depth, generation._CALLS.invalid = 1, None
+    try:
+        torch.manual_seed(7)
+        drawn = torch.multinomial(probs, num_samples=1)
+        assert torch.equal(drawn, original(probs, 1, generator=torch.Generator().manual_seed(7)))
+        assert not generation._CALLS.invalid
+        torch.multinomial(bad, 1)  # kept on the device ...
+        assert generation._CALLS.invalid
+        assert torch.multinomial(probs, 3).shape == (5, 3)  # more than one sample: torch's own
+    finally:
+        generation._CALLS.depth, generation._CALLS.invalid = 0, None
+
+
+def test_a_sampled_call_with_invalid_probabilities_says_so_at_its_end(monkeypatch):
+    """The checks a draw skipped are raised when the fast call ends: NaN scores do not pass as tokens."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class NaNScores(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return torch.full_like(scores, float("nan"))
+
+    class Event:  # the CPU has no events (as in the test below)
+        def __init__(self, *args, **kwargs):
+            pass
+
+        record = synchronize = lambda self, *args: None
+
+    monkeypatch.setattr(torch, "Event", Event)
+    monkeypatch.setattr(generation, "DEFER_DEVICES", {"cuda", "cpu"})
+    model = tiny_model("llama")
+    ids, mask = _prompts()
+    generation.enable(model)
+    options = dict(max_new_tokens=4, do_sample=True, top_k=0, pad_token_id=0, eos_token_id=None,
+                   logits_processor=LogitsProcessorList([NaNScores()]))
+    with pytest.raises(RuntimeError, match="sampled tokens are not valid"):
+        model.generate(input_ids=ids, attention_mask=mask, **options)
+    assert not generation._CALLS.depth and generation._CALLS.invalid is None
+    out = model.generate(input_ids=ids, attention_mask=mask, **{**options, "logits_processor": None})
+    assert out.shape == (2, ids.shape[1] + 4)  # the next call starts with clean checks
+
+
 @pytest.mark.parametrize("stop_early,sample", [(False, False), (True, False), (False, True)],
                          ids=["greedy", "greedy-eos", "sampled"])
 def test_deferred_stop_checks_give_transformers_tokens(monkeypatch, stop_early, sample):

@@ -22,6 +22,12 @@ cache does not count as the caller's (nothing outside reads it back), so the hos
 The tokens are generate's; only when sampling rows that all stop early does the undone step draw
 random numbers of its own, so the generator's state after the call is one step further on.
 
+Sampling reads back too: torch.multinomial checks the probabilities with two `.item()` calls per token
+before its one-sample draw (p / q with q ~ Exp(1), argmax). Inside our calls on the same devices that draw
+runs without them (`_sample_without_readback`: the same draws from the same generator), and the checks
+are kept on the device and raised when the call ends (a 4-bit 8B GRPO rollout: 3.40 s against 2.59 s
+greedy before this).
+
 Grouped-query attention decodes on the key/value heads themselves (patches/decode_attention.py), not on
 copies made per query head. The hook that makes the input embedding's output require grad for training
 does nothing without grad mode, so it does not break the step's graph; a table in host memory is looked up
@@ -34,6 +40,7 @@ import copy
 import functools
 import inspect
 import logging
+import math
 import threading
 from collections.abc import Mapping
 
@@ -48,9 +55,10 @@ __all__ = ["BUCKET", "cache_length", "disable", "enable", "enabled"]
 
 BUCKET = 256  # cache lengths are multiples of this: few shapes to compile, at most BUCKET - 1 slots unused
 _MAX_CACHES = 4  # (batch, bucket) caches kept per model; the oldest is dropped first
-# Devices where our calls defer transformers' stop check (the CPU has no events to defer it with).
+# Devices where our calls defer transformers' stop check (the CPU has no events to defer it with) and
+# sample without reading the probabilities' checks back.
 DEFER_DEVICES = {"cuda"}
-_CALLS = threading.local()  # .depth: fast_generate calls running on this thread
+_CALLS = threading.local()  # .depth: fast_generate calls running on this thread; .invalid: the draws' checks
 
 
 def cache_length(tokens: int, bucket: int = BUCKET) -> int:
@@ -84,6 +92,7 @@ def enable(model):
     if getattr(backbone, "_unsloth_fast_generation", None) is None:
         backbone._unsloth_fast_generation = {}  # (batch, cache length) -> StaticCache
     _defer_stop_checks()
+    _sample_without_readback()
     patch_decode_attention()
     if not getattr(backbone.generate, "_unsloth_fast", False):
         plain = backbone.generate
@@ -168,20 +177,28 @@ def fast_generate(backbone, plain, *args, **kwargs):
     quantizer = _hide_bitsandbytes_4bit(backbone) if not config.disable_compile else None
     grad_mode_input_hooks(backbone)  # no graph break at the embedding
     _CALLS.depth = getattr(_CALLS, "depth", 0) + 1
+    outer, _CALLS.invalid = getattr(_CALLS, "invalid", None), None
     try:
-        return plain(*args, generation_config=config, **{ALL_CACHE_NAMES[0]: cache}, **rest)
-    except torch._dynamo.exc.TorchDynamoException as error:
-        if config.disable_compile:
-            raise
-        # a layer torch.compile cannot take: keep the static cache, decode without graphs from now on
-        log.warning("unsloth: the decode step could not be compiled (%s: %s); generating without CUDA graphs",
-                    type(error).__name__, str(error).splitlines()[0] if str(error) else "")
-        backbone._unsloth_eager_decode = True
-        cache.reset()
-        config.disable_compile = True
-        return plain(*args, generation_config=config, **{ALL_CACHE_NAMES[0]: cache}, **rest)
+        try:
+            out = plain(*args, generation_config=config, **{ALL_CACHE_NAMES[0]: cache}, **rest)
+        except torch._dynamo.exc.TorchDynamoException as error:
+            if config.disable_compile:
+                raise
+            # a layer torch.compile cannot take: keep the static cache, decode without graphs from now on
+            log.warning("unsloth: the decode step could not be compiled (%s: %s); generating without CUDA graphs",
+                        type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+            backbone._unsloth_eager_decode = True
+            cache.reset()
+            config.disable_compile = True
+            out = plain(*args, generation_config=config, **{ALL_CACHE_NAMES[0]: cache}, **rest)
+        if _CALLS.invalid is not None and bool(_CALLS.invalid):
+            raise RuntimeError("sampling met a probability tensor with `inf`, `nan`, an element < 0 or a row of "
+                               "zeros (as torch.multinomial says), so the sampled tokens are not valid: check the "
+                               "logits processors and the temperature")
+        return out
     finally:
         _CALLS.depth -= 1
+        _CALLS.invalid = outer
         if quantizer is not None:
             backbone.hf_quantizer = quantizer
         backbone.train(was_training)
@@ -268,4 +285,39 @@ def _defer_stop_checks() -> bool:
 
     is_supported._unsloth_defers = True
     DeferredStopCheck.is_supported = staticmethod(is_supported)
+    return True
+
+
+def _draw_one(probs, generator=None):
+    """torch.multinomial's draw of one sample per row (ATen's Gumbel-max form), without its checks."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    return torch.argmax(probs / q, dim=-1, keepdim=True)
+
+
+def _sample_without_readback() -> bool:
+    """Route `torch.multinomial(p, 1)` inside our calls on DEFER_DEVICES to `_draw_one`, its checks kept
+    on the device for `fast_generate` to raise at the end (idempotent). Installed only where a probe on
+    the CPU gives torch's own draws, seeded alike, for one row and for several. Returns whether it is on."""
+    original = torch.multinomial
+    if getattr(original, "_unsloth_original", None) is not None:
+        return True
+    probs = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(0)), dim=-1)
+    for p in (probs, probs[0]):
+        expected = original(p, 1, generator=torch.Generator().manual_seed(1))
+        if not torch.equal(_draw_one(p, torch.Generator().manual_seed(1)), expected):
+            log.debug("unsloth: torch.multinomial draws differently; sampling reads its checks back per token")
+            return False
+
+    @functools.wraps(original)
+    def multinomial(input, num_samples, replacement=False, *, generator=None, out=None):
+        if (num_samples != 1 or out is not None or not getattr(_CALLS, "depth", 0)
+                or input.device.type not in DEFER_DEVICES or input.dim() not in (1, 2) or not input.numel()):
+            return original(input, num_samples, replacement, generator=generator, out=out)
+        sums = input.sum(-1)
+        invalid = ~((input.min() >= 0) & (input.max() < math.inf) & (sums > 0).all())
+        _CALLS.invalid = invalid if _CALLS.invalid is None else _CALLS.invalid | invalid
+        return _draw_one(input, generator)
+
+    multinomial._unsloth_original = original
+    torch.multinomial = multinomial
     return True
