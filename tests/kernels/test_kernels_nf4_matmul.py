@@ -183,6 +183,25 @@ def test_the_second_pass_left_to_a_compiled_graph(monkeypatch, m, n, k):
                                                                prepared.nested, prepared.nf4))  # fmt: skip
 
 
+def test_the_graphs_size_does_not_grow_with_the_lora_rank(monkeypatch):
+    """With the second pass in the graph, the LoRA term is one reduction over the rank: r=64 makes the same
+    graph as r=4 (unrolled, every rank added three nodes per projection, and compile time with them)."""
+    monkeypatch.setattr(nf4_matmul_module, "SUM_IN_GRAPH", True)
+    packed, state = quantize(200, 576, nested=True)
+    prepared = prepare_bnb_4bit(packed, state)
+    x = torch.randn((3, 576), device=DEVICE).to(torch.bfloat16)
+
+    def nodes(rank):
+        lora = (torch.randn((3, rank), device=DEVICE).to(torch.bfloat16), torch.randn((200, rank), device=DEVICE), 0.5)
+        graphs = []
+        step = torch.compile(lambda x: nf4_matmul(x, prepared, lora=lora), fullgraph=True, dynamic=False,
+                             backend=lambda gm, example_inputs: graphs.append(gm) or gm.forward)  # fmt: skip
+        check(step(x), x, packed, state, None, lora=lora)
+        return len(graphs[0].graph.nodes)
+
+    assert nodes(64) == nodes(4)
+
+
 def _run_ptx(asm: str, word: int) -> dict:
     """The integer PTX of `levels_asm` run in Python, `prmt` as the PTX ISA defines it (its default mode:
     a selector's bit 3 replicates the picked byte's sign)."""
