@@ -528,6 +528,16 @@ def test_one_sample_draws_as_torch_multinomial_without_its_checks_outside_our_ca
         generation._CALLS.depth, generation._CALLS.invalid = 0, None
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's own multinomial")
+def test_one_sample_draws_on_the_gpu_as_torch_multinomial():
+    """The install probe runs on the CPU; ATen's one-sample path is the same code on CUDA, which this checks."""
+    assert generation._sample_without_readback()
+    probs = torch.softmax(torch.randn(8, 128256, device="cuda") * 3, dim=-1)
+    for seed in range(5):
+        want = torch.multinomial._unsloth_original(probs, 1, generator=torch.Generator("cuda").manual_seed(seed))
+        assert torch.equal(generation._draw_one(probs, torch.Generator("cuda").manual_seed(seed)), want)
+
+
 def test_a_sampled_call_with_invalid_probabilities_says_so_at_its_end(monkeypatch):
     """The checks a draw skipped are raised when the fast call ends: NaN scores do not pass as tokens."""
     from transformers import LogitsProcessor, LogitsProcessorList
