@@ -524,6 +524,11 @@ def test_one_sample_draws_as_torch_multinomial_without_its_checks_outside_our_ca
         torch.multinomial(bad, 1)  # kept on the device ...
         assert generation._CALLS.invalid
         assert torch.multinomial(probs, 3).shape == (5, 3)  # more than one sample: torch's own
+        graphs = []
+        draw = torch.compile(lambda p: torch.multinomial(p, 1), fullgraph=True,
+                             backend=lambda gm, example_inputs: graphs.append(gm) or gm.forward)  # fmt: skip
+        draw(probs)  # a compiled caller traces torch's op as before, in one graph
+        assert any(node.target is original for node in graphs[0].graph.nodes)
     finally:
         generation._CALLS.depth, generation._CALLS.invalid = 0, None
 

@@ -311,7 +311,8 @@ def _sample_without_readback() -> bool:
 
     @functools.wraps(original)
     def multinomial(input, num_samples, replacement=False, *, generator=None, out=None):
-        if (num_samples != 1 or out is not None or not getattr(_CALLS, "depth", 0)
+        if (torch.compiler.is_compiling()  # someone's compiled sampling traces torch's, as before
+                or num_samples != 1 or out is not None or not getattr(_CALLS, "depth", 0)
                 or input.device.type not in DEFER_DEVICES or input.dim() not in (1, 2) or not input.numel()):
             return original(input, num_samples, replacement, generator=generator, out=out)
         sums = input.sum(-1)
