@@ -50,6 +50,8 @@ def arguments(argv=None):
                    help="ours: nf4_matmul's launch configurations from bench/nf4_matmul.py --tuning-out (same call)")
     p.add_argument("--host-profile", action="store_true",
                    help="one more call under cProfile: the host's functions with the most own time per decode step")
+    p.add_argument("--sample", action="store_true",
+                   help="also time a sampled call (do_sample, top_k=0, seeded: as GRPO's rollouts) after the greedy one")
     p.add_argument("--profile", action="store_true",
                    help="one more call under torch.profiler: the GPU's kernel time per decode step beside the wall time")
     args = p.parse_args(argv)
@@ -126,9 +128,9 @@ def measure(model, args, batch: int, device: str) -> dict:
     # min_new_tokens: random weights may emit EOS early; every impl decodes exactly `new` tokens
     options = dict(do_sample=False, pad_token_id=2 if args.tiny else 128004)
 
-    def generate(new):
+    def generate(new, **sampling):
         with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=new, min_new_tokens=new, **options)
+            out = model.generate(**inputs, max_new_tokens=new, min_new_tokens=new, **{**options, **sampling})
         if device == "cuda":
             torch.cuda.synchronize()
         return out
@@ -144,6 +146,14 @@ def measure(model, args, batch: int, device: str) -> dict:
     seconds = time.perf_counter() - start
     new_tokens = out[:, args.prompt:]
     assert new_tokens.shape[1] == args.new, new_tokens.shape
+    sampled = {}
+    if args.sample:
+        torch.manual_seed(0)
+        start = time.perf_counter()
+        generate(args.new, do_sample=True, top_k=0, temperature=1.0)
+        sampled_s = time.perf_counter() - start
+        sampled = {"sampled_tokens_per_s": round(batch * args.new / sampled_s, 2),
+                   "sampled_wall_ms_per_step": round(1000 * sampled_s / args.new, 3)}
     profiled = device_time(generate, args.new) if args.profile else {}
     if args.host_profile:
         profiled["host_top"] = host_time(generate, args.new)
@@ -151,7 +161,7 @@ def measure(model, args, batch: int, device: str) -> dict:
             "sync_every_step": args.sync_every_step, "nf4_decode": os.environ.get("UNSLOTH_NF4_DECODE") != "0",
             "nf4_sum_in_graph": os.environ.get("UNSLOTH_NF4_SUM_IN_GRAPH", "1") != "0",
             "wall_ms_per_step": round(1000 * seconds / args.new, 3), "prefill_s": round(prefill_s, 3),
-            "decode_wall_ms_per_step": round(1000 * (seconds - prefill_s) / max(args.new - 1, 1), 3),
+            "decode_wall_ms_per_step": round(1000 * (seconds - prefill_s) / max(args.new - 1, 1), 3), **sampled,
             **profiled, **compile_report(model),
             "tokens_per_s": round(batch * args.new / seconds, 2), "seconds": round(seconds, 3),
             "first_call_s": round(first_s, 2),
