@@ -51,7 +51,7 @@ def arguments(argv=None):
     p.add_argument("--host-profile", action="store_true",
                    help="one more call under cProfile: the host's functions with the most own time per decode step")
     p.add_argument("--sample", action="store_true",
-                   help="also time a sampled call (do_sample, top_k=0, seeded: as GRPO's rollouts) after the greedy one")
+                   help="also time a seeded sampled call (top_k=0: GRPO's rollouts) after the greedy one")
     p.add_argument("--profile", action="store_true",
                    help="one more call under torch.profiler: the GPU's kernel time per decode step beside the wall time")
     args = p.parse_args(argv)
