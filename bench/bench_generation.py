@@ -212,8 +212,8 @@ def compile_report(model) -> dict:
 
 def device_time(generate, new: int) -> dict:
     """Kernel time on the GPU per decode step (the prefill spread over the steps), from one more call
-    under torch.profiler: far below the wall time per step means the host paces decoding; and the
-    kernels that take it."""
+    under torch.profiler: far below the wall time per step means the host paces decoding; the kernels
+    that take it; and, from another call, the host's torch ops and CUDA runtime calls by own time."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -223,8 +223,15 @@ def device_time(generate, new: int) -> dict:
         generate(new)
     events = sorted(prof.key_averages(), key=lambda event: event.self_device_time_total, reverse=True)
     per_step = [(event.key[:80], event.self_device_time_total / 1000 / new) for event in events]
+    # and the host's side in a call of its own (the CPU events slow it): torch ops and CUDA runtime calls by
+    # own time, where a synchronize or a graph launch that waits shows as the host's time spent waiting
+    with profile(activities=[ProfilerActivity.CPU]) as host:
+        generate(new)
+    calls = sorted(host.key_averages(), key=lambda event: event.self_cpu_time_total, reverse=True)
     return {"device_ms_per_step": round(sum(ms for _, ms in per_step), 3),
-            "top_kernels": [[name, round(ms, 3)] for name, ms in per_step[:16]]}
+            "top_kernels": [[name, round(ms, 3)] for name, ms in per_step[:16]],
+            "host_events_top": [[event.key[:60], round(event.self_cpu_time_total / 1000 / new, 3), event.count]
+                                for event in calls[:16]]}
 
 
 def main(argv=None):
