@@ -45,7 +45,8 @@ def arguments(argv=None):
     p.add_argument("--four-bit", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama on the CPU (checks the logic)")
     p.add_argument("--sync-every-step", action="store_true",
-                   help="ours: the host waits for every decode step, as transformers does on CUDA (the A/B of the deferred stop check)")
+                   help="ours: the host waits for every decode step, as transformers does on CUDA (the A/B of the "
+                        "deferred stop check)")
     p.add_argument("--nf4-tuning", metavar="FILE",
                    help="ours: nf4_matmul's launch configurations from bench/nf4_matmul.py --tuning-out (same call)")
     p.add_argument("--host-profile", action="store_true",
@@ -53,7 +54,8 @@ def arguments(argv=None):
     p.add_argument("--sample", action="store_true",
                    help="also time a seeded sampled call (top_k=0: GRPO's rollouts) after the greedy one")
     p.add_argument("--profile", action="store_true",
-                   help="one more call under torch.profiler: the GPU's kernel time per decode step beside the wall time")
+                   help="more calls under torch.profiler: the GPU's kernel time per decode step beside the wall time, "
+                        "and the host's ops")
     args = p.parse_args(argv)
     if args.tiny:
         args.prompt, args.new, args.warmup_new = min(args.prompt, 24), min(args.new, 8), 2

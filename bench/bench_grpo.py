@@ -17,14 +17,14 @@ of those new tokens: two runs with the same seed print the same digests, and so 
 implementations whose rollouts are equal token for token; `generate_s`, the seconds spent inside them,
 the GPU drained before and after each); then {"event": "summary"}:
 the median step time after the warm-up steps (rollouts + scoring + the update), the peak over the
-timed steps, every step's reward, loss and generated tokens. Killed by SIGTERM (h200.sh's `timeout`), it prints the summary of the
-steps it finished, with "partial": true, before it exits.
+timed steps, every step's reward, loss and generated tokens. Killed by SIGTERM (h200.sh's `timeout`), it
+prints the summary of the steps it finished, with "partial": true, before it exits.
 
     ROOT=$PWD
     python3 .anchors/anchor_lora.py --impl make >/dev/null
     PYTHONPATH=/tmp/site:$ROOT/src:$ROOT/kernels:$ROOT/.anchors/site python3 bench/bench_grpo.py --impl ours
     PYTHONPATH=/tmp/site:$ROOT/.anchors/site python3 bench/bench_grpo.py --impl unsloth
-    python3 bench/bench_grpo.py --tiny      # the code path on a CPU, a tiny seeded random Llama: two runs print the same numbers
+    python3 bench/bench_grpo.py --tiny  # the code path on a CPU, a tiny seeded random Llama: two runs, same numbers
 `--sync-every-step` (ours): rollouts wait for every decode step, as before the deferred stop check.
 """
 
@@ -52,7 +52,8 @@ p.add_argument("--bf16", action="store_true", help="16-bit weights instead of 4-
 p.add_argument("--optim", default="adamw_8bit")
 p.add_argument("--tiny", action="store_true", help="a tiny random Llama on the CPU: checks the code path only")
 p.add_argument("--sync-every-step", action="store_true",
-               help="ours: rollouts wait for every decode step, as transformers does on CUDA (A/B of the deferred stop check)")
+               help="ours: rollouts wait for every decode step, as transformers does on CUDA (A/B of the deferred "
+                    "stop check)")
 p.add_argument("--nf4-tuning", metavar="FILE",
                help="ours: nf4_matmul's launch configurations from bench/nf4_matmul.py --tuning-out (same call)")
 args = p.parse_args()
@@ -246,8 +247,9 @@ def main() -> None:
         bf16=CUDA and torch.cuda.is_bf16_supported(), fp16=CUDA and not torch.cuda.is_bf16_supported())
     counter = GenerateCounter()
     # the timer first: a step's line reads its time
+    callbacks = [step_timer(run.times, args.warmup), step_lines(run, counter)]
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[even_words], args=config,
-                          train_dataset=dataset, callbacks=[step_timer(run.times, args.warmup), step_lines(run, counter)])
+                          train_dataset=dataset, callbacks=callbacks)
     counter.wrap(trainer.model)  # after the trainer is built: what TRL's rollouts call
     trainer.train()
     run.summary()
