@@ -225,9 +225,9 @@ def device_time(generate, new: int) -> dict:
         generate(new)
     events = sorted(prof.key_averages(), key=lambda event: event.self_device_time_total, reverse=True)
     per_step = [(event.key[:80], event.self_device_time_total / 1000 / new) for event in events]
-    # and the host's side in a call of its own (the CPU events slow it): torch ops and CUDA runtime calls by
-    # own time, where a synchronize or a graph launch that waits shows as the host's time spent waiting
-    with profile(activities=[ProfilerActivity.CPU]) as host:
+    # and the host's side in a call of its own (the CPU events slow it): torch ops and CUDA runtime calls (these
+    # come with the CUDA activity) by own time, where a synchronize or a graph launch that waits shows as waiting
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as host:
         generate(new)
     calls = sorted(host.key_averages(), key=lambda event: event.self_cpu_time_total, reverse=True)
     return {"device_ms_per_step": round(sum(ms for _, ms in per_step), 3),
