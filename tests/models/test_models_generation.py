@@ -501,6 +501,19 @@ def test_the_stop_check_is_deferred_on_cuda_inside_fast_calls_only():
     assert cache._is_user_defined is False
 
 
+class _CpuEvent:
+    """torch.Event where the CPU has none: its work is done when a call returns (the deferred stop check's)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args):
+        pass
+
+    def synchronize(self):
+        pass
+
+
 def test_one_sample_draws_as_torch_multinomial_without_its_checks_outside_our_calls_untouched(monkeypatch):
     """torch.multinomial(p, 1) reads two checks back to the host per token; inside our calls on DEFER_DEVICES
     the same draws (same generator, same tokens) come without them, and outside everything is torch's."""
@@ -551,13 +564,7 @@ def test_a_sampled_call_with_invalid_probabilities_says_so_at_its_end(monkeypatc
         def __call__(self, input_ids, scores):
             return torch.full_like(scores, float("nan"))
 
-    class Event:  # the CPU has no events (as in the test below)
-        def __init__(self, *args, **kwargs):
-            pass
-
-        record = synchronize = lambda self, *args: None
-
-    monkeypatch.setattr(torch, "Event", Event)
+    monkeypatch.setattr(torch, "Event", _CpuEvent)
     monkeypatch.setattr(generation, "DEFER_DEVICES", {"cuda", "cpu"})
     model = tiny_model("llama")
     ids, mask = _prompts()
@@ -578,17 +585,7 @@ def test_deferred_stop_checks_give_transformers_tokens(monkeypatch, stop_early, 
     also when rows stop at EOS and the step past the stop is undone, and seeded sampling the same."""
     from transformers.generation import utils
 
-    class Event:  # the CPU has no events; its work is done when the call returns
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def record(self, *args):
-            pass
-
-        def synchronize(self):
-            pass
-
-    monkeypatch.setattr(torch, "Event", Event)
+    monkeypatch.setattr(torch, "Event", _CpuEvent)
     monkeypatch.setattr(generation, "DEFER_DEVICES", {"cuda", "cpu"})
     finished = []
     finish = utils.DeferredStopCheck.finish
