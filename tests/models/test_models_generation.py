@@ -546,6 +546,39 @@ def test_one_sample_draws_as_torch_multinomial_without_its_checks_outside_our_ca
         generation._CALLS.depth, generation._CALLS.invalid = 0, None
 
 
+def test_a_sampled_token_reads_back_only_the_late_stop_flag(monkeypatch):
+    """Per sampled token the host reads one value back (the stop flag, a step late: aten._local_scalar_dense,
+    what `.item()` dispatches to, over 4 and 12 tokens), and aten.multinomial, whose one-sample path reads
+    two checks back inside the op (out of a dispatch mode's sight), is not called at all."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.reads = self.multinomials = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.reads += func is torch.ops.aten._local_scalar_dense.default
+            self.multinomials += func.overloadpacket is torch.ops.aten.multinomial
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(torch, "Event", _CpuEvent)
+    monkeypatch.setattr(generation, "DEFER_DEVICES", {"cuda", "cpu"})
+    model = tiny_model("llama")
+    ids, mask = _prompts()
+    generation.enable(model)
+
+    def ops(new):
+        with Ops() as seen:
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=True, top_k=0, pad_token_id=0, eos_token_id=[1])  # fmt: skip
+        return seen
+
+    ops(4)  # the first call reads a few values once more
+    few, more = ops(4), ops(12)
+    assert more.reads - few.reads == 8 and few.multinomials == more.multinomials == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's own multinomial")
 def test_one_sample_draws_on_the_gpu_as_torch_multinomial():
     """The install probe runs on the CPU; ATen's one-sample path is the same code on CUDA, which this checks."""
