@@ -25,9 +25,7 @@ def model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-# A hang's limit, not a speed bar: a run takes 20-60 s alone, and passed 300 s once on a 2-core machine
-# also building llama.cpp.
-def torchrun(*args, nprocs: int = 2, timeout: int = 900) -> subprocess.CompletedProcess:
+def torchrun(*args, nprocs: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path]), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
                "--master-port", "0", "--standalone", *map(str, args)]

@@ -9,6 +9,7 @@ the ranks) and the first step's full gradients of the trainable weights, to comp
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -104,6 +105,13 @@ def main(strategy: str, kind: str, model_dir: str, out: str, *options: str) -> N
     if rank == 0:
         torch.save(result, out)
     dist.destroy_process_group()
+    # Exit without Python's teardown: there the DDP reducer's destructor (holding the GIL) joins gloo's worker
+    # thread while that thread waits for the GIL to free a finished all-reduce's tensors, and now and then the
+    # rank never exits (native stacks seen: ~Reducer -> ~ProcessGroupGloo -> thread::join, and
+    # ~AsyncAllreduceWork -> decref_pyobject -> gil_scoped_acquire).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
