@@ -315,8 +315,7 @@ def _sample_without_readback() -> bool:
                 or num_samples != 1 or out is not None or not getattr(_CALLS, "depth", 0)
                 or input.device.type not in DEFER_DEVICES or input.dim() not in (1, 2) or not input.numel()):
             return original(input, num_samples, replacement, generator=generator, out=out)
-        sums = input.sum(-1)
-        invalid = ~((input.min() >= 0) & (input.max() < math.inf) & (sums > 0).all())
+        invalid = ~((input.min() >= 0) & (input.max() < math.inf) & (input.sum(-1) > 0).all())
         _CALLS.invalid = invalid if _CALLS.invalid is None else _CALLS.invalid | invalid
         return _draw_one(input, generator)
 
