@@ -201,6 +201,53 @@ def test_cache_lengths_round_up_to_the_bucket():
     assert generation.cache_length(512 + 128) == 3 * generation.BUCKET
 
 
+def _options_generate_sees(kwargs):
+    """The generation options a `generate(**kwargs)` call runs with, before the model's defaults fill its gaps."""
+    from transformers import GenerationConfig
+
+    config = copy.deepcopy(kwargs.get("generation_config") or GenerationConfig())
+    config.update(**{key: value for key, value in kwargs.items() if key != "generation_config"})
+    return config
+
+
+def test_an_explicit_none_overrides_the_models_default_as_in_generate(caplog):
+    """eos_token_id=None in the call means "no stop token" to generate, though the model's generation_config
+    names one; the fast path keeps it so (a config carrying the None is filled from the model's default).
+    A generation_config passed in is honoured too, without generate's warning about options beside it."""
+    from transformers import GenerationConfig
+
+    model = tiny_model("llama")
+    patch_model(model)
+    ids, mask = _prompts()
+    first = _greedy(model, ids, mask, new=1)[0, -1].item()
+    model.generation_config.eos_token_id = first  # the model's default stop token: the first one greedy picks
+    expected = _greedy(model, ids, mask, new=4)  # eos_token_id=None
+    assert expected.shape[1] == ids.shape[1] + 4 and expected[0, ids.shape[1]] == first
+    generation.enable(model)
+    assert torch.equal(_greedy(model, ids, mask, new=4), expected)
+    stopped = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert stopped[0, ids.shape[1] + 1:].eq(0).all(), "the model's own stop token no longer stops the row"
+    config = GenerationConfig(max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=-1)
+    with caplog.at_level("WARNING"):
+        given = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    assert torch.equal(given, expected[:, :ids.shape[1] + 3]) and "together with" not in caplog.text
+    assert config.cache_implementation is None and config.compile_config is None, "the caller's config changed"
+    generation.disable(model)
+    seen, real = [], model.generate
+
+    def recording(*args, **kwargs):
+        seen.append(_options_generate_sees(kwargs))
+        return real(*args, **kwargs)
+
+    model.generate = recording
+    generation.enable(model)
+    config.disable_compile, config.cache_implementation = True, "static"  # as TRL's rollouts ask: ours win
+    for options in ({"generation_config": config}, {"generation_config": config, "disable_compile": True},
+                    {"disable_compile": True, "cache_implementation": "static", "max_new_tokens": 2}):
+        model.generate(input_ids=ids, attention_mask=mask, **options)
+        assert seen[-1].disable_compile is False and seen[-1].cache_implementation is None, options
+
+
 @pytest.mark.slow
 def test_sampling_with_a_seed_is_reproducible_and_honours_the_options():
     from transformers import StoppingCriteria
@@ -285,11 +332,11 @@ def test_a_decode_step_that_cannot_compile_falls_back_to_eager_once(caplog):
     expected = _greedy(model, ids, mask, new=3)
     real, compiled_tries = model.generate, []
 
-    def generate_failing_to_compile(*args, generation_config, **kwargs):  # as generate does with a layer dynamo refuses
-        if not generation_config.disable_compile:
+    def generate_failing_to_compile(*args, **kwargs):  # as generate does with a layer dynamo refuses
+        if not _options_generate_sees(kwargs).disable_compile:
             compiled_tries.append(1)
             raise Unsupported("a layer dynamo cannot trace")
-        return real(*args, generation_config=generation_config, **kwargs)
+        return real(*args, **kwargs)
 
     model.generate = generate_failing_to_compile
     generation.enable(model)

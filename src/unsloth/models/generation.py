@@ -147,12 +147,15 @@ def fast_generate(backbone, plain, *args, **kwargs):
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     if caches is None or not torch.is_tensor(input_ids) or input_ids.dim() != 2:
         return plain(*args, **kwargs)
-    config = copy.deepcopy(kwargs.pop("generation_config", None) or backbone.generation_config)
-    rest = config.update(**kwargs)  # generation options in kwargs move into the config; model inputs stay
-    if config.stop_strings and rest.get("tokenizer") is None and hasattr(backbone, "_unsloth_tokenizer"):
-        rest["tokenizer"] = backbone._unsloth_tokenizer  # stop strings are matched on text (TRL passes none)
+    given = kwargs.get("generation_config")
+    # The options this call ends up with, to decide on; `generate` itself still gets the caller's own keywords
+    # (an explicit None there, as eos_token_id=None, wins over the model's default only as a keyword)
+    config = copy.deepcopy(given or backbone.generation_config)
+    rest = config.update(**{key: value for key, value in kwargs.items() if key != "generation_config"})
     if _unsupported(config, rest) is not None:
-        return plain(*args, generation_config=config, **rest)
+        return plain(*args, **kwargs)
+    if config.stop_strings and rest.get("tokenizer") is None and hasattr(backbone, "_unsloth_tokenizer"):
+        kwargs["tokenizer"] = backbone._unsloth_tokenizer  # stop strings are matched on text (TRL passes none)
     batch, prompt = input_ids.shape
     # unset fields are None in newer transformers (their defaults are applied inside generate)
     new = config.max_new_tokens if config.max_new_tokens is not None else (config.max_length or 20) - prompt
@@ -165,11 +168,11 @@ def fast_generate(backbone, plain, *args, **kwargs):
     while len(caches) > _MAX_CACHES:
         caches.pop(next(iter(caches)))
     cache.reset()
-    config.cache_implementation = None  # the cache is ours; generate refuses both
-    # TRL turns compilation off for its rollouts (made for a dynamic cache); we compile unless it failed
-    config.disable_compile = backbone.__dict__.get("_unsloth_eager_decode", False)
-    if config.compile_config is None:
-        config.compile_config = _compile_config(backbone)
+    ours = {"cache_implementation": None,  # the cache is ours; generate refuses both
+            # TRL turns compilation off for its rollouts (made for a dynamic cache); we compile unless it failed
+            "disable_compile": backbone.__dict__.get("_unsloth_eager_decode", False),
+            "compile_config": config.compile_config or _compile_config(backbone)}
+    config.update(**ours)
     if config.compile_config is not None and not config.disable_compile:
         _say_compiling(backbone, rows, length)
     was_training = backbone.training
@@ -180,7 +183,7 @@ def fast_generate(backbone, plain, *args, **kwargs):
     outer, _CALLS.invalid = getattr(_CALLS, "invalid", None), None
     try:
         try:
-            out = plain(*args, generation_config=config, **{ALL_CACHE_NAMES[0]: cache}, **rest)
+            out = plain(*args, **_with_options(kwargs, ours), **{ALL_CACHE_NAMES[0]: cache})
         except torch._dynamo.exc.TorchDynamoException as error:
             if config.disable_compile:
                 raise
@@ -189,8 +192,8 @@ def fast_generate(backbone, plain, *args, **kwargs):
                         type(error).__name__, str(error).splitlines()[0] if str(error) else "")
             backbone._unsloth_eager_decode = True
             cache.reset()
-            config.disable_compile = True
-            out = plain(*args, generation_config=config, **{ALL_CACHE_NAMES[0]: cache}, **rest)
+            config.disable_compile = ours["disable_compile"] = True
+            out = plain(*args, **_with_options(kwargs, ours), **{ALL_CACHE_NAMES[0]: cache})
         if _CALLS.invalid is not None and bool(_CALLS.invalid):
             raise RuntimeError("sampling met a probability tensor with `inf`, `nan`, an element < 0 or a row of "
                                "zeros (as torch.multinomial says), so the sampled tokens are not valid: check the "
@@ -202,6 +205,17 @@ def fast_generate(backbone, plain, *args, **kwargs):
         if quantizer is not None:
             backbone.hf_quantizer = quantizer
         backbone.train(was_training)
+
+
+def _with_options(kwargs: dict, options: dict) -> dict:
+    """The caller's keywords with generation `options` added: as keywords, or set on a copy of the caller's
+    generation_config (generate warns when given both)."""
+    given = kwargs.get("generation_config")
+    if given is None:
+        return {**kwargs, **options}
+    config = copy.deepcopy(given)
+    config.update(**options)
+    return {**{key: value for key, value in kwargs.items() if key not in options}, "generation_config": config}
 
 
 def _say_compiling(backbone, rows: int, length: int) -> None:
