@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import psutil
@@ -49,3 +50,30 @@ def test_a_rank_binds_to_its_gpus_numa_node_only_when_it_helps(monkeypatch, worl
     monkeypatch.setattr(psutil, "Process", lambda: process)
     assert distributed.bind_to_gpu_numa_node(0) == chosen
     assert process.allowed == (chosen or list(allowed))
+
+
+_EXIT_PROBE = """
+import atexit, sys, tempfile
+import torch.distributed as dist
+from unsloth.models import distributed
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))  # runs after ours
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+dist.all_reduce(__import__("torch").ones(3))
+if sys.argv[1] == "hook":
+    distributed.destroy_process_group_at_exit()
+    distributed.destroy_process_group_at_exit()  # a second call (a second model loaded) is harmless
+if sys.argv[1] == "destroyed":
+    distributed.destroy_process_group_at_exit()
+    dist.destroy_process_group()  # the script's own: the hook has nothing left to do
+"""
+
+
+@pytest.mark.parametrize("case, left", [("hook", False), ("none", True), ("destroyed", False)])
+def test_the_process_group_is_destroyed_before_the_interpreter_exits(case, left):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _EXIT_PROBE, case], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"initialized at exit: {left}" in done.stdout and "failed" not in done.stderr, done.stderr[-2000:]

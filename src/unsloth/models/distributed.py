@@ -8,8 +8,11 @@ and our checkpointed layers hand their gradients to the autograd engine like any
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,6 +35,28 @@ def local_rank() -> int:
 
 def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
+
+
+@functools.cache  # registered once
+def destroy_process_group_at_exit() -> None:
+    """At the interpreter's exit, destroy the job's process group while Python is still whole, as PyTorch
+    asks every job to (notebooks never do): a gloo group left to the teardown can abort the rank ("terminate
+    called without an active exception") as its worker threads free their last work's tensors, and NCCL
+    warns of leaked resources. Nothing to do where the script destroyed it already."""
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # A gloo worker frees its last collective's tensors under the GIL; let it have the GIL before the
+        # group's destructor joins that worker while holding it.
+        time.sleep(0.05)
+        try:
+            dist.destroy_process_group()
+        except Exception as error:  # at exit a failure here must not hide the script's own outcome
+            log.warning("unsloth: destroying the process group at exit failed (%s: %s)", type(error).__name__, error)
 
 
 def rank_device() -> int:

@@ -17,7 +17,7 @@ import torch
 
 from unsloth.errors import UnslothError
 from unsloth.models.bnb_layout import keep_4bit_layout
-from unsloth.models.distributed import bind_to_gpu_numa_node, rank_device, world_size
+from unsloth.models.distributed import bind_to_gpu_numa_node, destroy_process_group_at_exit, rank_device, world_size
 from unsloth.models.embedding import offload_input_embedding
 from unsloth.models.module_tree import cheap_trainer_calls
 from unsloth.models.patches import patch_model, patch_peft_model
@@ -288,6 +288,8 @@ def load_pretrained(
     if full_finetuning and (load_in_4bit or load_in_8bit):
         log.info("unsloth: full fine-tuning trains every weight, so they load in %s, not quantized.", dtype)
         load_in_4bit = load_in_8bit = False
+    if world_size() > 1:
+        destroy_process_group_at_exit()  # the trainer starts the group; nothing in a notebook ends it
     if device_map is None and torch.cuda.is_available():
         # Under torchrun / accelerate each rank loads onto its own GPU, next to its own CPUs.
         device_map = {"": rank_device()}
