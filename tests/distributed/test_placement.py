@@ -77,3 +77,16 @@ def test_the_process_group_is_destroyed_before_the_interpreter_exits(case, left)
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"initialized at exit: {left}" in done.stdout and "failed" not in done.stderr, done.stderr[-2000:]
+
+
+def test_an_nccl_group_is_left_to_pytorch_at_exit(monkeypatch):
+    """After an interrupt NCCL's shutdown could wait on a collective the other ranks never finish."""
+    import torch.distributed as dist
+
+    destroyed = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: destroyed.append(dist.get_backend()))
+    for backend in ("nccl", "gloo"):
+        monkeypatch.setattr(dist, "get_backend", lambda backend=backend: backend)
+        distributed._destroy_process_group()
+    assert destroyed == ["gloo"]

@@ -39,17 +39,18 @@ def is_main_process() -> bool:
 
 @functools.cache  # registered once
 def destroy_process_group_at_exit() -> None:
-    """At the interpreter's exit, destroy the job's process group while Python is still whole, as PyTorch
-    asks every job to (notebooks never do): a gloo group left to the teardown can abort the rank ("terminate
-    called without an active exception") as its worker threads free their last work's tensors, and NCCL
-    warns of leaked resources. Nothing to do where the script destroyed it already."""
+    """At the interpreter's exit, destroy the job's gloo process group while Python is still whole, as
+    PyTorch asks every job to (notebooks never do): left to the teardown it can abort the rank ("terminate
+    called without an active exception") as its worker threads free their last work's tensors. NCCL's is
+    left alone: after an interrupt its shutdown could wait on a collective the other ranks never finish.
+    Nothing to do where the script destroyed the group already."""
     atexit.register(_destroy_process_group)
 
 
 def _destroy_process_group() -> None:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
         # A gloo worker frees its last collective's tensors under the GIL; let it have the GIL before the
         # group's destructor joins that worker while holding it.
         time.sleep(0.05)
