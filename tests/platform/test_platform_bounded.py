@@ -53,6 +53,14 @@ def test_no_parser_finds_gpus_in_random_bytes(name, parse, data):
     assert parse(decode(data)).gpus == []
 
 
+@pytest.mark.parametrize("text", ["rtx", "amd\n", "Radeon", "PS C:\\> x\nIris\n", "NVIDIA\nGeForce\n"])
+def test_a_lone_vendor_word_is_no_windows_adapter_name(text):
+    """Hypothesis's find: b'rtx' read as `(Get-WmiObject Win32_VideoController).Name` output."""
+    assert dict(PARSERS)["win32-videocontroller"](text).gpus == []
+    assert [g.name for g in dict(PARSERS)["win32-videocontroller"]("AMD Radeon(TM) Graphics\n").gpus] == [
+        "AMD Radeon(TM) Graphics"]
+
+
 def test_headerless_csv_needs_an_nvidia_name_or_id():
     parse = dict(PARSERS)["nvidia-smi"]
     assert parse("hello, world\nfoo, 12, bar\n").gpus == []
