@@ -53,12 +53,18 @@ def test_no_parser_finds_gpus_in_random_bytes(name, parse, data):
     assert parse(decode(data)).gpus == []
 
 
-@pytest.mark.parametrize("text", ["rtx", "amd\n", "Radeon", "PS C:\\> x\nIris\n", "NVIDIA\nGeForce\n"])
-def test_a_lone_vendor_word_is_no_windows_adapter_name(text):
-    """Hypothesis's find: b'rtx' read as `(Get-WmiObject Win32_VideoController).Name` output."""
-    assert dict(PARSERS)["win32-videocontroller"](text).gpus == []
-    assert [g.name for g in dict(PARSERS)["win32-videocontroller"]("AMD Radeon(TM) Graphics\n").gpus] == [
-        "AMD Radeon(TM) Graphics"]
+_LONE_WORDS = {"win32-videocontroller": ["rtx", "amd\n", "Radeon", "PS C:\\> x\nIris\n", "NVIDIA\nGeForce\n",
+                                         "arc] n\n"],
+               "nvidia-smi": ["rtx", "ik-rtx", "NVIDIA\nGeForce\n", "nvidiaTesla\n", "i rtx\n"]}
+_REAL_NAMES = {"win32-videocontroller": "AMD Radeon(TM) Graphics", "nvidia-smi": "NVIDIA GeForce RTX 4090"}
+
+
+@pytest.mark.parametrize("parser, text", [(parser, text) for parser, texts in _LONE_WORDS.items() for text in texts])
+def test_a_lone_brand_word_is_no_adapter_name(parser, text):
+    """Hypothesis's find: b'rtx' read as `(Get-WmiObject Win32_VideoController).Name` output (and as
+    `nvidia-smi --query-gpu=name` output, by the same rule); a real name still is one."""
+    assert dict(PARSERS)[parser](text).gpus == []
+    assert [g.name for g in dict(PARSERS)[parser](_REAL_NAMES[parser] + "\n").gpus] == [_REAL_NAMES[parser]]
 
 
 def test_headerless_csv_needs_an_nvidia_name_or_id():

@@ -89,6 +89,18 @@ def vendor_from_name(name: str | None) -> str | None:
     return None
 
 
+def product_vendor(name: str | None) -> str | None:
+    """The vendor of a whole adapter name as the drivers' tools print one ('NVIDIA GeForce RTX 4090', 'AMD
+    Radeon(TM) Graphics', 'Intel(R) Arc(TM) A770 Graphics'): two words or more, one of them a maker's or
+    brand's long name. Short words alone ('rtx', 'amd x'), as random bytes can hold, name nothing."""
+    if not name or len(name.split()) < 2 or not _LONG_BRAND.search(name):
+        return None
+    return vendor_from_name(name)
+
+
+_LONG_BRAND = re.compile(r"nvidia|geforce|quadro|tesla|titan|radeon|instinct|firepro|intel|apple", re.I)
+
+
 _QUOTE = re.compile(r"^[ \t]*(?:>[ \t]?)+", re.M)
 _FENCE = re.compile(r"^[ \t]*(```|~~~).*$", re.M)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from unsloth.platform.facts import Gpu
-from unsloth.platform.parsers import Findings, bus_id, key_values, to_int, vendor_from_name
+from unsloth.platform.parsers import Findings, bus_id, key_values, product_vendor, to_int
 
 # The probe's query, so header-less csv in exactly this column order needs no guessing.
 QUERY_FIELDS = ("index", "name", "pci.bus_id", "pci.device_id", "memory.total", "compute_cap", "driver_version", "uuid")
@@ -191,7 +191,7 @@ def _headerless_row(cells: list[str]) -> dict[str, str] | None:
     if not kinds or "" in kinds or len(set(kinds)) != len(kinds):
         return None
     row = dict(zip(kinds, cells, strict=True))
-    named = vendor_from_name(row.get("name")) == "nvidia"
+    named = product_vendor(row.get("name")) == "nvidia"
     if not (named or row.get("uuid") or row.get("pci.bus_id") or row.get("pci.device_id")):
         return None
     return row

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from unsloth.platform.facts import Gpu
-from unsloth.platform.parsers import VENDOR_IDS, Findings, pci_id, to_int, vendor_from_name
+from unsloth.platform.parsers import VENDOR_IDS, Findings, pci_id, product_vendor, to_int, vendor_from_name
 
 ADAPTER_RAM_SATURATED = 4293918720
 _COLUMN = re.compile(r"[A-Z][A-Za-z0-9_]*")
@@ -77,18 +77,16 @@ _SOFTWARE_ADAPTER = re.compile(r"Basic (Display|Render)|Remote Display|Virtual D
 def _bare_names(text: str) -> list[dict[str, str]]:
     """`(Get-WmiObject Win32_VideoController).Name`: one adapter name a line, between prompts.
     Only when every other line is a prompt or a 'Name' heading, and each name names a GPU vendor
-    or a software adapter in two words or more (a maker and a product: 'AMD Radeon(TM) Graphics';
-    a lone 'rtx' in random bytes is no adapter): anything else is not this output."""
+    (product_vendor) or a software adapter: anything else is not this output."""
     names = []
     for line in text.splitlines():
         stripped = line.strip()
         if not stripped or _PROMPT.match(line) or re.fullmatch(r"Name|-+", stripped) or _BANNER.match(stripped):
             continue
-        named = vendor_from_name(stripped) or _SOFTWARE_ADAPTER.search(stripped)
-        if not named or len(stripped.split()) < 2 or len(stripped) > 80:
+        if not (product_vendor(stripped) or _SOFTWARE_ADAPTER.search(stripped)) or len(stripped) > 80:
             return []
         names.append({"name": stripped})
-    return names if any(vendor_from_name(n["name"]) for n in names) else []
+    return names if any(product_vendor(n["name"]) for n in names) else []
 
 
 def _table_records(text: str) -> list[dict[str, str]]:
