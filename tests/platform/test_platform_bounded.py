@@ -72,6 +72,7 @@ def test_headerless_csv_needs_an_nvidia_name_or_id():
     assert parse("hello, world\nfoo, 12, bar\n").gpus == []
     assert parse("Some Product, 8192 MiB\n").gpus == []  # no NVIDIA name, no id: not nvidia-smi
     assert [g.name for g in parse("NVIDIA A10, 23028 MiB\n").gpus] == ["NVIDIA A10"]
+    assert [g.name for g in parse("TITAN Xp, 12196 MiB\n").gpus] == ["TITAN Xp"]  # older drivers' names
 
 
 def test_more_gpus_than_a_machine_holds_are_dropped_with_a_note():

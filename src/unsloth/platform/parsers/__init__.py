@@ -78,7 +78,7 @@ VENDOR_IDS = {0x10DE: "nvidia", 0x1002: "amd", 0x1022: "amd", 0x8086: "intel", 0
 def vendor_from_name(name: str | None) -> str | None:
     """The vendor a marketing or pci.ids name names, or None."""
     lowered = (name or "").lower()
-    if re.search(r"nvidia|geforce|quadro|tesla|\brtx\b", lowered):
+    if re.search(r"nvidia|geforce|quadro|tesla|titan|\brtx\b", lowered):
         return "nvidia"
     if re.search(r"\bamd\b|radeon|instinct|\bati\b|advanced micro devices", lowered):
         return "amd"
