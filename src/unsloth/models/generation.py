@@ -147,10 +147,9 @@ def fast_generate(backbone, plain, *args, **kwargs):
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     if caches is None or not torch.is_tensor(input_ids) or input_ids.dim() != 2:
         return plain(*args, **kwargs)
-    given = kwargs.get("generation_config")
     # The options this call ends up with, to decide on; `generate` itself still gets the caller's own keywords
     # (an explicit None there, as eos_token_id=None, wins over the model's default only as a keyword)
-    config = copy.deepcopy(given or backbone.generation_config)
+    config = copy.deepcopy(kwargs.get("generation_config") or backbone.generation_config)
     rest = config.update(**{key: value for key, value in kwargs.items() if key != "generation_config"})
     if _unsupported(config, rest) is not None:
         return plain(*args, **kwargs)
