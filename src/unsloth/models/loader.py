@@ -339,6 +339,7 @@ def load_pretrained(
                  "wheels exist)" if importlib.util.find_spec("vllm") is None else "used off a GPU",
                  " with CUDA graphs" if torch.cuda.is_available() else "")
     keep_4bit_layout(model)
+    model._unsloth_full_finetuning = bool(full_finetuning)
     patch_model(model)
     cheap_trainer_calls(model)
     if full_finetuning:
@@ -407,9 +408,13 @@ def add_lora(
     modules_to_save=None,
     init_lora_weights=True,
     loftq_config=None,
+    task_type: str | None = "CAUSAL_LM",
     **kwargs,
 ):
-    """Add LoRA adapters (peft) and route the LoRA layers through our fast paths. Returns the PeftModel."""
+    """Add LoRA adapters (peft) and route the LoRA layers through our fast paths. Returns the PeftModel.
+
+    `task_type`: peft's wrapper, as in peft: "CAUSAL_LM", "SEQ_CLS" (the classifier head is trained
+    and saved in full), None (the plain PeftModel, whose forward passes everything through: Whisper)."""
     from peft import LoraConfig, get_peft_model
 
     from unsloth.models.patches.moe import expert_target_parameters
@@ -439,7 +444,7 @@ def add_lora(
         modules_to_save=modules_to_save,
         init_lora_weights=init_lora_weights,
         loftq_config=loftq_config or {},
-        task_type="CAUSAL_LM",
+        task_type=task_type,
         **kwargs,
     )
     peft_model = get_peft_model(model, config)

@@ -56,6 +56,8 @@ class FastLanguageModel:
     def get_peft_model(model, *args, finetune_vision_layers: bool = False, finetune_language_layers: bool = True,
                        finetune_attention_modules: bool = True, finetune_mlp_modules: bool = True,
                        finetune_audio_layers: bool = False, **kwargs):
+        if _fully_finetuned(model):
+            return model
         if finetune_audio_layers:
             log.info("unsloth: finetune_audio_layers: this model has no audio tower; its language layers are trained")
         kwargs["target_modules"] = lora_targets(model, kwargs.get("target_modules"), finetune_language_layers,
@@ -103,6 +105,7 @@ class FastModel(FastLanguageModel):
         if auto_model is None:
             return FastLanguageModel.from_pretrained(model_name, *args, **kwargs)
         model, processor = load_speech_pretrained(model_name, auto_model, *args, **kwargs)
+        processor = with_tokenizer_attributes(processor)  # Whisper's notebook reads tokenizer.pad_token_id
         _attach(model, processor)
         return model, processor
 
@@ -138,6 +141,8 @@ class FastVisionModel(FastLanguageModel):
         """LoRA on the towers and module kinds the finetune_* switches pick (`target_modules`, a list of
         names or "all-linear", narrows them; a regex string is used as it is). The audio tower (Gemma 4
         E2B / E4B) only with finetune_audio_layers=True."""
+        if _fully_finetuned(model):
+            return model
         targets = kwargs.get("target_modules")
         if not isinstance(targets, str) or targets == "all-linear":
             names = None if targets in (None, "all-linear") else set(targets)
@@ -154,6 +159,15 @@ class FastVisionModel(FastLanguageModel):
         model.eval()
         model_config(model).use_cache = True
         return model
+
+
+def _fully_finetuned(model) -> bool:
+    """A model loaded with full_finetuning=True trains every weight: get_peft_model leaves it as it is
+    (as Unsloth does), rather than freezing it under adapters the user did not ask for."""
+    if not getattr(model, "_unsloth_full_finetuning", False):
+        return False
+    log.info("unsloth: full_finetuning=True: every weight trains, so get_peft_model adds no LoRA adapters")
+    return True
 
 
 def _loader_of(model) -> type[FastLanguageModel]:
@@ -244,6 +258,7 @@ def _attach(model, tokenizer) -> None:
                          ("load_lora", vllm_compat.load_lora), ("fast_generate", vllm_compat.fast_generate),
                          ("push_to_hub_merged", hub.push_to_hub_merged), ("push_to_hub_gguf", hub.push_to_hub_gguf)):
         setattr(model, name, types.MethodType(method, model))
-    if not getattr(model.generate, "_unsloth_accepts_encodings", False):
+    # an encoder loaded through `auto_model` (AutoModelForSequenceClassification) has no generate
+    if hasattr(model, "generate") and not getattr(model.generate, "_unsloth_accepts_encodings", False):
         model.generate = _generate_accepting_encodings(model.generate, model)
         model.generate._unsloth_accepts_encodings = True
