@@ -32,7 +32,9 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype, copy: bool = False) 
 
 def save_pretrained_merged(self, save_directory: str, tokenizer=None, save_method: str = "merged_16bit",
                            max_shard_size: str = "5GB", **_unused) -> str:
-    """Save merged 16-bit weights + config (+ tokenizer) to `save_directory`; "lora" saves adapters only."""
+    """Save merged 16-bit weights + config (+ tokenizer) to `save_directory`; "lora" saves adapters only.
+    `save_method=None` (Whisper's notebook) is the default, merged 16-bit."""
+    save_method = save_method or "merged_16bit"
     if save_method == "lora":
         self.save_pretrained(save_directory)
     elif save_method == "merged_16bit":

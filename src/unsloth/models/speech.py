@@ -55,15 +55,37 @@ def speech_model_class(model_name: str, **hub):
         return None
 
 
-def load_speech_pretrained(model_name: str, auto_model, *args, **options):
+def load_speech_pretrained(model_name: str, auto_model, *args, whisper_language: str | None = None,
+                           whisper_task: str | None = None, **options):
     """Load `model_name` as `auto_model` (a transformers class) with its processor, our kernels in its
-    text parts. Returns (model, processor); takes load_pretrained's options."""
+    text parts. Returns (model, processor); takes load_pretrained's options. `whisper_language` and
+    `whisper_task` ("English", "transcribe") are the transcription prefix its tokenizer puts before
+    every text, as a Whisper processor loaded with `language=` and `task=` has it."""
     from unsloth.models.loader import load_pretrained
     from unsloth.models.vision import load_processor
 
     model, processor = load_pretrained(model_name, *args, auto_class=auto_model, load_tokenizer=load_processor,
                                        **options)
+    if whisper_language is not None or whisper_task is not None:
+        set_transcription_prefix(processor, whisper_language, whisper_task)
     return decode_audio_safely(model), processor
+
+
+def set_transcription_prefix(processor, language: str | None, task: str | None) -> None:
+    """Give a Whisper tokenizer its language and task prefix tokens (what labels start with)."""
+    from unsloth.errors import UsageError
+
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if not hasattr(tokenizer, "set_prefix_tokens"):
+        raise UsageError(f"whisper_language / whisper_task: {type(tokenizer).__name__} has no transcription "
+                         "prefix to set (only a Whisper tokenizer has one)",
+                         fix="leave whisper_language and whisper_task out for this model")
+    try:
+        tokenizer.set_prefix_tokens(language=language, task=task)
+    except ValueError as e:  # an unknown language or task: transformers names the ones it knows
+        raise UsageError(f"whisper_language={language!r}, whisper_task={task!r}: {e}",
+                         fix="pass a language Whisper knows (\"English\" or \"en\") and task=\"transcribe\" or "
+                             "\"translate\"") from None
 
 
 def _end_codes(model: nn.Module) -> tuple[int, int] | None:

@@ -130,13 +130,13 @@ def load_processor(model_name: str, **hub):
     parts = {name: loaders[name].from_pretrained(model_name, **hub)
              for name in without_video(processor_class).get_attributes()}
     options = {}
+    accepted = inspect.signature(processor_class.__init__).parameters
     try:  # the processor's own settings (image_seq_length, ...) and its chat template
         saved, _ = processor_class.get_processor_dict(model_name, **hub)
-        accepted = inspect.signature(processor_class.__init__).parameters
         options = {k: v for k, v in saved.items() if k in accepted and k not in parts and k != "video_processor"}
     except (OSError, ValueError, TypeError):
         pass
-    if not options.get("chat_template"):
+    if not options.get("chat_template") and "chat_template" in accepted:  # WhisperProcessor takes none
         options["chat_template"] = getattr(parts["tokenizer"], "chat_template", None)
     if "video_processor" in processor_class.get_attributes():
         parts["video_processor"] = None

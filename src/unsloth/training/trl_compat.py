@@ -442,6 +442,42 @@ def _sft_compute_loss(base):
     return compute_loss
 
 
+# --- transformers' own trainers --------------------------------------------------------------------
+
+# Trainers of transformers that notebooks build themselves (Whisper's Seq2SeqTrainer, OCR's Trainer).
+TRANSFORMERS_TRAINERS = ("Trainer", "Seq2SeqTrainer")
+
+
+def tokenizer_keyword_trainer(base):
+    """A subclass of transformers trainer `base` that takes `tokenizer=` as `processing_class=` (the name
+    transformers 5 keeps; notebooks pinned to transformers 4 pass the old one). Nothing else changes."""
+
+    def __init__(self, *args, **kwargs):
+        if "tokenizer" in kwargs:
+            if kwargs.get("processing_class") is not None:
+                raise CompatError(f"{base.__name__}: 'tokenizer' and 'processing_class' are the same argument, "
+                                  "given twice", fix="keep 'processing_class'")
+            kwargs["processing_class"] = kwargs.pop("tokenizer")
+        base.__init__(self, *args, **kwargs)
+
+    return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__,
+                                         "__qualname__": base.__name__, "__doc__": base.__doc__})
+
+
+def _install_transformers_trainers() -> None:
+    import transformers
+
+    for name in TRANSFORMERS_TRAINERS:
+        base = getattr(transformers, name, None)
+        if base is None or name in _INSTALLED:
+            continue
+        accepted = _parameters(base)
+        if "tokenizer" in accepted or "processing_class" not in accepted:  # transformers 4 takes it as it is
+            continue
+        _INSTALLED[name] = cls = tokenizer_keyword_trainer(base)
+        setattr(transformers, name, cls)
+
+
 # --- installing ----------------------------------------------------------------------------------
 
 _INSTALLED: dict[str, type] = {}
@@ -454,6 +490,7 @@ def install() -> dict[str, type]:
     try:
         import trl
     except ImportError:
+        _install_transformers_trainers()
         return _INSTALLED
     for trainer_name, config_name in TRAINERS.items():
         trainer, config = _trl_class(trl, trainer_name), _trl_class(trl, config_name)
@@ -465,6 +502,7 @@ def install() -> dict[str, type]:
             _INSTALLED[name] = cls
             globals()[name] = cls  # so pickles of a config (training_args.bin) find the class
             setattr(trl, name, cls)
+    _install_transformers_trainers()  # after TRL's trainers are built: they keep transformers' own base
     return _INSTALLED
 
 
