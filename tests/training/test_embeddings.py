@@ -120,6 +120,16 @@ def test_qwen3_embedding_decoder_gets_family_patches_and_lasttoken_pooling(tmp_p
     assert plain[1].pooling_mode == "lasttoken"
 
 
+def test_push_to_hub_merged_is_there_and_refuses_offline_before_writing(tmp_path, monkeypatch):
+    from unsloth import FastSentenceTransformer
+    from unsloth.notebook.hub import HubError
+
+    model = FastSentenceTransformer.from_pretrained(write_tiny_bert(tmp_path / "bert"), dtype=torch.float32)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubError, match="HF_HUB_OFFLINE is set"):
+        model.push_to_hub_merged("me/bert_finetune_16bit", tokenizer=model.tokenizer, save_method="merged_16bit")
+
+
 def test_a_bad_pooling_mode_is_refused_before_loading(tmp_path):
     from unsloth import FastSentenceTransformer
 

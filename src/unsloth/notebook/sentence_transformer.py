@@ -16,6 +16,7 @@ import types
 
 from unsloth.export.sentence_transformer import save_sentence_transformer_merged
 from unsloth.models.sentence_encoder import add_encoder_lora, load_sentence_transformer
+from unsloth.notebook import hub
 
 __all__ = ["FastSentenceTransformer"]
 
@@ -51,3 +52,4 @@ class FastSentenceTransformer:
 
 def _attach(model) -> None:
     model.save_pretrained_merged = types.MethodType(save_sentence_transformer_merged, model)
+    model.push_to_hub_merged = types.MethodType(hub.push_to_hub_merged, model)  # the notebooks' upload cell
