@@ -117,7 +117,8 @@ def test_the_sudoku_notebook_trains_gemma4_through_fastvisionmodel(tmp_path, one
                                                        max_seq_length=max_seq_length, load_in_4bit=False,
                                                        fast_inference=False)
     model = FastVisionModel.get_peft_model(
-        model, r=lora_rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        model, r=lora_rank,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         lora_alpha=lora_rank * 2, use_gradient_checkpointing="unsloth", random_state=3407)
 
     prompt = "t5 t6 t7"
