@@ -17,6 +17,8 @@ _LAZY = {
                     "unsloth.notebook.fast_model"),
     **dict.fromkeys(("SamplingParams", "LoRARequest"), "unsloth.notebook.vllm_compat"),
     "FastSentenceTransformer": "unsloth.notebook.sentence_transformer",
+    **dict.fromkeys(("check_python_modules", "create_locked_down_function", "execute_with_time_limit"),
+                    "unsloth.notebook.code_sandbox"),
     **dict.fromkeys(("UnslothTrainer", "UnslothTrainingArguments", "unsloth_train", "UnslothVisionDataCollator",
                      "PatchDPOTrainer", "PatchKTOTrainer"), "unsloth.notebook.trainers"),
     **dict.fromkeys(("get_chat_template", "standardize_sharegpt", "standardize_data_formats", "to_sharegpt",

@@ -57,7 +57,7 @@ _TOKENS = {
                 "<|image|>", "<|python_tag|>", "<|finetune_right_pad_id|>"], {},
                "<|begin_of_text|>", "<|eot_id|>", "<|finetune_right_pad_id|>", _LLAMA),
 }
-_TOKENS["qwen3_vl"] = _TOKENS["qwen2_5_vl"]
+_TOKENS["qwen3_vl"] = _TOKENS["qwen3_5"] = _TOKENS["qwen2_5_vl"]
 _TOKENS["gemma3n"] = (_TOKENS["gemma3"][0] + ["<start_of_audio>", "<end_of_audio>", "<audio_soft_token>"],
                       *_TOKENS["gemma3"][1:])
 
@@ -113,7 +113,7 @@ def build_processor(family: str, byte_level: bool = False, tokenizer=None):
 
     tokenizer = tokenizer or build_tokenizer(family, byte_level)
     template = tokenizer.chat_template
-    if family in ("qwen2_5_vl", "qwen3_vl"):
+    if family in ("qwen2_5_vl", "qwen3_vl", "qwen3_5"):  # Qwen3.5 ships Qwen3-VL's processor
         patch = 8
         size = {"shortest_edge": IMAGE_SIZE * IMAGE_SIZE, "longest_edge": IMAGE_SIZE * IMAGE_SIZE}
         images = t.Qwen2VLImageProcessorPil(size=size, patch_size=patch, merge_size=2, temporal_patch_size=2)
@@ -159,6 +159,20 @@ def vision_config(family: str, tokenizer):
             vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                patch_size=8, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
                                deepstack_visual_indexes=[1]),
+            image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
+    if family == "qwen3_5":  # natively multimodal: Gated DeltaNet and full attention under Qwen3-VL's tower
+        image, video, start, end = _ids(tokenizer, "<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                        "<|vision_end|>")
+        return t.Qwen3_5Config(
+            text_config=dict(**TEXT, head_dim=16, vocab_size=vocab, linear_key_head_dim=16, linear_value_head_dim=16,
+                             linear_num_key_heads=2, linear_num_value_heads=4,
+                             layer_types=["linear_attention", "full_attention"],
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 1.0, "mrope_section": [2, 2, 4],
+                                              "mrope_interleaved": True},
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                               patch_size=8, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16),
             image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
     if family == "gemma3":
         boi, eoi, image = _ids(tokenizer, "<start_of_image>", "<end_of_image>", "<image_soft_token>")

@@ -83,15 +83,46 @@ def _answering_again(processor_class, state):
     return with_tokenizer_attributes(processor)
 
 
+def _is_conversation(text) -> bool:
+    """A list of role/content messages, or a list of such lists."""
+    first = text[0] if isinstance(text, list) and text else None
+    if isinstance(first, list):
+        first = first[0] if first else None
+    return isinstance(first, dict) and "role" in first
+
+
+def _rendering_conversations(call):
+    """The processor's `__call__`, also given a conversation as its text (the vision GRPO notebooks'
+    `tokenizer(image, dataset[i]["prompt"])`): rendered through the chat template first, with the
+    generation prompt unless `add_generation_prompt=False`, as Unsloth's processors do."""
+
+    @functools.wraps(call)
+    def __call__(self, *args, **kwargs):
+        positional = "text" not in kwargs and len(args) > 1  # transformers' order: images, text, ...
+        text = args[1] if positional else kwargs.get("text")
+        if _is_conversation(text):
+            text = self.apply_chat_template(text, tokenize=False,
+                                            add_generation_prompt=kwargs.pop("add_generation_prompt", True))
+            if positional:
+                args = (args[0], text, *args[2:])
+            else:
+                kwargs["text"] = text
+        return call(self, *args, **kwargs)
+
+    return __call__
+
+
 @functools.cache
 def _answering_for_tokenizer(processor_class):
     return type(processor_class.__name__, (processor_class, _TokenizerAttributes),
-                {"__module__": processor_class.__module__, "__qualname__": processor_class.__qualname__})
+                {"__module__": processor_class.__module__, "__qualname__": processor_class.__qualname__,
+                 "__call__": _rendering_conversations(processor_class.__call__)})
 
 
 def with_tokenizer_attributes(processor):
-    """`processor`, answering for its tokenizer where it has no attribute of its own (same class name,
-    so what it saves loads as before). A processor without a tokenizer is returned as it is."""
+    """`processor`, answering for its tokenizer where it has no attribute of its own, and taking a
+    conversation as its text (same class name, so what it saves loads as before). A processor without
+    a tokenizer is returned as it is."""
     if getattr(processor, "tokenizer", None) is not None and not isinstance(processor, _TokenizerAttributes):
         processor.__class__ = _answering_for_tokenizer(type(processor))
     return processor
