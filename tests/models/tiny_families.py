@@ -56,6 +56,26 @@ def family_config(family: str):
         return t.GraniteMoeHybridConfig(**COMMON, shared_intermediate_size=128, num_local_experts=0,
                                         layer_types=["attention", "attention"], position_embedding_type="rope",
                                         residual_multiplier=0.5, embedding_multiplier=2.0, logits_scaling=4.0)
+    if family == "granitemoehybrid_mamba":  # Granite 4 "h": a Mamba 2 layer and a NoPE attention layer
+        return t.GraniteMoeHybridConfig(**COMMON, shared_intermediate_size=128, num_local_experts=0,
+                                        num_experts_per_tok=0, layer_types=["mamba", "attention"],
+                                        position_embedding_type="nope", mamba_n_heads=4, mamba_d_head=32,
+                                        mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16,
+                                        residual_multiplier=0.5, embedding_multiplier=2.0, logits_scaling=4.0)
+    if family == "lfm2":  # LFM2: a gated short-convolution layer and an attention layer
+        return t.Lfm2Config(**COMMON, layer_types=["conv", "full_attention"], block_multiple_of=16)
+    if family == "falcon_h1":  # Falcon-H1: Mamba 2 and attention side by side in every layer
+        return t.FalconH1Config(**COMMON, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                                mamba_d_state=16, mamba_chunk_size=16, mamba_expand=1)
+    if family == "ernie4_5_moe":  # a dense first layer, then experts with two shared ones (as released)
+        return t.Ernie4_5_MoeConfig(**COMMON, moe_intermediate_size=32, moe_k=2, moe_num_experts=4,
+                                    moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_end_index=1)
+    if family == "nemotron_h":  # Nemotron 3 Nano: Mamba 2, MoE and attention layers
+        return t.NemotronHConfig(**{**COMMON, "num_hidden_layers": None}, head_dim=16,
+                                 layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
+                                 mamba_num_heads=4, mamba_head_dim=32, n_groups=1, ssm_state_size=16, chunk_size=16,
+                                 n_routed_experts=4, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+                                 num_experts_per_tok=2)
     if family == "glm4":
         return t.Glm4Config(**COMMON, head_dim=16, pad_token_id=None)
     if family == "glm":

@@ -33,6 +33,7 @@ _ACCEPTED_UNUSED = {
     "fix_tokenizer", "use_exact_model_name", "resize_model_vocab", "float8_kv_cache", "disable_log_stats",
     "max_lora_rank", "gpu_memory_utilization", "float32_mixed_precision", "text_only",
     "unsloth_tiled_mlp", "qat_scheme", "load_in_16bit", "load_in_fp8", "ensure_weight_tying",
+    "unsloth_force_compile",
 }
 
 
@@ -392,6 +393,32 @@ def _quantize_experts(model) -> None:
         report.moe_4bit = stacks
 
 
+def _targets_peft_accepts(model, target_modules: list[str]) -> list[str]:
+    """`target_modules` less the names peft's own check refuses on `model`: LoRA on a Mamba layer's
+    out_proj or conv1d (Nemotron-H, Falcon-H1), whose fused Mamba kernels read those weights directly,
+    so an adapter there would not train. The Nemotron notebook names out_proj; peft would stop it."""
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraModel
+
+    check = getattr(LoraModel, "_check_target_module_compatiblity", None)
+    if check is None:
+        return target_modules
+    probe = LoraConfig(target_modules=target_modules, task_type="CAUSAL_LM")
+    refused = []
+    for name in target_modules:
+        try:
+            check(None, probe, model, name.rsplit(".", 1)[-1])  # peft checks the last part of a module name
+        except ValueError:
+            refused.append(name)
+    kept = [name for name in target_modules if name not in refused]
+    if refused and kept:
+        log.warning("unsloth: no LoRA on %s: peft refuses adapters there on %s (its fused Mamba kernels read those "
+                    "weights directly, so they would not train); the other targets are adapted.",
+                    ", ".join(refused), getattr(model.config, "model_type", type(model).__name__))
+        return kept
+    return target_modules  # nothing refused, or everything: peft says why
+
+
 def add_lora(
     model,
     r: int = 16,
@@ -425,7 +452,7 @@ def add_lora(
     torch.manual_seed(random_state)
     # a string is a regex over module names (the vision loader's choice of towers), as in peft
     if not isinstance(target_modules, str):
-        target_modules = list(target_modules or DEFAULT_TARGETS)
+        target_modules = _targets_peft_accepts(model, list(target_modules or DEFAULT_TARGETS))
     if codec_of(model) is not None and kwargs.get("exclude_modules") is None:
         # a speech model's codec runs frozen under no_grad (CSM encodes audio with it): adapters there never learn
         kwargs["exclude_modules"] = CODEC_MODULES

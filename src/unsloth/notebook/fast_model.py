@@ -47,6 +47,13 @@ class FastLanguageModel:
     @staticmethod
     @functools.wraps(load_pretrained)
     def from_pretrained(*args, **kwargs):
+        name = kwargs.get("model_name", args[0] if args else None)
+        hub = {k: kwargs[k] for k in ("token", "revision", "trust_remote_code") if kwargs.get(k) is not None}
+        if isinstance(name, str) and is_vision_language(name, **hub):
+            # Magistral Small 2509 is Mistral 3 (a Pixtral tower), and its notebook loads it as a text model
+            log.info("unsloth: %s is a vision-language model: loaded with its processor, as FastVisionModel does",
+                     name)
+            return FastVisionModel.from_pretrained(*args, **kwargs)
         model, tokenizer = load_pretrained(*args, **kwargs)
         _attach(model, tokenizer)
         return model, tokenizer
@@ -58,6 +65,11 @@ class FastLanguageModel:
                        finetune_audio_layers: bool = False, **kwargs):
         if _fully_finetuned(model):
             return model
+        if _loader_of(model) is FastVisionModel:  # loaded by from_pretrained above: its towers stay as asked
+            return FastVisionModel.get_peft_model(
+                model, *args, finetune_vision_layers=finetune_vision_layers,
+                finetune_language_layers=finetune_language_layers, finetune_attention_modules=finetune_attention_modules,
+                finetune_mlp_modules=finetune_mlp_modules, finetune_audio_layers=finetune_audio_layers, **kwargs)
         if finetune_audio_layers:
             log.info("unsloth: finetune_audio_layers: this model has no audio tower; its language layers are trained")
         kwargs["target_modules"] = lora_targets(model, kwargs.get("target_modules"), finetune_language_layers,

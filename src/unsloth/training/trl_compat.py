@@ -353,6 +353,24 @@ def _text_field_first(dataset, text_field: str, formatting_func):
     return dataset.remove_columns(chat) if chat else dataset
 
 
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "moe_num_experts", "n_routed_experts")
+
+
+def _no_aux_loss_without_experts(trainer) -> None:
+    """TRL turns the MoE load-balancing loss on for any config with `output_router_logits` and a
+    coefficient, and then reads the expert count; a dense model of an MoE family (Granite 4: no
+    experts) has no routers, so TRL's loss would fail on it (no `num_experts`). Off for such models."""
+    if not getattr(trainer, "aux_loss_enabled", False):
+        return
+    model = trainer.model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    counts = [getattr(config, name) for name in _EXPERT_COUNTS if isinstance(getattr(config, name, None), int)]
+    if counts and not any(counts):
+        trainer.aux_loss_enabled = False
+        config.output_router_logits = False
+
+
 def compat_trainer(base, config_cls):
     """A subclass of TRL trainer `base` that accepts the notebooks' keywords (and, for SFT, keeps our loss)."""
     name = base.__name__
@@ -381,6 +399,7 @@ def compat_trainer(base, config_cls):
                 data = _one_bos(data, getattr(tokenizer, "tokenizer", tokenizer), field)
             kwargs["train_dataset"] = data
         base.__init__(self, **kwargs)
+        _no_aux_loss_without_experts(self)
         if is_preference:
             preference.adopt(self)  # after TRL's own fused head is on: ours answers its calls
 
