@@ -23,6 +23,7 @@ from unsloth.models.module_tree import cheap_trainer_calls
 from unsloth.models.patches import patch_model, patch_peft_model
 from unsloth.models.speech import CODEC_MODULES, codec_of
 from unsloth.models.checkpointing import apply_gradient_checkpointing
+from unsloth.models import whole_modules
 
 log = logging.getLogger("unsloth")
 
@@ -421,6 +422,7 @@ def add_lora(
     # a string is a regex over module names (the vision loader's choice of towers), as in peft
     if not isinstance(target_modules, str):
         target_modules = list(target_modules or DEFAULT_TARGETS)
+        target_modules, modules_to_save = whole_modules.split_targets(target_modules, modules_to_save)
     if codec_of(model) is not None and kwargs.get("exclude_modules") is None:
         # a speech model's codec runs frozen under no_grad (CSM encodes audio with it): adapters there never learn
         kwargs["exclude_modules"] = CODEC_MODULES
@@ -443,6 +445,7 @@ def add_lora(
         **kwargs,
     )
     peft_model = get_peft_model(model, config)
+    whole_modules.train_in_float32(peft_model)
     peft_model.max_seq_length = max_seq_length or getattr(model, "max_seq_length", None)
     peft_model._unsloth_checkpointing = use_gradient_checkpointing
     base = peft_model.get_base_model()
