@@ -24,6 +24,7 @@ from unsloth.models.patches import patch_model, patch_peft_model
 from unsloth.models.speech import CODEC_MODULES, codec_of
 from unsloth.models.checkpointing import apply_gradient_checkpointing
 from unsloth.models import whole_modules
+from unsloth.models.chat_ids import returns_ids_by_default
 
 log = logging.getLogger("unsloth")
 
@@ -235,6 +236,8 @@ def _prepare_tokenizer(processing, max_seq_length: int):
     """The tokenizer (a processor's own, for vision models) set up for batches; returns `processing`."""
     tokenizer = getattr(processing, "tokenizer", processing)
     tokenizer.model_max_length = max_seq_length
+    if tokenizer is processing:  # a processor's apply_chat_template is its own
+        returns_ids_by_default(tokenizer)
     if tokenizer.pad_token is None:  # batches need one; eos is the usual stand-in
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     tokenizer.padding_side = "right"
@@ -243,7 +246,7 @@ def _prepare_tokenizer(processing, max_seq_length: int):
 
 def load_pretrained(
     model_name: str = "unsloth/Llama-3.2-1B-Instruct",
-    max_seq_length: int = 2048,
+    max_seq_length: int | None = 2048,
     dtype=None,
     load_in_4bit: bool = True,
     load_in_8bit: bool = False,
@@ -329,6 +332,10 @@ def load_pretrained(
             **kwargs,
         )
     tokenizer = load_tokenizer(tokenizer_name or model_name, **hub_options)
+    if max_seq_length is None:  # as Unsloth: the context the model was trained for
+        config = model_config(model)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        max_seq_length = getattr(config, "max_position_embeddings", None) or 2048
     model.max_seq_length = max_seq_length
     if auto_dtype:  # the checkpoint's own dtype, for saves: float32 on a CPU is a compute choice, not the model's
         model._unsloth_source_dtype = _checkpoint_dtype(model_name, token, revision, trust_remote_code)
