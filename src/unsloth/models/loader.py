@@ -38,6 +38,18 @@ _ACCEPTED_UNUSED = {
 }
 
 
+def refuse_qat(qat_scheme) -> None:
+    """qat_scheme (quantization-aware training) needs torchao's fake-quantized layers, which we do not run;
+    training on without them would hand back a model that only looks quantization-aware."""
+    if qat_scheme is None:
+        return
+    raise UnslothError(
+        f"qat_scheme={qat_scheme!r}: quantization-aware training (torchao fake quantization) is not supported",
+        "remove qat_scheme to train as usual, then export with save_pretrained_merged or save_pretrained_gguf "
+        "(quantization_method='q4_k_m' for a 4-bit model); the notebook's torchao cells (quantize_, "
+        "save_pretrained_torchao) need torchao and do not run here", kept="nothing was changed")
+
+
 def is_bfloat16_supported() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
@@ -281,6 +293,7 @@ def load_pretrained(
 
     auto_class = auto_class or AutoModelForCausalLM
     load_tokenizer = load_tokenizer or AutoTokenizer.from_pretrained
+    refuse_qat(kwargs.get("qat_scheme"))
     ignored = sorted(set(kwargs) & _ACCEPTED_UNUSED)
     for name in ignored:
         kwargs.pop(name)
@@ -422,6 +435,7 @@ def add_lora(
 
     from unsloth.models.patches.moe import expert_target_parameters
 
+    refuse_qat(kwargs.get("qat_scheme"))
     target_parameters = kwargs.pop("target_parameters", None) or []
     for name in sorted(set(kwargs) & (_ACCEPTED_UNUSED | {"finetune_last_n_layers"})):
         kwargs.pop(name)
