@@ -13,7 +13,8 @@ __version__ = "0.1.0"
 # Importing unsloth.notebook.fast_model also makes TRL's trainers accept what notebooks pass.
 _LAZY = {
     **dict.fromkeys(("FastLanguageModel", "FastModel", "FastVisionModel", "is_bfloat16_supported",
-                     "is_bf16_supported"),
+                     "is_bf16_supported", "FastLlamaModel", "FastMistralModel", "FastQwen2Model", "FastQwen3Model",
+                     "FastGemmaModel", "FastGemma2Model", "FastGraniteModel", "FastCohereModel"),
                     "unsloth.notebook.fast_model"),
     **dict.fromkeys(("SamplingParams", "LoRARequest"), "unsloth.notebook.vllm_compat"),
     "FastSentenceTransformer": "unsloth.notebook.sentence_transformer",

@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.slow  # the Triton interpreter runs our kernels on the CPU: minutes, not seconds
 import torch
 
-from tiny_notebook_models import sharegpt_rows, transformers_major, write_model
+from tiny_notebook_models import sharegpt_rows, write_model
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +102,9 @@ def test_trains_with_our_fused_loss_and_generates_with_a_streamer(notebook, monk
         def on_finalized_text(self, text, stream_end=False):
             streamed.append(text)
 
-    # apply_chat_template(tokenize=True, return_tensors="pt") is a BatchEncoding on transformers 5, the ids
-    # tensor on 4; the notebook passes it as input_ids either way
-    prompt = inputs["input_ids"] if transformers_major() >= 5 else inputs
+    # apply_chat_template(tokenize=True, return_tensors="pt") is the ids tensor, as on transformers 4, on 5
+    # too (our tokenizers' return_dict default); the notebook passes it as input_ids
+    prompt = inputs
     assert torch.is_tensor(prompt) and prompt.dim() == 2
     out = model.generate(input_ids=inputs, streamer=Capture(tokenizer, skip_prompt=True), max_new_tokens=6,
                          do_sample=False, use_cache=True)

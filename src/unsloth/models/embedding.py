@@ -74,11 +74,11 @@ def offload_input_embedding(model: nn.Module) -> str | None:
     embedding = model.get_input_embeddings()
     if isinstance(embedding, OffloadedEmbedding):
         return None
+    weight = getattr(embedding, "weight", None)
+    if weight is not None and weight.requires_grad:  # first: a trained copy is wrapped (peft modules_to_save)
+        return "the input embedding is being trained"
     if type(embedding) is not nn.Embedding or embedding.max_norm is not None:
         return "the input embedding is not a plain lookup (scaled or normed)"
-    weight = embedding.weight
-    if weight.requires_grad:
-        return "the input embedding is being trained"
     head = model.get_output_embeddings()
     if head is not None and getattr(head, "weight", None) is not None and head.weight.data_ptr() == weight.data_ptr():
         return "the input embedding is tied to the LM head, which needs it on the GPU"

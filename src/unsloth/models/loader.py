@@ -23,6 +23,8 @@ from unsloth.models.module_tree import cheap_trainer_calls
 from unsloth.models.patches import patch_model, patch_peft_model
 from unsloth.models.speech import CODEC_MODULES, codec_of
 from unsloth.models.checkpointing import apply_gradient_checkpointing
+from unsloth.models import whole_modules
+from unsloth.models.chat_ids import returns_ids_by_default
 
 log = logging.getLogger("unsloth")
 
@@ -35,6 +37,18 @@ _ACCEPTED_UNUSED = {
     "unsloth_tiled_mlp", "qat_scheme", "load_in_16bit", "load_in_fp8", "ensure_weight_tying",
     "unsloth_force_compile",
 }
+
+
+def refuse_qat(qat_scheme) -> None:
+    """qat_scheme (quantization-aware training) needs torchao's fake-quantized layers, which we do not run;
+    training on without them would hand back a model that only looks quantization-aware."""
+    if qat_scheme is None:
+        return
+    raise UnslothError(
+        f"qat_scheme={qat_scheme!r}: quantization-aware training (torchao fake quantization) is not supported",
+        "remove qat_scheme to train as usual, then export with save_pretrained_merged or save_pretrained_gguf "
+        "(quantization_method='q4_k_m' for a 4-bit model); the notebook's torchao cells (quantize_, "
+        "save_pretrained_torchao) need torchao and do not run here", kept="nothing was changed")
 
 
 def is_bfloat16_supported() -> bool:
@@ -235,6 +249,8 @@ def _prepare_tokenizer(processing, max_seq_length: int):
     """The tokenizer (a processor's own, for vision models) set up for batches; returns `processing`."""
     tokenizer = getattr(processing, "tokenizer", processing)
     tokenizer.model_max_length = max_seq_length
+    if tokenizer is processing:  # a processor's apply_chat_template is its own
+        returns_ids_by_default(tokenizer)
     if tokenizer.pad_token is None:  # batches need one; eos is the usual stand-in
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     tokenizer.padding_side = "right"
@@ -243,7 +259,7 @@ def _prepare_tokenizer(processing, max_seq_length: int):
 
 def load_pretrained(
     model_name: str = "unsloth/Llama-3.2-1B-Instruct",
-    max_seq_length: int = 2048,
+    max_seq_length: int | None = 2048,
     dtype=None,
     load_in_4bit: bool = True,
     load_in_8bit: bool = False,
@@ -278,6 +294,7 @@ def load_pretrained(
 
     auto_class = auto_class or AutoModelForCausalLM
     load_tokenizer = load_tokenizer or AutoTokenizer.from_pretrained
+    refuse_qat(kwargs.get("qat_scheme"))
     ignored = sorted(set(kwargs) & _ACCEPTED_UNUSED)
     for name in ignored:
         kwargs.pop(name)
@@ -329,6 +346,10 @@ def load_pretrained(
             **kwargs,
         )
     tokenizer = load_tokenizer(tokenizer_name or model_name, **hub_options)
+    if max_seq_length is None:  # as Unsloth: the context the model was trained for
+        config = model_config(model)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        max_seq_length = getattr(config, "max_position_embeddings", None) or 2048
     model.max_seq_length = max_seq_length
     if auto_dtype:  # the checkpoint's own dtype, for saves: float32 on a CPU is a compute choice, not the model's
         model._unsloth_source_dtype = _checkpoint_dtype(model_name, token, revision, trust_remote_code)
@@ -446,6 +467,7 @@ def add_lora(
 
     from unsloth.models.patches.moe import expert_target_parameters
 
+    refuse_qat(kwargs.get("qat_scheme"))
     target_parameters = kwargs.pop("target_parameters", None) or []
     for name in sorted(set(kwargs) & (_ACCEPTED_UNUSED | {"finetune_last_n_layers"})):
         kwargs.pop(name)
@@ -453,6 +475,7 @@ def add_lora(
     # a string is a regex over module names (the vision loader's choice of towers), as in peft
     if not isinstance(target_modules, str):
         target_modules = _targets_peft_accepts(model, list(target_modules or DEFAULT_TARGETS))
+        target_modules, modules_to_save = whole_modules.split_targets(target_modules, modules_to_save)
     if codec_of(model) is not None and kwargs.get("exclude_modules") is None:
         # a speech model's codec runs frozen under no_grad (CSM encodes audio with it): adapters there never learn
         kwargs["exclude_modules"] = CODEC_MODULES
@@ -475,6 +498,7 @@ def add_lora(
         **kwargs,
     )
     peft_model = get_peft_model(model, config)
+    whole_modules.train_in_float32(peft_model)
     peft_model.max_seq_length = max_seq_length or getattr(model, "max_seq_length", None)
     peft_model._unsloth_checkpointing = use_gradient_checkpointing
     base = peft_model.get_base_model()

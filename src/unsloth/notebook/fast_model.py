@@ -26,7 +26,9 @@ from unsloth.models.vision import (is_vision_language, is_vision_language_config
 from unsloth.notebook import hub, vllm_compat
 from unsloth.training import trl_compat
 
-__all__ = ["FastLanguageModel", "FastModel", "FastVisionModel", "is_bfloat16_supported", "is_bf16_supported"]
+__all__ = ["FastLanguageModel", "FastModel", "FastVisionModel", "is_bfloat16_supported", "is_bf16_supported",
+           "FastLlamaModel", "FastMistralModel", "FastQwen2Model", "FastQwen3Model", "FastGemmaModel",
+           "FastGemma2Model", "FastGraniteModel", "FastCohereModel"]
 
 is_bf16_supported = is_bfloat16_supported  # the name the embedding notebooks import
 
@@ -93,6 +95,12 @@ class FastLanguageModel:
         model.train()
         model_config(model).use_cache = False
         return model
+
+
+# The per-family loaders older notebooks import (`from unsloth import FastQwen2Model`): the same loader,
+# which reads the family from the checkpoint's config.
+FastLlamaModel = FastMistralModel = FastQwen2Model = FastQwen3Model = FastLanguageModel
+FastGemmaModel = FastGemma2Model = FastGraniteModel = FastCohereModel = FastLanguageModel
 
 
 class FastModel(FastLanguageModel):
@@ -244,7 +252,8 @@ def _generate_accepting_encodings(original, model):
     """`generate` that also takes a BatchEncoding (what apply_chat_template returns in transformers 5)
     where notebooks pass `input_ids`, positionally or by keyword, and drops the `token_type_ids` a
     tokenizer returns for a model that takes none (transformers 4's fast tokenizers return them unless
-    their config names the inputs; its generate then refuses them for Llama, Qwen, ...), as Unsloth does."""
+    their config names the inputs; its generate then refuses them for Llama, Qwen, ...), as Unsloth does,
+    and a `sliding_window` keyword."""
     takes_token_types = "token_type_ids" in inspect.signature(base_model(model).forward).parameters
 
     @functools.wraps(original)
@@ -257,6 +266,11 @@ def _generate_accepting_encodings(original, model):
             kwargs = {**kwargs, **dict(ids)}
         if not takes_token_types:
             kwargs.pop("token_type_ids", None)
+        # Tool-calling notebooks pass sliding_window=None, which Unsloth's own forwards ignored; transformers'
+        # attention already passes the config's window, so the keyword would reach it twice.
+        window = kwargs.pop("sliding_window", None)
+        if window is not None:
+            log.warning("unsloth: generate(sliding_window=%s) is ignored: the model's config sets its window", window)
         return original(*args, **kwargs)
 
     return generate

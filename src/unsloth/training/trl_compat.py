@@ -35,7 +35,7 @@ import math
 from collections.abc import Mapping
 
 from unsloth.errors import UnslothError
-from unsloth.models import generation
+from unsloth.models import generation, whole_modules
 from unsloth.training.optimizers import usable_optimizer
 from unsloth.training import preference
 
@@ -400,6 +400,7 @@ def compat_trainer(base, config_cls):
             kwargs["train_dataset"] = data
         base.__init__(self, **kwargs)
         _no_aux_loss_without_experts(self)
+        whole_modules.train_in_float32(self.model)  # TRL casts a quantized model's trained weights to bf16
         if is_preference:
             preference.adopt(self)  # after TRL's own fused head is on: ours answers its calls
 
