@@ -10,6 +10,7 @@ RAFT's dataset generation (llama_index and OpenAI), QAT's torchao cells (torchao
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 from threading import Thread
 
@@ -24,6 +25,10 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 @pytest.fixture
 def kernels_off(monkeypatch):
     monkeypatch.setenv("UNSLOTH_KERNELS", "0")  # the cells are under test here; the kernels are covered elsewhere
+    yield
+    # datasets' map with num_proc (dataset_num_proc=1 below) rebinds os.environ to a copy, so monkeypatch's undo
+    # would delete the variable from the old object only and leave kernels off for every later test
+    os.environ.pop("UNSLOTH_KERNELS", None)
 
 
 def _cpt_model(tmp_path, load_in_4bit):
