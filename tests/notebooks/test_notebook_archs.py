@@ -135,8 +135,8 @@ def _load(name, folder):
                 use_rslora=False, loftq_config=None)
     if name == "ernie":
         model, tokenizer = FastModel.from_pretrained(model_name=folder, max_seq_length=128, full_finetuning=False)
-        return FastModel.get_peft_model(model, r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                                    "up_proj", "down_proj"], lora_alpha=16, **lora), tokenizer
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        return FastModel.get_peft_model(model, r=8, target_modules=targets, lora_alpha=16, **lora), tokenizer
     options = {
         "lfm2": dict(load_in_4bit=False, load_in_8bit=False, load_in_16bit=True, full_finetuning=False),
         "falcon_h1": dict(dtype=None, load_in_4bit=False),
@@ -220,7 +220,8 @@ def test_generates(notebook):
     else:
         inputs = tokenizer.apply_chat_template([{"role": "user", "content": QA[0][0]}], add_generation_prompt=True,
                                                return_tensors="pt", tokenize=True, return_dict=True)
-    out = model.generate(**inputs, max_new_tokens=6, do_sample=False, streamer=TextStreamer(tokenizer, skip_prompt=True))
+    out = model.generate(**inputs, max_new_tokens=6, do_sample=False,
+                         streamer=TextStreamer(tokenizer, skip_prompt=True))
     assert out.shape[1] > inputs["input_ids"].shape[1]
 
 
@@ -262,5 +263,6 @@ def test_a_vision_language_checkpoint_loads_through_fast_language_model(tmp_path
     loaded = []
     monkeypatch.setattr(FastVisionModel, "from_pretrained",
                         staticmethod(lambda *args, **kwargs: loaded.append(kwargs["model_name"]) or ("m", "p")))
-    assert FastLanguageModel.from_pretrained(model_name=folder, full_finetuning=False, device_map="balanced") == ("m", "p")
+    loaded_as = FastLanguageModel.from_pretrained(model_name=folder, full_finetuning=False, device_map="balanced")
+    assert loaded_as == ("m", "p")
     assert loaded == [folder]

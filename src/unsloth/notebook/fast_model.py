@@ -70,7 +70,8 @@ class FastLanguageModel:
         if _loader_of(model) is FastVisionModel:  # loaded by from_pretrained above: its towers stay as asked
             return FastVisionModel.get_peft_model(
                 model, *args, finetune_vision_layers=finetune_vision_layers,
-                finetune_language_layers=finetune_language_layers, finetune_attention_modules=finetune_attention_modules,
+                finetune_language_layers=finetune_language_layers,
+                finetune_attention_modules=finetune_attention_modules,
                 finetune_mlp_modules=finetune_mlp_modules, finetune_audio_layers=finetune_audio_layers, **kwargs)
         if finetune_audio_layers:
             log.info("unsloth: finetune_audio_layers: this model has no audio tower; its language layers are trained")
