@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import pytest
@@ -258,3 +259,20 @@ def test_generate_drops_token_type_ids_a_model_does_not_take(tmp_path, monkeypat
     out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
     plain = {k: v for k, v in inputs.items() if k != "token_type_ids"}
     assert torch.equal(out, model.generate(**plain, max_new_tokens=3, do_sample=False))
+
+
+def test_transformers_trainers_take_tokenizer_once(trl):
+    import transformers
+
+    from unsloth.training.trl_compat import CompatError
+
+    trainer_cls = transformers.Trainer
+    if "tokenizer" in inspect.signature(trainer_cls.__init__).parameters:
+        pytest.skip("this transformers takes tokenizer= itself")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    tokenizer = make_tokenizer("llama")
+    args = transformers.TrainingArguments(output_dir="o", report_to=[], use_cpu=True)
+    assert trainer_cls(model=model, args=args, tokenizer=tokenizer).processing_class is tokenizer
+    with pytest.raises(CompatError, match="'tokenizer' and 'processing_class' are the same argument"):
+        trainer_cls(model=model, args=args, tokenizer=tokenizer, processing_class=tokenizer)

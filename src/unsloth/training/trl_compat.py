@@ -281,6 +281,13 @@ def promote(args, config_cls, extra: dict):
 
 # --- trainers ------------------------------------------------------------------------------------
 
+def _check_once(key: str, key_now: str, kwargs: dict, out: dict, where: str) -> None:
+    """Refuse an argument given under its old name and its current one (or twice after renaming)."""
+    if key_now in out or (key_now in kwargs and key_now != key):
+        raise CompatError(f"{where}: {key!r} and {key_now!r} are the same argument, given twice",
+                          fix=f"keep {key_now!r}")
+
+
 def normalize_trainer_kwargs(trainer_cls, config_cls, args, kwargs: dict) -> dict:
     """Trainer kwargs on the current API: renamed, config fields moved into `args`, `args` promoted."""
     where = trainer_cls.__name__
@@ -290,9 +297,7 @@ def normalize_trainer_kwargs(trainer_cls, config_cls, args, kwargs: dict) -> dic
     for key, value in kwargs.items():
         key_now = _rename(key, accepted | config_fields)
         if key_now in accepted:
-            if key_now in out or (key_now in kwargs and key_now != key):
-                raise CompatError(f"{where}: {key!r} and {key_now!r} are the same argument, given twice",
-                                  fix=f"keep {key_now!r}")
+            _check_once(key, key_now, kwargs, out, where)
             out[key_now] = value
         elif key in config_fields or key_now in config_fields or key in RETIRED or key in REFUSED:
             moved[key] = value
@@ -472,13 +477,15 @@ def tokenizer_keyword_trainer(base):
     """A subclass of transformers trainer `base` that takes `tokenizer=` as `processing_class=` (the name
     transformers 5 keeps; notebooks pinned to transformers 4 pass the old one). Nothing else changes."""
 
+    accepted = _parameters(base)
+
     def __init__(self, *args, **kwargs):
-        if "tokenizer" in kwargs:
-            if kwargs.get("processing_class") is not None:
-                raise CompatError(f"{base.__name__}: 'tokenizer' and 'processing_class' are the same argument, "
-                                  "given twice", fix="keep 'processing_class'")
-            kwargs["processing_class"] = kwargs.pop("tokenizer")
-        base.__init__(self, *args, **kwargs)
+        renamed = {}
+        for key, value in kwargs.items():
+            key_now = _rename(key, accepted) if key == "tokenizer" else key
+            _check_once(key, key_now, kwargs, renamed, base.__name__)
+            renamed[key_now] = value
+        base.__init__(self, *args, **renamed)
 
     return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__,
                                          "__qualname__": base.__name__, "__doc__": base.__doc__})
