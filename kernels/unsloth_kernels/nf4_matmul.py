@@ -73,6 +73,12 @@ X_HALVES = True
 # token fewer on an 8B model, where Inductor folds them into its kernels (the step's wall time 10.2 -> 8.4 ms,
 # docs/benchmarks.md). Read at each call; UNSLOTH_NF4_SUM_IN_GRAPH=0 at import turns it off (for an A/B).
 SUM_IN_GRAPH = os.environ.get("UNSLOTH_NF4_SUM_IN_GRAPH", "1") != "0"
+# Up to this LoRA rank the graph adds the rank's terms one by one: all elementwise, Inductor folds them into
+# the kernel that reads the projection (RMSNorm, RoPE, SiLU x up), as measured at r=16 (804 tok/s above).
+# Above it, one reduction over the rank: a kernel per projection more, but a graph that does not grow by
+# three nodes per rank per projection (r=64: 1,344 a layer) and a compile time that does not grow with them.
+# Read at each call; UNSLOTH_NF4_UNROLL_RANK at import sets it (0: always the reduction, for an A/B).
+UNROLL_RANK = int(os.environ.get("UNSLOTH_NF4_UNROLL_RANK", "16"))
 # The reduction's configuration where a dot form is set but does not apply (see _dot_applies)
 REDUCE_FALLBACK = (32, 64, 4, 2, "reduce") if INTERPRET else (64, 256, 4, 4, "reduce")
 
@@ -487,17 +493,23 @@ _nf4_partials_op = traceable_op("unsloth::nf4_matmul_partials", _nf4_partials_la
 def _added_in_graph(partials: torch.Tensor, bias: torch.Tensor | None, xa: torch.Tensor | None,
                     lora_b: torch.Tensor | None, lora_scale: float, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     """What the second pass adds (the splits in order, the bias, the LoRA term xa @ B^T, one rounding), as
-    elementwise additions and one small reduction: a compiled graph folds them into the kernels that read
-    the output (RoPE, SiLU x up, a residual add) instead of launching a pass of their own. The rank's sum is
-    a product and a sum (one reduction over the rank, read once), not unrolled: unrolled, the graph grew by
-    three nodes per rank per projection (r=64: 1,344 a layer), and so did its compile time."""
+    elementwise additions (and, above UNROLL_RANK, one small reduction over the rank): a compiled graph folds
+    them into the kernels that read the output (RoPE, SiLU x up, a residual add) instead of launching a pass
+    of their own."""
     y = partials[0]
     for split in range(1, partials.shape[0]):
         y = y + partials[split]
     if bias is not None:
         y = y + bias.float()
     if xa is not None:
-        y = y + lora_scale * (xa.float()[:, :, None] * lora_b.float().t()[None]).sum(1)
+        xa, lora_b = xa.float(), lora_b.float()
+        if xa.shape[1] > UNROLL_RANK:
+            delta = (xa[:, :, None] * lora_b.t()[None]).sum(1)
+        else:
+            delta = xa[:, :1] * lora_b[:, 0]
+            for r in range(1, xa.shape[1]):
+                delta = delta + xa[:, r : r + 1] * lora_b[:, r]
+        y = y + lora_scale * delta
     return y.to(dtype)
 
 
