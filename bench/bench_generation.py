@@ -162,6 +162,7 @@ def measure(model, args, batch: int, device: str) -> dict:
     return {"impl": args.impl, "batch": batch, "prompt": args.prompt, "new": args.new, "four_bit": args.four_bit,
             "sync_every_step": args.sync_every_step, "nf4_decode": os.environ.get("UNSLOTH_NF4_DECODE") != "0",
             "nf4_sum_in_graph": os.environ.get("UNSLOTH_NF4_SUM_IN_GRAPH", "1") != "0",
+            "nf4_unroll_rank": int(os.environ.get("UNSLOTH_NF4_UNROLL_RANK", "16")),
             "wall_ms_per_step": round(1000 * seconds / args.new, 3), "prefill_s": round(prefill_s, 3),
             "decode_wall_ms_per_step": round(1000 * (seconds - prefill_s) / max(args.new - 1, 1), 3), **sampled,
             **profiled, **compile_report(model),

@@ -130,6 +130,7 @@ class Run:
         emit(event="summary", partial=partial, unsloth=os.path.dirname(unsloth.__file__), shape=self.shape,
              sync_every_step=args.sync_every_step,
              nf4_sum_in_graph=os.environ.get("UNSLOTH_NF4_SUM_IN_GRAPH", "1") != "0",
+             nf4_unroll_rank=int(os.environ.get("UNSLOTH_NF4_UNROLL_RANK", "16")),
              step_s=round(statistics.median(timed), 3) if timed else None, steps=len(timed),
              first_step_s=round(self.times[0], 2) if self.times else None,
              peak_gib=peak_gib() if timed else None,  # the counter restarts when the timed steps begin

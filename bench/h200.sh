@@ -7,7 +7,7 @@
 # BENCH_PROFILE=memory instead: a JSON line of what is allocated at that step's peak, by where it was allocated
 # (that step runs slower: take step times from a run without it).
 # sections: machine, tests, kernels, trainer, profile, ab, host, moe, moetune, notebook, families, families_call, generation,
-# nf4mm, grpo, tts, fullft, vision, dpo, multigpu; all = machine tests kernels trainer)
+# genab, nf4mm, grpo, tts, fullft, vision, dpo, multigpu; all = machine tests kernels trainer)
 # Results land in $OUT (logs and JSON lines; generation and grpo keep each run's whole output, warnings
 # included, in <section>-<impl>.log). SHAPES="bf16 qlora" picks the trainer's and ab's shapes.
 set -u
@@ -202,6 +202,18 @@ generation() {  # decoding after for_inference, LoRA attached, batch 1 and 8; GE
   done
 }
 
+genab() {  # decoding at GRPO's shape (4-bit, batch 8, 256-token prompt, 256 new) under each setting in $AB, ours only,
+  # on an 8-layer Llama-3.1-8B shape (a cold compile per setting fits a call), e.g.
+  # AB="UNSLOTH_NF4_UNROLL_RANK=16 UNSLOTH_NF4_UNROLL_RANK=0"; no "|" in the settings
+  [ -f /tmp/llama8b-dpo/config.json ] || timeout 150 python3 bench/bench_dpo.py --impl make --layers 8 2>&1 | tail -1
+  for setting in ${AB:?AB: settings to compare}; do
+    # shellcheck disable=SC2086
+    env "$setting" timeout "${GEN_OURS_TIMEOUT:-200}" python3 bench/bench_generation.py --impl ours --four-bit --batch 8 \
+      --prompt 256 --new 256 --model-dir /tmp/llama8b-dpo ${GEN_ARGS:-} 2>&1 | tee -a "$OUT/genab.log" | grep '^{' \
+      | sed "s|\"impl\": \"ours\"|\"impl\": \"ours $setting\"|" | tee -a "$OUT/genab.jsonl"
+  done
+}
+
 nf4mm() {  # the few-row NF4 matmul against bitsandbytes (in .anchors) at the 8B projections, M = 1, 8, 16
   # NF4MM_ARGS="--sweep --tuning-out $OUT/nf4-tuning.json" first picks the launch configurations;
   # GEN_ARGS="--four-bit --nf4-tuning $OUT/nf4-tuning.json" then decodes with them in the same call
@@ -267,7 +279,7 @@ multigpu() {  # several GPUs (bench/bench_multigpu.py; a kind with 2+ GPUs): DDP
 [ $# -gt 0 ] || set -- all
 for section in "$@"; do
   case $section in
-    machine|tests|kernels|trainer|profile|ab|host|moe|moetune|notebook|families|families_call|generation|nf4mm|grpo|tts|fullft|vision|dpo|multigpu) $section ;;
+    machine|tests|kernels|trainer|profile|ab|host|moe|moetune|notebook|families|families_call|generation|genab|nf4mm|grpo|tts|fullft|vision|dpo|multigpu) $section ;;
     all) machine; tests; kernels; trainer ;;
     *) echo "unknown section: $section" >&2; exit 2 ;;
   esac
