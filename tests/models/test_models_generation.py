@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import types
@@ -438,6 +439,51 @@ def test_new_prompt_lengths_and_batches_reuse_the_compiled_decode_step(monkeypat
     assert graphs(2, 5, 6) == batch_one  # back to batch 2: its graphs were kept
     said = [r.getMessage() for r in caplog.records if "compiling the decode step" in r.getMessage()]
     assert len(said) == 2 and "for 2 rows and" in said[0] and "for 1 row and" in said[1], said
+
+
+@pytest.mark.slow
+def test_a_shape_decoded_with_guards_skips_them_after_until_the_adapters_switch(monkeypatch):
+    """Once a (batch, bucket) has decoded with dynamo's guards, its later calls skip them (the compiled step
+    only), a new batch size being guarded first; a call in other modes (inside `disable_adapter()`) runs with
+    every guard, and from then on every call does: the base model's tokens there, the adapters' after."""
+    import functools
+
+    model = _with_lora(tiny_model("llama"))
+    patch_model(model.get_base_model())
+    ids, mask = _prompts(batch=2, seq=6)
+    expected = _greedy(model, ids, mask, new=5)
+    with model.disable_adapter():
+        base = _greedy(model, ids, mask, new=5)
+    assert not torch.equal(base, expected)  # the adapters change the tokens: the check below can fail
+    compile_decode_as_on_a_gpu(monkeypatch)
+    generation.enable(model)
+    torch._dynamo.reset()
+    set_stance, skipping = torch.compiler.set_stance, []
+
+    @functools.wraps(set_stance)
+    def spy(*args, **kwargs):
+        skipping.append(kwargs.get("skip_guard_eval_unsafe", False))
+        return set_stance(*args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", spy)
+
+    def skipped(reference, adapters=True, rows=2):
+        before = len(skipping)
+        with contextlib.nullcontext() if adapters else model.disable_adapter():
+            assert torch.equal(_greedy(model, ids[:rows], mask[:rows], new=5), reference[:rows])
+        return sum(skipping[before:])
+
+    assert skipped(expected) == 0  # the first call decodes with the guards
+    assert skipped(expected) == 4  # then each of its 4 compiled steps skips them
+    assert skipped(expected, rows=1) == 0  # a new batch size: guarded first (graphs of its own)
+    assert skipped(expected, rows=1) == 4
+    assert skipped(expected) == 4  # the kept graphs told apart by their sizes
+    monkeypatch.setattr(generation, "SKIP_GUARDS", False)  # UNSLOTH_DECODE_SKIP_GUARDS=0
+    assert skipped(expected) == 0
+    monkeypatch.setattr(generation, "SKIP_GUARDS", True)
+    assert skipped(base, adapters=False) == 0  # adapters off: other modes, guarded
+    assert skipped(base, adapters=False) == 0  # and from now on every call is
+    assert skipped(expected) == 0
 
 
 @pytest.mark.slow
