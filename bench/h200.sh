@@ -208,8 +208,8 @@ genab() {  # decoding at GRPO's shape (4-bit, batch 8, 256-token prompt, 256 new
   [ -f /tmp/llama8b-dpo/config.json ] || timeout 150 python3 bench/bench_dpo.py --impl make --layers 8 2>&1 | tail -1
   for setting in ${AB:?AB: settings to compare}; do
     # shellcheck disable=SC2086
-    env "$setting" timeout "${GEN_OURS_TIMEOUT:-200}" python3 bench/bench_generation.py --impl ours --four-bit --batch 8 \
-      --prompt 256 --new 256 --model-dir /tmp/llama8b-dpo ${GEN_ARGS:-} 2>&1 | tee -a "$OUT/genab.log" | grep '^{' \
+    env "$setting" timeout "${GEN_OURS_TIMEOUT:-200}" python3 bench/bench_generation.py --impl ours --four-bit \
+      --batch 8 --prompt 256 --new 256 --model-dir /tmp/llama8b-dpo ${GEN_ARGS:-} 2>&1 | tee -a "$OUT/genab.log" | grep '^{' \
       | sed "s|\"impl\": \"ours\"|\"impl\": \"ours $setting\"|" | tee -a "$OUT/genab.jsonl"
   done
 }

@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.slow  # training, then three GGUF exports validated through llama.cpp
 import torch
 
-from tiny_notebook_models import alpaca_rows, write_model
+from tiny_notebook_models import alpaca_rows, losses_of, write_model
 
 ALPACA = """Below is an instruction that describes a task, paired with an input that provides further context. Write a response that appropriately completes the request.
 
@@ -73,7 +73,7 @@ def test_trainer_took_the_notebook_arguments(trained):
     assert isinstance(trainer.args, SFTConfig) and trainer.args.max_length == 128
     assert trainer.args.fp16 is False  # fp16=True asked on a CPU: float32 instead, with a warning
     assert trainer.args.gradient_checkpointing is False  # ours is on already
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    losses = losses_of(trainer)
     assert len(losses) == 8 and losses[-1] < losses[0]
     row = trainer.train_dataset[0]["input_ids"]
     assert row.count(tokenizer.bos_token_id) == 1 and row[-1] == tokenizer.eos_token_id  # EOS not doubled

@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.slow  # training, then a GGUF export validated through llama.cpp
 import torch
 
-from tiny_notebook_models import QA, alpaca_rows, sharegpt_rows, write_model
+from tiny_notebook_models import QA, alpaca_rows, losses_of, sharegpt_rows, write_model
 
 NOTEBOOKS = ("lfm2", "falcon_h1", "granite_350m", "granite_h", "ernie", "nemotron", "functiongemma")
 # notebook -> (tiny family, its tokenizer's SPECIALS entry, write_model options)
@@ -192,7 +192,7 @@ def notebook(request, tmp_path_factory):
 
 def test_trains_on_the_replies_only(notebook):
     name, _, model, tokenizer, trainer = notebook
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    losses = losses_of(trainer)
     assert losses[-1] < losses[0], losses
     if name != "falcon_h1":
         row = trainer.train_dataset[1]

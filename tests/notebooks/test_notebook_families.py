@@ -20,7 +20,7 @@ import pytest
 pytestmark = pytest.mark.slow  # training, then a GGUF export validated through llama.cpp
 import torch
 
-from tiny_notebook_models import QA, sharegpt_rows, write_model
+from tiny_notebook_models import QA, losses_of, sharegpt_rows, write_model
 
 NOTEBOOKS = ("gemma3", "mistral", "qwen3")
 
@@ -112,7 +112,7 @@ def notebook(request, tmp_path_factory):
 
 def test_one_bos_loss_falls_and_the_mask_is_in_the_dataset(notebook):
     name, _, _, tokenizer, trainer = notebook
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    losses = losses_of(trainer)
     assert losses[-1] < losses[0], losses
     row = trainer.train_dataset[0]
     if tokenizer.bos_token_id is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tiny_notebook_models import losses_of
 from tiny_vision import (VISION_FAMILIES, add_audio_tower, build_processor, build_tokenizer, images, save_tiny_vision,
                          vision_config)
 
@@ -199,7 +200,7 @@ def test_the_text_notebook_runs_on_a_vision_model_and_its_processor(family, tmp_
                             ).replace(tokenizer.pad_token, " ")
     assert kept.split() and kept.split()[:3] == ["t20", "t21", "t22"] and "user" not in kept, kept
     trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    losses = losses_of(trainer)
     assert losses[-1] < losses[0] - 0.3, losses
 
     messages = [{"role": "user", "content": [{"type": "text", "text": "t5 t6 t7"}]}]
@@ -242,7 +243,7 @@ def test_the_image_notebook_runs_through_fastmodel(tmp_path, one_thread):
                                         dataset_kwargs={"skip_prepare_dataset": True}, max_length=512,
                                         save_strategy="no", seed=0))
     trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    losses = losses_of(trainer)
     assert losses[-1] < losses[0], losses
 
     FastModel.for_inference(model)

@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.slow  # the Triton interpreter runs our kernels on the CPU: minutes, not seconds
 import torch
 
-from tiny_notebook_models import sharegpt_rows, write_model
+from tiny_notebook_models import losses_of, sharegpt_rows, write_model
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_trains_with_our_fused_loss_and_generates_with_a_streamer(notebook, monk
     monkeypatch.setattr(ce, "fused_linear_cross_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert trainer.args.bf16 is False and trainer.args.fp16 is False  # the CPU starts
     stats = trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    losses = losses_of(trainer)
     assert len(calls) == 4 * 2, "SFTTrainer did not run our fused cross-entropy"
     assert losses[-1] < losses[0]
     assert stats.metrics["train_runtime"] > 0

@@ -168,3 +168,8 @@ def transformers_major() -> int:
     from packaging.version import Version
 
     return Version(transformers.__version__).major
+
+
+def losses_of(trainer) -> list[float]:
+    """The training losses a trainer logged, in order."""
+    return [log["loss"] for log in trainer.state.log_history if "loss" in log]
